@@ -1,0 +1,27 @@
+"""collectives: allreduce, reduce_scatter, allgather, broadcast and reduce built on
+MPI point-to-point messages, each in several algorithms.
+
+    import collectives as cc
+    comm = cc.Communicator()                 # MPI.COMM_WORLD
+    total = comm.allreduce(x, op="sum", algorithm="ring")
+"""
+
+from .algorithms import COLLECTIVES, algorithms
+from .arrays import SUPPORTED_DTYPES
+from .communicator import Communicator
+from .errors import CollectiveError, TransportError
+from .ops import OPS
+from .transport.mpi import Handle
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "COLLECTIVES",
+    "OPS",
+    "SUPPORTED_DTYPES",
+    "CollectiveError",
+    "Communicator",
+    "Handle",
+    "TransportError",
+    "algorithms",
+]

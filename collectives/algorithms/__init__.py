@@ -1,0 +1,86 @@
+"""The algorithm registry and the ``auto`` rule.
+
+Every algorithm is a function ``build(rank, size, count, *, root, segment) ->
+Schedule`` (see ``collectives.schedule``); ``count`` is the element count of the
+input (for allgather: of one rank's contribution). ``native`` is not here: it is the
+MPI library's own collective, which the transport calls directly.
+"""
+
+from ._layout import block_bounds  # noqa: F401 (used by the communicator)
+from . import binomial, bruck, pipeline, recursive_doubling, recursive_halving, ring, scatter_allgather, tree
+
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
+
+BUILDERS = {
+    "allreduce": {
+        "ring": ring.allreduce,
+        "tree": tree.allreduce,
+        "recursive_halving": recursive_halving.allreduce,
+        "recursive_doubling": recursive_doubling.allreduce,
+    },
+    "reduce_scatter": {
+        "ring": ring.reduce_scatter,
+        "recursive_halving": recursive_halving.reduce_scatter,
+    },
+    "allgather": {
+        "ring": ring.allgather,
+        "recursive_doubling": recursive_doubling.allgather,
+        "bruck": bruck.allgather,
+    },
+    "broadcast": {
+        "binomial": binomial.broadcast,
+        "pipeline": pipeline.broadcast,
+        "scatter_allgather": scatter_allgather.broadcast,
+    },
+    "reduce": {
+        "binomial": binomial.reduce,
+    },
+}
+
+# Algorithms cut into pipelining segments; their default segment size in bytes.
+SEGMENTED = {("allreduce", "tree"): tree.DEFAULT_SEGMENT_BYTES, ("broadcast", "pipeline"): pipeline.DEFAULT_SEGMENT_BYTES}
+
+SMALL = 64 * 1024  # bytes: below this, latency (message count) dominates
+LARGE = 1024 * 1024  # bytes
+
+
+def algorithms(collective):
+    """The algorithm names ``collective`` accepts, ``"native"`` and ``"auto"`` included."""
+    if collective not in BUILDERS:
+        raise ValueError(f"collective must be one of {', '.join(COLLECTIVES)}; got {collective!r}")
+    return tuple(BUILDERS[collective]) + ("native", "auto")
+
+
+def check_algorithm(collective, algorithm):
+    names = algorithms(collective)
+    if not isinstance(algorithm, str) or algorithm not in names:
+        raise ValueError(f"algorithm for {collective} must be one of {', '.join(names)}; got {algorithm!r}")
+    return algorithm
+
+
+def auto(collective, nbytes, size):
+    """The algorithm ``auto`` picks for a buffer of ``nbytes`` over ``size`` ranks.
+
+    A first rule from the cost model (the benchmark issue replaces it with a measured
+    table): latency-optimal algorithms below 64 KiB, bandwidth-optimal above.
+    ``nbytes`` is the input size (allgather: the gathered size).
+    """
+    pof2 = size & (size - 1) == 0
+    if collective == "allreduce":
+        if nbytes < SMALL:
+            return "recursive_doubling"
+        return "recursive_halving" if nbytes < LARGE and pof2 else "ring"
+    if collective == "reduce_scatter":
+        return "recursive_halving" if nbytes < SMALL else "ring"
+    if collective == "allgather":
+        if nbytes < SMALL:
+            return "recursive_doubling" if pof2 else "bruck"
+        return "ring"
+    if collective == "broadcast":
+        return "binomial" if nbytes < LARGE or size <= 2 else "scatter_allgather"
+    return "binomial"
+
+
+def build(collective, algorithm, rank, size, count, *, root=0, segment=1):
+    """The schedule of ``algorithm`` for one rank."""
+    return BUILDERS[collective][algorithm](rank, size, count, root=root, segment=segment)

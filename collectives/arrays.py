@@ -1,0 +1,96 @@
+"""The array layer: turns what users pass into flat contiguous buffers, and back.
+
+Everything above this module sees 1-D contiguous NumPy arrays. Inputs are viewed
+without copying when they are already contiguous; non-contiguous ones are packed into
+a contiguous copy (and results are unpacked back), never rejected. A later issue adds
+CuPy here; nothing outside this module and the transports should care which it is.
+"""
+
+import numpy as np
+
+# Every dtype the collectives accept. bool, object, datetime, structured and
+# long double types are refused with a TypeError that lists these.
+SUPPORTED_DTYPES = tuple(
+    np.dtype(name)
+    for name in (
+        "int8", "int16", "int32", "int64",
+        "uint8", "uint16", "uint32", "uint64",
+        "float16", "float32", "float64",
+        "complex64", "complex128",
+    )
+)
+
+
+def is_integer(dtype):
+    return np.dtype(dtype).kind in "iu"
+
+
+def is_floating(dtype):
+    return np.dtype(dtype).kind == "f"
+
+
+def is_complex(dtype):
+    return np.dtype(dtype).kind == "c"
+
+
+def as_array(x, name="x"):
+    """View ``x`` as a NumPy array (no copy for ndarrays, buffers, array interfaces)."""
+    if isinstance(x, np.ndarray):
+        arr = x
+    else:
+        try:
+            arr = np.asarray(x)
+        except Exception as exc:  # noqa: BLE001 - reported as a TypeError on the argument
+            raise TypeError(f"{name} must be an array or buffer; got {type(x).__name__}") from exc
+    check_dtype(arr.dtype, name)
+    return arr
+
+
+def check_dtype(dtype, name="x"):
+    dtype = np.dtype(dtype)
+    if dtype.newbyteorder("=") != dtype:
+        raise TypeError(f"{name} has a non-native byte order ({dtype.str}); convert it first")
+    if dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(d.name for d in SUPPORTED_DTYPES)
+        raise TypeError(f"{name} has unsupported dtype {dtype.name}; supported: {names}")
+
+
+def check_out(out, shape, dtype, name="out"):
+    """Check a user-supplied output array; return it as an ndarray."""
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray; got {type(out).__name__}")
+    if out.shape != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}; got {out.shape}")
+    if out.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}; got {out.dtype.name}")
+    if not out.flags.writeable:
+        raise ValueError(f"{name} must be writable")
+    return out
+
+
+def flat_view(arr):
+    """A 1-D view of ``arr`` if it is C-contiguous, else None."""
+    if arr.flags.c_contiguous:
+        return arr.reshape(-1)
+    return None
+
+
+def flat_input(arr):
+    """A 1-D contiguous array with the elements of ``arr`` (a view when possible)."""
+    view = flat_view(arr)
+    return view if view is not None else np.ascontiguousarray(arr).reshape(-1)
+
+
+def same_memory(a, b):
+    """True if ``a`` and ``b`` are the very same elements (same start, shape, strides)."""
+    return (
+        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        and a.shape == b.shape
+        and a.strides == b.strides
+    )
+
+
+def overlaps(a, b):
+    """True if ``a`` and ``b`` may share memory (a cheap bounds check: when unsure, a
+    caller makes a copy it might not have needed)."""
+    return np.may_share_memory(a, b)

@@ -1,0 +1,277 @@
+"""The public entry point: :class:`Communicator` and its collectives.
+
+Each collective checks its arguments (before any message is sent), turns the user's
+arrays into flat contiguous buffers (array layer), picks the algorithm, fetches the
+compiled plan for this rank (cached), and hands it to the MPI transport. The blocking
+calls are the ``*_async`` calls followed by ``wait()``.
+"""
+
+import os
+from functools import lru_cache
+
+import numpy as np
+from mpi4py import MPI
+
+from . import ops
+from .algorithms import SEGMENTED, auto, block_bounds, build, check_algorithm
+from .arrays import as_array, check_out, flat_input, flat_view, overlaps, same_memory
+from .schedule import compile_plan
+from .transport.buffers import Buffers
+from .transport.mpi import PlanHandle, Progress, RequestHandle
+
+DEFAULT_SEGMENT_SIZE = 256 * 1024  # bytes; COLLECTIVES_SEGMENT_SIZE overrides
+
+_MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
+
+
+@lru_cache(maxsize=512)
+def _plan(collective, algorithm, rank, size, count, root, segment, inplace):
+    schedule = build(collective, algorithm, rank, size, count, root=root, segment=segment)
+    return compile_plan(schedule, inplace=inplace)
+
+
+def _check_segment_size(segment_size):
+    if isinstance(segment_size, bool) or not isinstance(segment_size, (int, np.integer)) or segment_size < 1:
+        raise ValueError(f"segment_size must be a positive number of bytes; got {segment_size!r}")
+    return int(segment_size)
+
+
+def _check_root(root, size):
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:
+        raise ValueError(f"root must be a rank in 0..{size - 1}; got {root!r}")
+    return int(root)
+
+
+class _Workspace:
+    """Reusable scratch memory, so calls do not allocate their workspace every time.
+
+    A buffer is taken for the duration of one call (async calls in flight hold their
+    own) and given back when it finishes. At most ``keep`` buffers are kept.
+    """
+
+    def __init__(self, keep=4):
+        self._free = []
+        self._keep = keep
+
+    def take(self, count, dtype):
+        nbytes = count * np.dtype(dtype).itemsize
+        fitting = [i for i, b in enumerate(self._free) if b.size >= nbytes]
+        if fitting:
+            buffer = self._free.pop(min(fitting, key=lambda i: self._free[i].size))
+        else:
+            buffer = np.empty(nbytes, np.uint8)
+        return buffer, buffer[:nbytes].view(dtype)
+
+    def give(self, buffer):
+        self._free.append(buffer)
+        if len(self._free) > self._keep:
+            self._free.sort(key=len)
+            del self._free[0]
+
+
+class Communicator:
+    """Collectives over the ranks of an MPI intracommunicator.
+
+    ``Communicator()`` uses ``MPI.COMM_WORLD``; ``Communicator(mpi_comm)`` any
+    intracommunicator. Creating one is collective (it duplicates ``mpi_comm``, so the
+    library's messages never match the caller's). ``segment_size`` is the default
+    pipelining segment in bytes for the ``tree`` allreduce and the ``pipeline``
+    broadcast (``COLLECTIVES_SEGMENT_SIZE``, else 256 KiB).
+
+    Every rank must call the same collectives in the same order, as with MPI.
+    """
+
+    def __init__(self, mpi_comm=None, *, segment_size=None):
+        if mpi_comm is None:
+            mpi_comm = MPI.COMM_WORLD
+        if not isinstance(mpi_comm, MPI.Intracomm) or mpi_comm == MPI.COMM_NULL:
+            raise TypeError(f"mpi_comm must be an mpi4py intracommunicator; got {mpi_comm!r}")
+        if segment_size is None:
+            segment_size = int(os.environ.get("COLLECTIVES_SEGMENT_SIZE", DEFAULT_SEGMENT_SIZE))
+        self.segment_size = _check_segment_size(segment_size)
+        self._comm = mpi_comm.Dup()
+        self.rank = self._comm.Get_rank()
+        self.size = self._comm.Get_size()
+        self._tag_limit = self._comm.Get_attr(MPI.TAG_UB) + 1
+        self._sequence = 0
+        self._progress = Progress()
+        self._workspace = _Workspace()
+
+    def __repr__(self):
+        return f"<collectives.Communicator rank {self.rank} of {self.size}>"
+
+    def free(self):
+        """Release the private MPI communicator (collective). The object is unusable after."""
+        if self._comm != MPI.COMM_NULL:
+            self._comm.Free()
+
+    # -- collectives ------------------------------------------------------------
+    def allreduce(self, x, op="sum", algorithm="auto", out=None, *, segment_size=None):
+        """Reduce ``x`` elementwise over all ranks; every rank gets the result (shaped like
+        ``x``; ``out=x`` works in place). Every rank's result has the same bits."""
+        return self.allreduce_async(x, op, algorithm, out, segment_size=segment_size).wait()
+
+    def allreduce_async(self, x, op="sum", algorithm="auto", out=None, *, segment_size=None):
+        x = as_array(x, "x")
+        ops.check_op(op, x.dtype)
+        algorithm = check_algorithm("allreduce", algorithm)
+        if out is not None:
+            check_out(out, x.shape, x.dtype)
+        segment = self._segment(segment_size, x.dtype)
+        inp, result, inplace, unpack = _prepare(x, out, x.shape)
+        algorithm = self._resolve("allreduce", algorithm, x.nbytes)
+
+        def finish():
+            ops.finish(op, result, self.size)
+            return unpack()
+
+        return self._start("allreduce", algorithm, x.size, inp, result, inplace, op, 0, segment, finish)
+
+    def reduce_scatter(self, x, op="sum", algorithm="auto", out=None):
+        """Reduce ``x`` over all ranks and return block ``rank`` of the result, the blocks
+        cut from ``x.ravel()`` as ``numpy.array_split(x.ravel(), size)`` cuts them."""
+        return self.reduce_scatter_async(x, op, algorithm, out).wait()
+
+    def reduce_scatter_async(self, x, op="sum", algorithm="auto", out=None):
+        x = as_array(x, "x")
+        ops.check_op(op, x.dtype)
+        algorithm = check_algorithm("reduce_scatter", algorithm)
+        bounds = block_bounds(x.size, self.size)
+        shape = (bounds[self.rank + 1] - bounds[self.rank],)
+        if out is not None:
+            check_out(out, shape, x.dtype)
+        inp, result, _, unpack = _prepare(x, out, shape, allow_inplace=False)
+        algorithm = self._resolve("reduce_scatter", algorithm, x.nbytes)
+
+        def finish():
+            ops.finish(op, result, self.size)
+            return unpack()
+
+        counts = [bounds[r + 1] - bounds[r] for r in range(self.size)]
+        return self._start("reduce_scatter", algorithm, x.size, inp, result, False, op, 0, 1, finish, counts)
+
+    def allgather(self, x, algorithm="auto", out=None):
+        """Gather ``x`` from every rank: returns shape ``(size, *x.shape)``, row r from rank r."""
+        return self.allgather_async(x, algorithm, out).wait()
+
+    def allgather_async(self, x, algorithm="auto", out=None):
+        x = as_array(x, "x")
+        algorithm = check_algorithm("allgather", algorithm)
+        shape = (self.size,) + x.shape
+        if out is not None:
+            check_out(out, shape, x.dtype)
+        inp, result, _, unpack = _prepare(x, out, shape, allow_inplace=False)
+        algorithm = self._resolve("allgather", algorithm, x.nbytes * self.size)
+        return self._start("allgather", algorithm, x.size, inp, result, False, "sum", 0, 1, unpack)
+
+    def broadcast(self, x, root=0, algorithm="auto", *, segment_size=None):
+        """Fill ``x`` on every rank with ``x`` from ``root``, in place; returns ``x``."""
+        return self.broadcast_async(x, root, algorithm, segment_size=segment_size).wait()
+
+    def broadcast_async(self, x, root=0, algorithm="auto", *, segment_size=None):
+        x = as_array(x, "x")
+        root = _check_root(root, self.size)
+        algorithm = check_algorithm("broadcast", algorithm)
+        if not isinstance(x, np.ndarray) or not x.flags.writeable:
+            raise ValueError("x must be a writable array: broadcast fills it in place")
+        segment = self._segment(segment_size, x.dtype)
+        _, result, _, unpack = _prepare(x, x, x.shape)
+        algorithm = self._resolve("broadcast", algorithm, x.nbytes)
+        return self._start("broadcast", algorithm, x.size, result, result, True, "sum", root, segment, unpack)
+
+    def reduce(self, x, root=0, op="sum", algorithm="auto", out=None):
+        """Reduce ``x`` over all ranks onto ``root``: the result on root (``out=x`` works
+        in place there), ``None`` on the other ranks (whose ``out`` is left alone)."""
+        return self.reduce_async(x, root, op, algorithm, out).wait()
+
+    def reduce_async(self, x, root=0, op="sum", algorithm="auto", out=None):
+        x = as_array(x, "x")
+        root = _check_root(root, self.size)
+        ops.check_op(op, x.dtype)
+        algorithm = check_algorithm("reduce", algorithm)
+        if out is not None:
+            check_out(out, x.shape, x.dtype)
+        algorithm = self._resolve("reduce", algorithm, x.nbytes)
+        if self.rank != root:
+            inp = flat_input(x)
+            return self._start("reduce", algorithm, x.size, inp, inp[:0], False, op, root, 1, lambda: None)
+        inp, result, inplace, unpack = _prepare(x, out, x.shape)
+
+        def finish():
+            ops.finish(op, result, self.size)
+            return unpack()
+
+        return self._start("reduce", algorithm, x.size, inp, result, inplace, op, root, 1, finish)
+
+    def barrier(self):
+        """Block until every rank has called ``barrier`` (collectives in flight go on)."""
+        RequestHandle(self._progress, "barrier", lambda: None, self._comm.Ibarrier).start().wait()
+
+    # -- machinery ----------------------------------------------------------------
+    def _segment(self, segment_size, dtype):
+        nbytes = self.segment_size if segment_size is None else _check_segment_size(segment_size)
+        return max(1, nbytes // np.dtype(dtype).itemsize)
+
+    def _resolve(self, collective, algorithm, nbytes):
+        return auto(collective, nbytes, self.size) if algorithm == "auto" else algorithm
+
+    def _start(self, collective, algorithm, count, inp, out, inplace, op, root, segment, finish, counts=None):
+        self._sequence = (self._sequence + 1) % self._tag_limit
+        describe = f"{collective}(algorithm={algorithm!r})"
+        if algorithm == "native":
+            start = lambda: self._native(collective, inp, out, inplace, op, root, counts)  # noqa: E731
+            return RequestHandle(self._progress, describe, finish, start).start()
+        if (collective, algorithm) not in SEGMENTED:
+            segment = 1
+        plan = _plan(collective, algorithm, self.rank, self.size, count, root, segment, inplace)
+        raw, tmp = self._workspace.take(plan.tmp, out.dtype)
+
+        def done():
+            self._workspace.give(raw)
+            return finish()
+
+        buffers = Buffers(inp, out, tmp)
+        return PlanHandle(self._progress, describe, done, self._comm, self._sequence, plan, buffers, op).start()
+
+    def _native(self, collective, inp, out, inplace, op, root, counts):
+        # Arrays go to mpi4py as they are: it maps the dtype to MPI's predefined type.
+        comm = self._comm
+        send = MPI.IN_PLACE if inplace else inp
+        if collective == "allreduce":
+            return comm.Iallreduce(send, out, _MPI_OPS[op])
+        if collective == "reduce_scatter":
+            return comm.Ireduce_scatter(inp, out, counts, _MPI_OPS[op])
+        if collective == "allgather":
+            return comm.Iallgather(inp, out)
+        if collective == "broadcast":
+            return comm.Ibcast(out, root)
+        return comm.Ireduce(send, out if self.rank == root else None, _MPI_OPS[op], root)
+
+
+def _prepare(x, out, shape, allow_inplace=True):
+    """Flat contiguous buffers for a call: ``(input, result, inplace, unpack)``.
+
+    ``unpack()`` puts the result where the caller wants it and returns it: a
+    non-contiguous ``out`` is computed in a contiguous copy and written back at the end;
+    an ``out`` that overlaps ``x`` without being ``x`` gets a snapshot of ``x`` first.
+    """
+    inplace = allow_inplace and out is not None and same_memory(x, out)
+    if out is None:
+        out = np.empty(shape, x.dtype)
+    result = flat_view(out)
+    packed = result is None
+    if packed:
+        result = np.ascontiguousarray(out).reshape(-1) if inplace else np.empty(out.size, out.dtype)
+    if inplace:
+        inp = result
+    else:
+        inp = flat_input(x)
+        if overlaps(inp, out):
+            inp = inp.copy()
+
+    def unpack():
+        if packed:
+            out[...] = result.reshape(shape)
+        return out
+
+    return inp, result, inplace, unpack

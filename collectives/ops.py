@@ -1,0 +1,46 @@
+"""The op layer: every reduction the library performs goes through here.
+
+On the CPU an op is a NumPy ufunc called with ``out=`` on whole slices, so no Python
+loop ever touches elements. ``avg`` is a sum followed by one division by the world
+size, applied by the owner of each result element (so every rank gets the same bits).
+"""
+
+import numpy as np
+
+from .arrays import is_complex, is_floating, is_integer
+
+_UFUNCS = {
+    "sum": np.add,
+    "prod": np.multiply,
+    "max": np.maximum,
+    "min": np.minimum,
+    "avg": np.add,  # the division by the world size happens once, at the end
+}
+
+OPS = tuple(_UFUNCS)
+
+
+def check_op(op, dtype):
+    """Raise if ``op`` is unknown or undefined for ``dtype``; return the op name."""
+    if not isinstance(op, str) or op not in _UFUNCS:
+        raise ValueError(f"op must be one of {', '.join(OPS)}; got {op!r}")
+    if op == "avg" and is_integer(dtype):
+        raise TypeError(
+            f"op 'avg' needs a floating or complex dtype; got {np.dtype(dtype).name} "
+            "(use op='sum' and divide, or cast to a float dtype)"
+        )
+    if op in ("max", "min") and is_complex(dtype):
+        raise TypeError(f"op {op!r} is not defined for complex dtype {np.dtype(dtype).name}")
+    return op
+
+
+def combine(op, a, b, out):
+    """``out = a op b`` elementwise; ``out`` may alias ``a`` or ``b``."""
+    _UFUNCS[op](a, b, out=out)
+
+
+def finish(op, result, size):
+    """Apply the final step of ``op`` in place (the division of ``avg``)."""
+    if op == "avg" and size > 1 and result.size:
+        assert is_floating(result.dtype) or is_complex(result.dtype)
+        np.divide(result, size, out=result)

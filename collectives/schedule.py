@@ -1,0 +1,194 @@
+"""Schedules: what an algorithm says, independent of how messages are carried.
+
+An algorithm builds, for one rank, a *schedule*: a list of operations written as if
+they ran one after another:
+
+    Send(peer, src)        send the elements of slice ``src`` to ``peer``
+    Recv(peer, dst)        receive from ``peer`` into slice ``dst``
+    Reduce(dst, a, b)      dst = a op b (the collective's op), elementwise
+    Copy(dst, src)         dst = src
+
+A slice names a buffer and an element range: ``("in", lo, hi)``, ``("out", lo, hi)`` or
+``("tmp", lo, hi)``. ``in`` is the caller's input (read only), ``out`` the result and
+``tmp`` a workspace whose size the schedule states. Buffers are flat and contiguous.
+
+:func:`compile_plan` turns the list into a :class:`Plan`: each operation waits only for
+the earlier operations that touch the same elements (read after write, write after
+read, write after write), so a transport may post every send and receive whose data
+is ready and overlap everything else. For an in-place call ``in`` and ``out`` are one
+buffer, and the plan says so. Messages between two ranks match in the order each side
+lists them: a transport posts the sends to one peer in schedule order, and likewise
+the receives, so one tag per collective call is enough.
+
+Transports (MPI, in-process, later GPU) execute plans; they never know the algorithm.
+"""
+
+from bisect import bisect_right
+from collections import namedtuple
+from dataclasses import dataclass
+
+Slice = namedtuple("Slice", "buf lo hi")
+Send = namedtuple("Send", "peer src")
+Recv = namedtuple("Recv", "peer dst")
+Reduce = namedtuple("Reduce", "dst a b")
+Copy = namedtuple("Copy", "dst src")
+
+BUFFERS = ("in", "out", "tmp")
+_END = 1 << 62  # past the end of any buffer
+
+
+def sl(buf, lo, hi):
+    """Shorthand for a :class:`Slice`."""
+    return Slice(buf, int(lo), int(hi))
+
+
+@dataclass
+class Schedule:
+    """One rank's part of a collective: operations in program order, and the
+    workspace (in elements) they need."""
+
+    ops: list
+    tmp: int = 0
+
+    def send(self, peer, src):
+        self.ops.append(Send(peer, src))
+
+    def recv(self, peer, dst):
+        self.ops.append(Recv(peer, dst))
+
+    def reduce(self, dst, a, b):
+        self.ops.append(Reduce(dst, a, b))
+
+    def copy(self, dst, src):
+        self.ops.append(Copy(dst, src))
+
+    def need_tmp(self, elements):
+        self.tmp = max(self.tmp, int(elements))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A compiled schedule, shared by every call with the same parameters.
+
+    ``ops[i]`` may start once the ``waits[i]`` operations it depends on have completed
+    and, for a send or receive, once ``fifo_prev[i]`` (the previous message to or from
+    the same peer, or -1) has been posted. ``dependents[i]`` lists the operations that
+    wait for ``i``; ``fifo_next[i]`` the one that waits for ``i`` to be posted.
+    """
+
+    ops: tuple
+    waits: tuple
+    dependents: tuple
+    fifo_prev: tuple
+    fifo_next: tuple
+    tmp: int
+
+    def initial_pending(self):
+        return [w + (p >= 0) for w, p in zip(self.waits, self.fifo_prev)]
+
+
+class _Accesses:
+    """Who last wrote, and who read since, each element range of one buffer."""
+
+    def __init__(self):
+        self.bounds = [0, _END]
+        self.states = [(-1, ())]  # (last writer, readers since that write)
+
+    def _split(self, x):
+        i = bisect_right(self.bounds, x) - 1
+        if self.bounds[i] != x:
+            self.bounds.insert(i + 1, x)
+            self.states.insert(i + 1, self.states[i])
+            i += 1
+        return i
+
+    def _pieces(self, lo, hi):
+        i = self._split(lo)
+        j = self._split(hi)
+        return i, j
+
+    def read(self, op, lo, hi, deps):
+        i, j = self._pieces(lo, hi)
+        for k in range(i, j):
+            writer, readers = self.states[k]
+            if writer >= 0:
+                deps.add(writer)
+            self.states[k] = (writer, readers + (op,))
+
+    def write(self, op, lo, hi, deps):
+        i, j = self._pieces(lo, hi)
+        for k in range(i, j):
+            writer, readers = self.states[k]
+            if writer >= 0:
+                deps.add(writer)
+            deps.update(readers)
+        del self.bounds[i + 1 : j]
+        self.states[i:j] = [(op, ())]
+
+
+def _reads_writes(op):
+    if isinstance(op, Send):
+        return (op.src,), ()
+    if isinstance(op, Recv):
+        return (), (op.dst,)
+    if isinstance(op, Reduce):
+        return (op.a, op.b), (op.dst,)
+    return (op.src,), (op.dst,)
+
+
+def _length(s):
+    return s.hi - s.lo
+
+
+def compile_plan(schedule, inplace=False):
+    """Compile ``schedule`` into a :class:`Plan`.
+
+    Operations on zero elements are dropped (the peer drops its matching one too, since
+    both sides compute the same slice lengths), and so are copies of a slice onto
+    itself (an in-place call's ``out = in``). With ``inplace`` the ``in`` buffer is
+    the ``out`` buffer, so hazards between the two are respected.
+    """
+    alias = {"in": "out"} if inplace else {}
+
+    def same_elements(a, b):
+        return alias.get(a.buf, a.buf) == alias.get(b.buf, b.buf) and a.lo == b.lo and a.hi == b.hi
+
+    ops = [
+        op
+        for op in schedule.ops
+        if _length(op.dst if isinstance(op, (Reduce, Copy)) else op[1]) > 0
+        and not (isinstance(op, Copy) and same_elements(op.dst, op.src))
+    ]
+    accesses = {}
+    waits, dependents = [], [[] for _ in ops]
+    fifo_prev, fifo_next = [-1] * len(ops), [-1] * len(ops)
+    last_message = {}
+    for index, op in enumerate(ops):
+        deps = set()
+        reads, writes = _reads_writes(op)
+        for s in reads + writes:
+            if s.buf not in BUFFERS or not 0 <= s.lo <= s.hi or (s.buf == "tmp" and s.hi > schedule.tmp):
+                raise ValueError(f"schedule slice {s} is outside its buffer (tmp holds {schedule.tmp})")
+        for s in reads:
+            accesses.setdefault(alias.get(s.buf, s.buf), _Accesses()).read(index, s.lo, s.hi, deps)
+        for s in writes:
+            accesses.setdefault(alias.get(s.buf, s.buf), _Accesses()).write(index, s.lo, s.hi, deps)
+        deps.discard(index)
+        waits.append(len(deps))
+        for d in deps:
+            dependents[d].append(index)
+        if isinstance(op, (Send, Recv)):
+            key = (type(op), op.peer)
+            prev = last_message.get(key, -1)
+            if prev >= 0:
+                fifo_prev[index] = prev
+                fifo_next[prev] = index
+            last_message[key] = index
+    return Plan(
+        ops=tuple(ops),
+        waits=tuple(waits),
+        dependents=tuple(tuple(d) for d in dependents),
+        fifo_prev=tuple(fifo_prev),
+        fifo_next=tuple(fifo_next),
+        tmp=schedule.tmp,
+    )

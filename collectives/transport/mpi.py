@@ -1,0 +1,154 @@
+"""The MPI transport: runs plans with non-blocking buffer sends and receives.
+
+Messages go as raw bytes (``MPI.BYTE``: no pickling, no datatype mapping) on the
+communicator's private duplicate, tagged with the call's sequence number, so library
+traffic never matches user messages and two collectives in flight never match each
+other's. ``native`` calls the MPI library's own non-blocking collective instead.
+
+Every handle of a communicator is driven by one :class:`Progress` engine: waiting on
+one handle also advances the others, so ranks that wait on their handles in
+different orders cannot deadlock.
+"""
+
+from mpi4py import MPI
+
+from ..errors import TransportError
+from ..schedule import Send
+from .engine import Execution
+
+
+class Progress:
+    """The handles of one communicator that still have messages in flight."""
+
+    def __init__(self):
+        self.active = []
+
+    def advance(self, block):
+        """Complete what has finished; with ``block``, wait until something has."""
+        requests, owners = [], []
+        for handle in self.active:
+            for k, request in enumerate(handle._requests):
+                if request is not None:
+                    requests.append(request)
+                    owners.append((handle, k))
+        if not requests:
+            return
+        try:
+            finished = MPI.Request.Waitsome(requests) if block else MPI.Request.Testsome(requests)
+        except MPI.Exception as exc:
+            raise TransportError(f"MPI failed while waiting for messages: {exc}") from exc
+        for j in finished or ():
+            handle, k = owners[j]
+            handle._request_done(k)
+
+
+class Handle:
+    """A collective in flight. ``test()`` says whether it has finished (and advances
+    it); ``wait()`` blocks until it has and returns the result."""
+
+    def __init__(self, progress, describe, finish):
+        self._progress = progress
+        self._describe = describe  # for error messages: "allreduce(ring)" etc.
+        self._finish = finish
+        self._requests = []
+        self._tokens = []  # what each request stands for (a plan's op index)
+        self._finished = False
+        self._result = None
+
+    def test(self):
+        if not self._finished:
+            self._progress.advance(block=False)
+        return self._finished
+
+    def wait(self):
+        while not self._finished:
+            self._progress.advance(block=True)
+        return self._result
+
+    # -- for transports -------------------------------------------------------
+    def _begin(self):
+        self._progress.active.append(self)
+        self._check_done()
+
+    def _add_request(self, request, token):
+        self._requests.append(request)
+        self._tokens.append(token)
+
+    def _request_done(self, k):
+        self._requests[k] = None
+        self._on_request_done(self._tokens[k])
+        self._check_done()
+
+    def _check_done(self):
+        if not self._finished and self._is_done():
+            self._progress.active.remove(self)
+            self._requests = []
+            self._result = self._finish()
+            self._finished = True
+
+    def _on_request_done(self, token):
+        raise NotImplementedError
+
+    def _is_done(self):
+        raise NotImplementedError
+
+
+class PlanHandle(Handle):
+    """Runs a compiled plan over MPI point-to-point messages."""
+
+    def __init__(self, progress, describe, finish, comm, tag, plan, buffers, op):
+        super().__init__(progress, describe, finish)
+        self._comm, self._tag, self._buffers, self._op = comm, tag, buffers, op
+        self._execution = Execution(plan, self._run_local, self._post)
+
+    def start(self):
+        try:
+            self._execution.start()
+        except MPI.Exception as exc:
+            raise TransportError(f"{self._describe}: MPI failed to post a message: {exc}") from exc
+        self._begin()
+        return self
+
+    def _run_local(self, i):
+        self._buffers.run_local(self._op, self._execution.plan.ops[i])
+
+    def _post(self, i):
+        op = self._execution.plan.ops[i]
+        if isinstance(op, Send):
+            message = [self._buffers.view(op.src), MPI.BYTE]
+            request = self._comm.Isend(message, op.peer, self._tag)
+        else:
+            message = [self._buffers.view(op.dst), MPI.BYTE]
+            request = self._comm.Irecv(message, op.peer, self._tag)
+        self._add_request(request, i)
+
+    def _on_request_done(self, i):
+        try:
+            self._execution.complete(i)
+        except MPI.Exception as exc:
+            raise TransportError(f"{self._describe}: MPI failed to post a message: {exc}") from exc
+
+    def _is_done(self):
+        return self._execution.done
+
+
+class RequestHandle(Handle):
+    """Wraps one MPI request: a native collective or a barrier."""
+
+    def __init__(self, progress, describe, finish, start_request):
+        super().__init__(progress, describe, finish)
+        try:
+            self._add_request(start_request(), None)
+        except MPI.Exception as exc:
+            raise TransportError(f"{describe}: the MPI library refused the call: {exc}") from exc
+        self._pending = 1
+
+    def start(self):
+        self._begin()
+        return self
+
+    def _on_request_done(self, _token):
+        self._pending = 0
+
+    def _is_done(self):
+        return self._pending == 0

@@ -1,0 +1,32 @@
+from pathlib import Path
+
+from setuptools import setup
+
+here = Path(__file__).parent
+
+setup(
+    name="collectives",
+    version="0.1.0",
+    description="Collective operations (allreduce, reduce_scatter, allgather, broadcast, reduce) "
+    "built on MPI point-to-point messages, in several algorithms each",
+    long_description=(here / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    # kernels/ (CUDA sources, a later issue) ships inside the package as
+    # collectives.kernels, so no generic top-level module called `kernels` is installed.
+    packages=["collectives", "collectives.algorithms", "collectives.transport", "collectives.kernels"],
+    package_dir={"collectives": "collectives", "collectives.kernels": "kernels"},
+    package_data={"collectives.kernels": ["*.cu", "*.cuh", "README.md"]},
+    install_requires=["mpi4py>=3.1", "numpy>=1.23"],
+    extras_require={
+        # mpi4py's MPI runtime from PyPI: a fresh machine needs no system MPI.
+        # On a cluster, leave this out and keep the site's MPI.
+        "mpich": ["mpich"],
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "hypothesis>=6"],
+    },
+    entry_points={"console_scripts": []},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: System :: Distributed Computing",
+    ],
+)
