@@ -68,3 +68,47 @@ def run(plans, inputs, outputs, op, dtype):
     if stuck:
         raise CollectiveError(f"ranks {stuck} never finished: the schedules deadlock")
     return [b.arrays["tmp"] for b in buffers]
+
+
+def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, inplace=False):
+    """Run ``collective`` with ``algorithm`` for ``len(inputs)`` virtual ranks in this
+    process and return each rank's result as the Communicator would shape it (flat;
+    ``None`` for the non-roots of reduce). ``inputs[r]`` is rank r's flat array.
+    """
+    # Imported here: the algorithm registry imports nothing from the transports.
+    from .. import ops as ops_layer
+    from ..algorithms import block_bounds, build
+    from ..schedule import compile_plan
+
+    size = len(inputs)
+    count = inputs[0].size
+    dtype = inputs[0].dtype
+    inputs = [np.ascontiguousarray(x).reshape(-1) for x in inputs]
+    if collective == "broadcast":
+        inputs = [x.copy() for x in inputs]
+        outputs = inputs
+        inplace = True
+    elif inplace:
+        inputs = [x.copy() for x in inputs]
+        outputs = [x if collective != "reduce" or r == root else x[:0] for r, x in enumerate(inputs)]
+    elif collective == "allgather":
+        outputs = [np.empty(size * count, dtype) for _ in range(size)]
+    elif collective == "reduce_scatter":
+        bounds = block_bounds(count, size)
+        outputs = [np.empty(bounds[r + 1] - bounds[r], dtype) for r in range(size)]
+    elif collective == "reduce":
+        outputs = [np.empty(count if r == root else 0, dtype) for r in range(size)]
+    else:
+        outputs = [np.empty(count, dtype) for _ in range(size)]
+    plans = [
+        compile_plan(build(collective, algorithm, r, size, count, root=root, segment=segment), inplace=inplace)
+        for r in range(size)
+    ]
+    run(plans, inputs, outputs, op, dtype)
+    if collective in ("allreduce", "reduce_scatter", "reduce"):
+        for r, out in enumerate(outputs):
+            if collective != "reduce" or r == root:
+                ops_layer.finish(op, out, size)
+    if collective == "reduce":
+        return [out if r == root else None for r, out in enumerate(outputs)]
+    return outputs

@@ -1,0 +1,83 @@
+"""Shared helpers. The same suite runs serially and under ``mpiexec -n N``.
+
+Inputs are integer-valued, distinct per rank and per index, and small enough that
+every op gives an exact result in every dtype: the NumPy reference, the MPI library's
+own collective and ours must then agree bit for bit.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import collectives as cc
+
+ALL_DTYPES = [d.name for d in cc.SUPPORTED_DTYPES]
+FLOAT_DTYPES = [d for d in ALL_DTYPES if d.startswith(("float", "complex"))]
+UFUNC = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+MPI_OP = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
+
+
+def ops_for(dtype):
+    kind = np.dtype(dtype).kind
+    if kind in "iu":
+        return ["sum", "prod", "max", "min"]
+    if kind == "c":
+        return ["sum", "prod", "avg"]
+    return ["sum", "prod", "max", "min", "avg"]
+
+
+def rank_input(rank, count, dtype, op="sum", shape=None):
+    """Rank ``rank``'s input: exact under ``op`` for any world size up to 32."""
+    dtype = np.dtype(dtype)
+    index = np.arange(count)
+    if op == "prod":  # factors 1, 2 and (signed) -1: products stay exact or wrap alike
+        values = np.where((index + rank) % 5 == 0, 2, 1)
+        if dtype.kind != "u":
+            values = np.where((index * 3 + rank) % 7 == 0, -values, values)
+    else:
+        low = 0 if dtype.kind == "u" else -3
+        values = (index * 5 + rank * 3) % 7 + low
+    x = values.astype(dtype)
+    if dtype.kind == "c" and op != "prod":
+        x = x + (1j * values[::-1]).astype(dtype)
+    return x.reshape(shape) if shape is not None else x
+
+
+def reference(op, inputs):
+    """The NumPy answer: the elementwise reduction of all ranks' inputs."""
+    result = functools.reduce(lambda a, b: UFUNC[op](a, b), inputs)
+    if op == "avg":
+        result = result / len(inputs)
+    return np.asarray(result, dtype=inputs[0].dtype)
+
+
+def agree(comm, problems):
+    """Fail on every rank if any rank found a problem (so no rank is left waiting)."""
+    everyone = comm.allgather(problems)
+    found = [f"rank {r}: {p}" for r, ps in enumerate(everyone) for p in ps]
+    assert not found, "\n".join(found[:20]) + (f"\n... {len(found) - 20} more" if len(found) > 20 else "")
+
+
+def counts_for(size, large=True):
+    counts = sorted({0, 1, max(size - 1, 0), size, size + 1, 13})
+    return counts + [100_003] if large else counts
+
+
+def same(a, b):
+    """Exactly equal values, same dtype and shape. (+0 and -0 count as equal: the sign
+    of a zero in a complex product depends on the order of the factors, which differs
+    between algorithms; bitwise identity across ranks is tested with bytes.)"""
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+
+
+@pytest.fixture(scope="session")
+def mpi_comm():
+    return MPI.COMM_WORLD
+
+
+@pytest.fixture(scope="session")
+def comm():
+    return cc.Communicator()
