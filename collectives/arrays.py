@@ -42,6 +42,8 @@ def as_array(x, name="x"):
             arr = np.asarray(x)
         except Exception as exc:  # noqa: BLE001 - reported as a TypeError on the argument
             raise TypeError(f"{name} must be an array or buffer; got {type(x).__name__}") from exc
+        if arr.dtype == object:
+            raise TypeError(f"{name} must be an array or buffer of numbers; got {type(x).__name__}")
     check_dtype(arr.dtype, name)
     return arr
 

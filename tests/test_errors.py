@@ -1,0 +1,123 @@
+"""Bad input raises a clear error naming the argument, before any message is sent.
+
+Every rank makes the same bad call, so every rank raises; a barrier afterwards shows
+that nothing was left in flight.
+"""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import collectives as cc
+
+
+def test_unknown_op_lists_the_valid_ones(comm):
+    with pytest.raises(ValueError, match=r"op must be one of sum, prod, max, min, avg; got 'mean'"):
+        comm.allreduce(np.ones(4), op="mean")
+    comm.barrier()
+
+
+@pytest.mark.parametrize("collective", cc.COLLECTIVES)
+def test_unknown_algorithm_lists_the_valid_ones(comm, collective):
+    names = ", ".join(cc.algorithms(collective))
+    with pytest.raises(ValueError, match=f"algorithm for {collective} must be one of {names}; got 'fastest'"):
+        getattr(comm, collective)(np.ones(4), algorithm="fastest")
+    comm.barrier()
+
+
+@pytest.mark.parametrize("dtype", ["int32", "uint8", "int64"])
+def test_avg_on_integers(comm, dtype):
+    with pytest.raises(TypeError, match=f"op 'avg' needs a floating or complex dtype; got {dtype}"):
+        comm.allreduce(np.ones(4, dtype), op="avg")
+    with pytest.raises(TypeError, match="avg"):
+        comm.reduce_scatter(np.ones(4, dtype), op="avg")
+
+
+def test_max_on_complex(comm):
+    with pytest.raises(TypeError, match="op 'max' is not defined for complex"):
+        comm.allreduce(np.ones(4, "complex64"), op="max")
+
+
+@pytest.mark.parametrize("dtype", ["bool", "object", "datetime64[s]", "longdouble", ">f4", "U3"])
+def test_unsupported_dtype(comm, dtype):
+    with pytest.raises(TypeError, match="x has"):
+        comm.allreduce(np.zeros(3, dtype=dtype))
+
+
+def test_out_of_the_wrong_shape_or_dtype(comm):
+    with pytest.raises(ValueError, match=r"out must have shape \(4,\); got \(5,\)"):
+        comm.allreduce(np.ones(4), out=np.ones(5))
+    with pytest.raises(TypeError, match="out must have dtype float64; got float32"):
+        comm.allreduce(np.ones(4), out=np.ones(4, "float32"))
+    with pytest.raises(ValueError, match=rf"out must have shape \({comm.size}, 3\)"):
+        comm.allgather(np.ones(3), out=np.ones((comm.size + 1, 3)))
+    with pytest.raises(ValueError, match="out must have shape"):
+        comm.reduce_scatter(np.ones(4 * comm.size), out=np.ones(5))
+    with pytest.raises(TypeError, match="out must be a numpy.ndarray"):
+        comm.allreduce(np.ones(4), out=[0.0] * 4)
+    readonly = np.ones(4)
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError, match="out must be writable"):
+        comm.allreduce(np.ones(4), out=readonly)
+    comm.barrier()
+
+
+@pytest.mark.parametrize("root", [-1, "size", 1.5, None, True])
+def test_root_out_of_range(comm, root):
+    root = comm.size if root == "size" else root
+    with pytest.raises(ValueError, match=rf"root must be a rank in 0..{comm.size - 1}"):
+        comm.broadcast(np.ones(3), root=root)
+    with pytest.raises(ValueError, match="root must be a rank"):
+        comm.reduce(np.ones(3), root=root)
+
+
+def test_broadcast_needs_a_writable_array(comm):
+    readonly = np.ones(3)
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError, match="x must be a writable array"):
+        comm.broadcast(readonly)
+    with pytest.raises(ValueError, match="x must be a writable array"):
+        comm.broadcast(memoryview(bytes(8)))
+
+
+@pytest.mark.parametrize("segment_size", [0, -8, 2.5, "big"])
+def test_bad_segment_size(comm, segment_size):
+    with pytest.raises(ValueError, match="segment_size must be a positive number of bytes"):
+        comm.allreduce(np.ones(3), algorithm="tree", segment_size=segment_size)
+
+
+def test_not_an_array(comm):
+    with pytest.raises(TypeError, match="x must be an array or buffer of numbers; got object"):
+        comm.allreduce(object())
+
+
+def test_not_a_communicator():
+    with pytest.raises(TypeError, match="mpi_comm must be an mpi4py intracommunicator"):
+        cc.Communicator("world")
+    with pytest.raises(TypeError, match="mpi_comm must be an mpi4py intracommunicator"):
+        cc.Communicator(MPI.COMM_NULL)
+
+
+def test_errors_derive_from_collective_error():
+    assert issubclass(cc.TransportError, cc.CollectiveError)
+    assert issubclass(cc.CollectiveError, RuntimeError)
+
+
+def test_algorithms_lists_native_and_auto():
+    assert cc.algorithms("allreduce") == ("ring", "tree", "recursive_halving", "recursive_doubling", "native", "auto")
+    assert cc.algorithms("reduce_scatter") == ("ring", "recursive_halving", "native", "auto")
+    assert cc.algorithms("allgather") == ("ring", "recursive_doubling", "bruck", "native", "auto")
+    assert cc.algorithms("broadcast") == ("binomial", "pipeline", "scatter_allgather", "native", "auto")
+    assert cc.algorithms("reduce") == ("binomial", "native", "auto")
+    with pytest.raises(ValueError, match="collective must be one of"):
+        cc.algorithms("alltoall")
+
+
+def test_buffer_protocol_inputs_are_viewed(comm):
+    # bytearray / memoryview / array.array are read through the buffer protocol.
+    import array
+
+    got = comm.allreduce(array.array("i", [1, 2, 3]), algorithm="ring")
+    assert got.dtype == np.int32 and got.tolist() == [comm.size, 2 * comm.size, 3 * comm.size]
+    got = comm.allgather(memoryview(bytearray(b"ab")), algorithm="bruck")
+    assert got.shape == (comm.size, 2) and bytes(got[0]) == b"ab"
