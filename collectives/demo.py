@@ -33,9 +33,11 @@ def make_input(rank, count, dtype, op):
     return values.astype(dtype)
 
 
-def native_result(mpi, collective, x, op, root):
-    """What MPI's own collective gives, through mpi4py directly."""
+def native_result(mpi, collective, x, op="sum", root=0):
+    """What MPI's own collective gives for ``x``, through mpi4py directly (the reference
+    the demo and the tests compare with), shaped as the Communicator shapes results."""
     size = mpi.Get_size()
+    x = np.ascontiguousarray(x)
     if collective == "allgather":
         out = np.empty((size,) + x.shape, x.dtype)
         mpi.Allgather(x, out)
@@ -54,7 +56,7 @@ def native_result(mpi, collective, x, op, root):
     if op == "avg":
         out = (out / size).astype(x.dtype)
     if collective == "reduce_scatter":
-        return np.array_split(out, size)[mpi.rank]
+        return np.array_split(out.ravel(), size)[mpi.rank]
     return out
 
 

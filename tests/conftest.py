@@ -16,7 +16,6 @@ import collectives as cc
 ALL_DTYPES = [d.name for d in cc.SUPPORTED_DTYPES]
 FLOAT_DTYPES = [d for d in ALL_DTYPES if d.startswith(("float", "complex"))]
 UFUNC = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
-MPI_OP = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
 
 
 def ops_for(dtype):

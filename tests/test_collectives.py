@@ -11,38 +11,14 @@ from mpi4py import MPI
 
 import collectives as cc
 
-from conftest import ALL_DTYPES, MPI_OP, agree, counts_for, ops_for, rank_input, reference, same
+from collectives.demo import native_result
+from conftest import ALL_DTYPES, agree, counts_for, ops_for, rank_input, reference, same
 
 REDUCING = ["allreduce", "reduce_scatter", "reduce"]
 
 
 def inputs_of_all(size, count, dtype, op, shape=None):
     return [rank_input(r, count, dtype, op, shape) for r in range(size)]
-
-
-def mpi_reference(mpi, collective, x, op="sum", root=0):
-    """The MPI library's own collective, called directly through mpi4py."""
-    size = mpi.Get_size()
-    x = np.ascontiguousarray(x)
-    if collective == "allgather":
-        out = np.empty((size,) + x.shape, x.dtype)
-        mpi.Allgather(x, out)
-        return out
-    if collective == "broadcast":
-        out = x.copy()
-        mpi.Bcast(out, root)
-        return out
-    out = np.empty_like(x)
-    if collective == "reduce":
-        mpi.Reduce(x, out if mpi.rank == root else None, MPI_OP[op], root)
-        out = out if mpi.rank == root else None
-    else:
-        mpi.Allreduce(x, out, MPI_OP[op])
-    if out is not None and op == "avg":
-        out = (out / size).astype(x.dtype)
-    if collective == "reduce_scatter":
-        out = np.array_split(out.ravel(), size)[mpi.rank]
-    return out
 
 
 def expected(collective, comm, xs, op, root):
@@ -79,7 +55,7 @@ def run_and_compare(comm, mpi, collective, algorithm, dtype, op, count, root=0, 
     x_before = x.copy()
     got = call(comm, collective, x, algorithm, op, root, segment_size=segment_size)
     want = expected(collective, comm, xs, op, root)
-    native = mpi_reference(mpi, collective, x_before if collective != "broadcast" else x_before, op, root)
+    native = native_result(mpi, collective, x_before, op, root)
     label = f"{collective}/{algorithm} {dtype} {op} n={count} root={root}"
     if want is None:
         if got is not None:
