@@ -24,7 +24,6 @@ setup(
         "mpich": ["mpich"],
         "test": ["pytest>=7", "pytest-mpi>=0.6", "hypothesis>=6"],
     },
-    entry_points={"console_scripts": []},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: System :: Distributed Computing",

@@ -27,10 +27,9 @@ class Progress:
         """Complete what has finished; with ``block``, wait until something has."""
         requests, owners = [], []
         for handle in self.active:
-            for k, request in enumerate(handle._requests):
-                if request is not None:
-                    requests.append(request)
-                    owners.append((handle, k))
+            for token, request in handle._requests.items():
+                requests.append(request)
+                owners.append((handle, token))
         if not requests:
             return
         try:
@@ -38,8 +37,8 @@ class Progress:
         except MPI.Exception as exc:
             raise TransportError(f"MPI failed while waiting for messages: {exc}") from exc
         for j in finished or ():
-            handle, k = owners[j]
-            handle._request_done(k)
+            handle, token = owners[j]
+            handle._request_done(token)
 
 
 class Handle:
@@ -50,8 +49,7 @@ class Handle:
         self._progress = progress
         self._describe = describe  # for error messages: "allreduce(ring)" etc.
         self._finish = finish
-        self._requests = []
-        self._tokens = []  # what each request stands for (a plan's op index)
+        self._requests = {}  # outstanding MPI requests by what they stand for (a plan's op index)
         self._finished = False
         self._result = None
 
@@ -71,18 +69,16 @@ class Handle:
         self._check_done()
 
     def _add_request(self, request, token):
-        self._requests.append(request)
-        self._tokens.append(token)
+        self._requests[token] = request
 
-    def _request_done(self, k):
-        self._requests[k] = None
-        self._on_request_done(self._tokens[k])
+    def _request_done(self, token):
+        del self._requests[token]
+        self._on_request_done(token)
         self._check_done()
 
     def _check_done(self):
         if not self._finished and self._is_done():
             self._progress.active.remove(self)
-            self._requests = []
             self._result = self._finish()
             self._finished = True
 
@@ -138,7 +134,7 @@ class RequestHandle(Handle):
     def __init__(self, progress, describe, finish, start_request):
         super().__init__(progress, describe, finish)
         try:
-            self._add_request(start_request(), None)
+            self._add_request(start_request(), 0)
         except MPI.Exception as exc:
             raise TransportError(f"{describe}: the MPI library refused the call: {exc}") from exc
         self._pending = 1
