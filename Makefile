@@ -5,7 +5,7 @@ PYTHON   ?= $(VENV)/bin/python
 MPIEXEC  ?= $(VENV)/bin/mpiexec
 # Extra mpiexec flags, e.g. MPIEXEC_FLAGS=--oversubscribe with Open MPI.
 MPIEXEC_FLAGS ?=
-WORLD_SIZES   ?= 2 3 4 5 8
+WORLD_SIZES   ?= 2 3 4 5 6 7 8
 # A hung run must fail, not stall CI: seconds per mpiexec run.
 RUN_TIMEOUT   ?= 900
 
