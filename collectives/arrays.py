@@ -48,7 +48,12 @@ def as_array(x, name="x"):
     return arr
 
 
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)  # native byte order only
+
+
 def check_dtype(dtype, name="x"):
+    if dtype in _SUPPORTED:  # the common case, without building anything
+        return
     dtype = np.dtype(dtype)
     if dtype.newbyteorder("=") != dtype:
         raise TypeError(f"{name} has a non-native byte order ({dtype.str}); convert it first")
@@ -72,6 +77,8 @@ def check_out(out, shape, dtype, name="out"):
 
 def flat_view(arr):
     """A 1-D view of ``arr`` if it is C-contiguous, else None."""
+    if arr.ndim == 1 and arr.strides[0] == arr.itemsize:
+        return arr
     if arr.flags.c_contiguous:
         return arr.reshape(-1)
     return None
@@ -85,10 +92,12 @@ def flat_input(arr):
 
 def same_memory(a, b):
     """True if ``a`` and ``b`` are the very same elements (same start, shape, strides)."""
+    if a is b:
+        return True
     return (
-        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
-        and a.shape == b.shape
+        a.shape == b.shape
         and a.strides == b.strides
+        and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
     )
 
 

@@ -13,11 +13,12 @@ import numpy as np
 from mpi4py import MPI
 
 from . import ops
-from .algorithms import SEGMENTED, auto, block_bounds, build, check_algorithm
+from .algorithms import SEGMENTED, block_bounds, build, check_algorithm
 from .arrays import as_array, check_out, flat_input, flat_view, overlaps, same_memory
 from .schedule import compile_plan
 from .transport.buffers import Buffers
 from .transport.mpi import PlanHandle, Progress, RequestHandle
+from .tuning import Selector
 
 DEFAULT_SEGMENT_SIZE = 256 * 1024  # bytes; COLLECTIVES_SEGMENT_SIZE overrides
 
@@ -78,6 +79,10 @@ class Communicator:
     pipelining segment in bytes for the ``tree`` allreduce and the ``pipeline``
     broadcast (``COLLECTIVES_SEGMENT_SIZE``, else 256 KiB).
 
+    ``algorithm="auto"`` (the default) picks per call from the collective, the buffer
+    size and the world size: see :mod:`collectives.tuning` for the measured table and
+    the ``COLLECTIVES_<COLLECTIVE>_ALGORITHM`` overrides.
+
     Every rank must call the same collectives in the same order, as with MPI.
     """
 
@@ -89,6 +94,7 @@ class Communicator:
         if segment_size is None:
             segment_size = int(os.environ.get("COLLECTIVES_SEGMENT_SIZE", DEFAULT_SEGMENT_SIZE))
         self.segment_size = _check_segment_size(segment_size)
+        self._selector = Selector.from_environment(mpi_comm.Get_size())
         self._comm = mpi_comm.Dup()
         self.rank = self._comm.Get_rank()
         self.size = self._comm.Get_size()
@@ -100,39 +106,60 @@ class Communicator:
     def __repr__(self):
         return f"<collectives.Communicator rank {self.rank} of {self.size}>"
 
+    def choose(self, collective, nbytes):
+        """``(algorithm, why)``: what ``auto`` picks for ``collective`` on ``nbytes`` bytes
+        (allgather: the gathered size) at this world size, and which rule decided."""
+        check_algorithm(collective, "auto")
+        return self._selector.explain(collective, int(nbytes))
+
+    def release_memory(self):
+        """Drop the scratch buffers kept between calls (they are made again when needed)."""
+        self._workspace = _Workspace()
+
     def free(self):
         """Release the private MPI communicator (collective). The object is unusable after."""
         if self._comm != MPI.COMM_NULL:
             self._comm.Free()
 
     # -- collectives ------------------------------------------------------------
+    # Each blocking call is its *_async call followed by wait(), except that a call
+    # that resolves to ``native`` while nothing else is in flight calls MPI's blocking
+    # collective directly (the cheapest path for tiny buffers).
     def allreduce(self, x, op="sum", algorithm="auto", out=None, *, segment_size=None):
         """Reduce ``x`` elementwise over all ranks; every rank gets the result (shaped like
         ``x``; ``out=x`` works in place). Every rank's result has the same bits."""
-        return self.allreduce_async(x, op, algorithm, out, segment_size=segment_size).wait()
+        return self._allreduce(x, op, algorithm, out, segment_size, True)
 
     def allreduce_async(self, x, op="sum", algorithm="auto", out=None, *, segment_size=None):
+        return self._allreduce(x, op, algorithm, out, segment_size, False)
+
+    def _allreduce(self, x, op, algorithm, out, segment_size, blocking):
         x = as_array(x, "x")
         ops.check_op(op, x.dtype)
         algorithm = check_algorithm("allreduce", algorithm)
         if out is not None:
             check_out(out, x.shape, x.dtype)
-        segment = self._segment(segment_size, x.dtype)
+        if segment_size is not None:
+            _check_segment_size(segment_size)
         inp, result, inplace, unpack = _prepare(x, out, x.shape)
-        algorithm = self._resolve("allreduce", algorithm, x.nbytes)
+        if algorithm == "auto":
+            algorithm = self._selector.choose("allreduce", x.nbytes)
 
         def finish():
             ops.finish(op, result, self.size)
             return unpack()
 
-        return self._start("allreduce", algorithm, x.size, inp, result, inplace, op, 0, segment, finish)
+        return self._start("allreduce", algorithm, x.size, inp, result, inplace, op, 0, segment_size, finish, blocking)
 
     def reduce_scatter(self, x, op="sum", algorithm="auto", out=None):
         """Reduce ``x`` over all ranks and return block ``rank`` of the result, the blocks
         cut from ``x.ravel()`` as ``numpy.array_split(x.ravel(), size)`` cuts them."""
-        return self.reduce_scatter_async(x, op, algorithm, out).wait()
+        return self._reduce_scatter(x, op, algorithm, out, True)
 
     def reduce_scatter_async(self, x, op="sum", algorithm="auto", out=None):
+        return self._reduce_scatter(x, op, algorithm, out, False)
+
+    def _reduce_scatter(self, x, op, algorithm, out, blocking):
         x = as_array(x, "x")
         ops.check_op(op, x.dtype)
         algorithm = check_algorithm("reduce_scatter", algorithm)
@@ -148,13 +175,16 @@ class Communicator:
             return unpack()
 
         counts = [bounds[r + 1] - bounds[r] for r in range(self.size)]
-        return self._start("reduce_scatter", algorithm, x.size, inp, result, False, op, 0, 1, finish, counts)
+        return self._start("reduce_scatter", algorithm, x.size, inp, result, False, op, 0, None, finish, blocking, counts)
 
     def allgather(self, x, algorithm="auto", out=None):
         """Gather ``x`` from every rank: returns shape ``(size, *x.shape)``, row r from rank r."""
-        return self.allgather_async(x, algorithm, out).wait()
+        return self._allgather(x, algorithm, out, True)
 
     def allgather_async(self, x, algorithm="auto", out=None):
+        return self._allgather(x, algorithm, out, False)
+
+    def _allgather(self, x, algorithm, out, blocking):
         x = as_array(x, "x")
         algorithm = check_algorithm("allgather", algorithm)
         shape = (self.size,) + x.shape
@@ -162,29 +192,36 @@ class Communicator:
             check_out(out, shape, x.dtype)
         inp, result, _, unpack = _prepare(x, out, shape, allow_inplace=False)
         algorithm = self._resolve("allgather", algorithm, x.nbytes * self.size)
-        return self._start("allgather", algorithm, x.size, inp, result, False, "sum", 0, 1, unpack)
+        return self._start("allgather", algorithm, x.size, inp, result, False, "sum", 0, None, unpack, blocking)
 
     def broadcast(self, x, root=0, algorithm="auto", *, segment_size=None):
         """Fill ``x`` on every rank with ``x`` from ``root``, in place; returns ``x``."""
-        return self.broadcast_async(x, root, algorithm, segment_size=segment_size).wait()
+        return self._broadcast(x, root, algorithm, segment_size, True)
 
     def broadcast_async(self, x, root=0, algorithm="auto", *, segment_size=None):
+        return self._broadcast(x, root, algorithm, segment_size, False)
+
+    def _broadcast(self, x, root, algorithm, segment_size, blocking):
         x = as_array(x, "x")
         root = _check_root(root, self.size)
         algorithm = check_algorithm("broadcast", algorithm)
         if not isinstance(x, np.ndarray) or not x.flags.writeable:
             raise ValueError("x must be a writable array: broadcast fills it in place")
-        segment = self._segment(segment_size, x.dtype)
+        if segment_size is not None:
+            _check_segment_size(segment_size)
         _, result, _, unpack = _prepare(x, x, x.shape)
         algorithm = self._resolve("broadcast", algorithm, x.nbytes)
-        return self._start("broadcast", algorithm, x.size, result, result, True, "sum", root, segment, unpack)
+        return self._start("broadcast", algorithm, x.size, result, result, True, "sum", root, segment_size, unpack, blocking)
 
     def reduce(self, x, root=0, op="sum", algorithm="auto", out=None):
         """Reduce ``x`` over all ranks onto ``root``: the result on root (``out=x`` works
         in place there), ``None`` on the other ranks (whose ``out`` is left alone)."""
-        return self.reduce_async(x, root, op, algorithm, out).wait()
+        return self._reduce(x, root, op, algorithm, out, True)
 
     def reduce_async(self, x, root=0, op="sum", algorithm="auto", out=None):
+        return self._reduce(x, root, op, algorithm, out, False)
+
+    def _reduce(self, x, root, op, algorithm, out, blocking):
         x = as_array(x, "x")
         root = _check_root(root, self.size)
         ops.check_op(op, x.dtype)
@@ -194,35 +231,44 @@ class Communicator:
         algorithm = self._resolve("reduce", algorithm, x.nbytes)
         if self.rank != root:
             inp = flat_input(x)
-            return self._start("reduce", algorithm, x.size, inp, inp[:0], False, op, root, 1, lambda: None)
+            return self._start("reduce", algorithm, x.size, inp, inp[:0], False, op, root, None, _nothing, blocking)
         inp, result, inplace, unpack = _prepare(x, out, x.shape)
 
         def finish():
             ops.finish(op, result, self.size)
             return unpack()
 
-        return self._start("reduce", algorithm, x.size, inp, result, inplace, op, root, 1, finish)
+        return self._start("reduce", algorithm, x.size, inp, result, inplace, op, root, None, finish, blocking)
 
     def barrier(self):
         """Block until every rank has called ``barrier`` (collectives in flight go on)."""
-        RequestHandle(self._progress, "barrier", lambda: None, self._comm.Ibarrier).start().wait()
+        RequestHandle(self._progress, "barrier", _nothing, self._comm.Ibarrier).start().wait()
 
     # -- machinery ----------------------------------------------------------------
-    def _segment(self, segment_size, dtype):
-        nbytes = self.segment_size if segment_size is None else _check_segment_size(segment_size)
-        return max(1, nbytes // np.dtype(dtype).itemsize)
+    def _segment(self, segment_size, itemsize):
+        return max(1, (self.segment_size if segment_size is None else segment_size) // itemsize)
 
     def _resolve(self, collective, algorithm, nbytes):
-        return auto(collective, nbytes, self.size) if algorithm == "auto" else algorithm
+        return self._selector.choose(collective, nbytes) if algorithm == "auto" else algorithm
 
-    def _start(self, collective, algorithm, count, inp, out, inplace, op, root, segment, finish, counts=None):
+    def _start(self, collective, algorithm, count, inp, out, inplace, op, root, segment_size, finish, blocking,
+               counts=None):
+        """Run the call: returns its result if ``blocking``, else its :class:`Handle`.
+        ``segment_size`` (bytes, None for the communicator's) matters to segmented
+        algorithms only."""
         self._sequence = (self._sequence + 1) % self._tag_limit
-        describe = f"{collective}(algorithm={algorithm!r})"
         if algorithm == "native":
+            if blocking and not self._progress.active:
+                # Nothing of ours in flight that MPI's blocking call could starve.
+                try:
+                    self._native(collective, inp, out, inplace, op, root, counts, blocking=True)
+                except MPI.Exception as exc:
+                    raise TransportError(f"{collective}(algorithm='native'): the MPI library failed: {exc}") from exc
+                return finish()
             start = lambda: self._native(collective, inp, out, inplace, op, root, counts)  # noqa: E731
-            return RequestHandle(self._progress, describe, finish, start).start()
-        if (collective, algorithm) not in SEGMENTED:
-            segment = 1
+            handle = RequestHandle(self._progress, f"{collective}(algorithm='native')", finish, start).start()
+            return handle.wait() if blocking else handle
+        segment = self._segment(segment_size, out.itemsize) if (collective, algorithm) in SEGMENTED else 1
         plan = _plan(collective, algorithm, self.rank, self.size, count, root, segment, inplace)
         raw, tmp = self._workspace.take(plan.tmp, out.dtype)
 
@@ -231,21 +277,30 @@ class Communicator:
             return finish()
 
         buffers = Buffers(inp, out, tmp)
-        return PlanHandle(self._progress, describe, done, self._comm, self._sequence, plan, buffers, op).start()
+        describe = f"{collective}(algorithm={algorithm!r})"
+        handle = PlanHandle(self._progress, describe, done, self._comm, self._sequence, plan, buffers, op).start()
+        return handle.wait() if blocking else handle
 
-    def _native(self, collective, inp, out, inplace, op, root, counts):
-        # Arrays go to mpi4py as they are: it maps the dtype to MPI's predefined type.
+    def _native(self, collective, inp, out, inplace, op, root, counts, blocking=False):
+        """Start MPI's own non-blocking collective (return its request), or with
+        ``blocking`` run the blocking one. Arrays go to mpi4py as they are: it maps the
+        dtype to MPI's predefined type."""
         comm = self._comm
         send = MPI.IN_PLACE if inplace else inp
         if collective == "allreduce":
-            return comm.Iallreduce(send, out, _MPI_OPS[op])
+            return (comm.Allreduce if blocking else comm.Iallreduce)(send, out, _MPI_OPS[op])
         if collective == "reduce_scatter":
-            return comm.Ireduce_scatter(inp, out, counts, _MPI_OPS[op])
+            return (comm.Reduce_scatter if blocking else comm.Ireduce_scatter)(inp, out, counts, _MPI_OPS[op])
         if collective == "allgather":
-            return comm.Iallgather(inp, out)
+            return (comm.Allgather if blocking else comm.Iallgather)(inp, out)
         if collective == "broadcast":
-            return comm.Ibcast(out, root)
-        return comm.Ireduce(send, out if self.rank == root else None, _MPI_OPS[op], root)
+            return (comm.Bcast if blocking else comm.Ibcast)(out, root)
+        recv = out if self.rank == root else None
+        return (comm.Reduce if blocking else comm.Ireduce)(send, recv, _MPI_OPS[op], root)
+
+
+def _nothing():
+    return None
 
 
 def _prepare(x, out, shape, allow_inplace=True):
@@ -255,9 +310,12 @@ def _prepare(x, out, shape, allow_inplace=True):
     non-contiguous ``out`` is computed in a contiguous copy and written back at the end;
     an ``out`` that overlaps ``x`` without being ``x`` gets a snapshot of ``x`` first.
     """
-    inplace = allow_inplace and out is not None and same_memory(x, out)
-    if out is None:
+    if out is None:  # a fresh output shares nothing with x
         out = np.empty(shape, x.dtype)
+        result = flat_view(out)
+        return flat_input(x), result, False, lambda: out
+    shares = overlaps(x, out)
+    inplace = allow_inplace and shares and same_memory(x, out)
     result = flat_view(out)
     packed = result is None
     if packed:
@@ -266,7 +324,7 @@ def _prepare(x, out, shape, allow_inplace=True):
         inp = result
     else:
         inp = flat_input(x)
-        if overlaps(inp, out):
+        if shares:
             inp = inp.copy()
 
     def unpack():

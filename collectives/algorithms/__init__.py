@@ -42,6 +42,9 @@ SEGMENTED = {("allreduce", "tree"): tree.DEFAULT_SEGMENT_BYTES, ("broadcast", "p
 
 SMALL = 64 * 1024  # bytes: below this, latency (message count) dominates
 LARGE = 1024 * 1024  # bytes
+# Below this, the MPI library's own collective: each of our messages costs a Python
+# round trip (~10 us) where MPI's cost ~1 us, and at this size latency is all there is.
+NATIVE_BELOW = 4 * 1024  # bytes
 
 
 def algorithms(collective):
@@ -52,19 +55,27 @@ def algorithms(collective):
 
 
 def check_algorithm(collective, algorithm):
+    if algorithm in _VALID.get(collective, ()):  # the common case: a known name
+        return algorithm
     names = algorithms(collective)
     if not isinstance(algorithm, str) or algorithm not in names:
         raise ValueError(f"algorithm for {collective} must be one of {', '.join(names)}; got {algorithm!r}")
     return algorithm
 
 
-def auto(collective, nbytes, size):
-    """The algorithm ``auto`` picks for a buffer of ``nbytes`` over ``size`` ranks.
+_VALID = {collective: frozenset(algorithms(collective)) for collective in BUILDERS}
 
-    A first rule from the cost model (the benchmark issue replaces it with a measured
-    table): latency-optimal algorithms below 64 KiB, bandwidth-optimal above.
+
+def cost_model_choice(collective, nbytes, size):
+    """What ``auto`` picks where no measured table covers the world size.
+
+    From the cost model (``README.md``, "Algorithms"): the MPI library's own collective
+    for tiny buffers (its per-message latency is a tenth of ours), latency-optimal
+    algorithms (fewest messages) below 64 KiB, bandwidth-optimal ones above.
     ``nbytes`` is the input size (allgather: the gathered size).
     """
+    if nbytes < NATIVE_BELOW:
+        return "native"
     pof2 = size & (size - 1) == 0
     if collective == "allreduce":
         if nbytes < SMALL:

@@ -1,0 +1,158 @@
+"""One benchmark case: a collective at one size, with its buffers and its contenders.
+
+In the nccl-tests style each collective is a small table entry: how a size in bytes
+becomes an element count, the bus-bandwidth factor, and how to call it through this
+library, through the MPI library directly (``native``) and through gloo. Buffers are
+allocated once per case, so the timed calls allocate nothing of the harness's.
+"""
+
+import numpy as np
+from mpi4py import MPI
+
+from ..demo import make_input, native_result
+
+MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
+PEER_ALGORITHMS = ("native", "gloo")  # contenders that are not ours
+
+
+def bus_factor(collective, world_size):
+    """nccl-tests' busbw / algbw factor (``../shared/reference/cost-model.md``)."""
+    p = world_size
+    if collective == "allreduce":
+        return 2 * (p - 1) / p
+    if collective in ("reduce_scatter", "allgather"):
+        return (p - 1) / p
+    return 1.0
+
+
+def element_count(collective, nbytes, world_size, itemsize):
+    """Elements of the user's input for a benchmark size of ``nbytes``.
+
+    The size is the buffer nccl-tests reports: the input for allreduce, broadcast and
+    reduce, the whole (scattered or gathered) buffer for reduce_scatter and allgather,
+    which are rounded to a whole number of elements per rank (at least one).
+    """
+    if collective in ("reduce_scatter", "allgather"):
+        per_rank = max(1, nbytes // (itemsize * world_size))
+        return per_rank * world_size if collective == "reduce_scatter" else per_rank
+    return max(1, nbytes // itemsize)
+
+
+class Case:
+    """Buffers and calls for (collective, size, dtype, op, in place) on this rank."""
+
+    def __init__(self, collective, nbytes, world, dtype, op, inplace, root=0):
+        self.collective, self.dtype, self.op, self.inplace, self.root = collective, np.dtype(dtype), op, inplace, root
+        self.world = world  # the mpi4py communicator the native calls run on
+        self.rank, self.size = world.Get_rank(), world.Get_size()
+        self.count = element_count(collective, nbytes, self.size, self.dtype.itemsize)
+        scale = self.size if collective == "allgather" else 1
+        self.nbytes = self.count * self.dtype.itemsize * scale
+        self.fresh = make_input(self.rank, self.count, self.dtype, "prod" if op == "prod" else "sum")
+        self.x = self.fresh.copy()
+        if collective == "allgather":
+            self.out = np.empty((self.size, self.count), self.dtype)
+            if inplace:  # MPI_IN_PLACE style: this rank's input is its row of the output
+                self.x = self.out[self.rank]
+        elif collective == "reduce_scatter":
+            self.out = np.empty(len(np.array_split(self.fresh, self.size)[self.rank]), self.dtype)
+        elif collective == "broadcast":
+            self.out = self.x  # broadcast is in place by definition
+        else:
+            self.out = self.x if inplace else np.empty_like(self.x)
+        self._reset()
+
+    def _reset(self):
+        self.x[...] = self.fresh
+
+    # -- the contenders ----------------------------------------------------------
+    def ours(self, comm, algorithm):
+        """A no-argument callable running the collective through ``comm``."""
+        c, x, out, op, root = self.collective, self.x, self.out, self.op, self.root
+        if c == "allreduce":
+            return lambda: comm.allreduce(x, op, algorithm, out)
+        if c == "reduce_scatter":
+            return lambda: comm.reduce_scatter(x, op, algorithm, out)
+        if c == "allgather":
+            return lambda: comm.allgather(x, algorithm, out)
+        if c == "broadcast":
+            return lambda: comm.broadcast(x, root, algorithm)
+        return lambda: comm.reduce(x, root, op, algorithm, out)
+
+    def native(self, mpi_comm):
+        """The MPI library's own collective, through mpi4py directly."""
+        call = self._native(mpi_comm)
+        if self.op != "avg" or self.result() is None:
+            return call
+        result, size = self.result(), self.size
+
+        def average():  # MPI has no average: a sum, then one division, as ours does
+            call()
+            np.divide(result, size, out=result)
+
+        return average
+
+    def _native(self, mpi_comm):
+        c, x, out, root, mpi_op = self.collective, self.x, self.out, self.root, MPI_OPS.get(self.op, MPI.SUM)
+        send = MPI.IN_PLACE if self.inplace else x
+        if c == "allreduce":
+            return lambda: mpi_comm.Allreduce(send, out, mpi_op)
+        if c == "reduce_scatter":
+            counts = [len(b) for b in np.array_split(self.fresh, self.size)]
+            return lambda: mpi_comm.Reduce_scatter(x, out, counts, mpi_op)
+        if c == "allgather":
+            return lambda: mpi_comm.Allgather(send, out)
+        if c == "broadcast":
+            return lambda: mpi_comm.Bcast(x, root)
+        if self.rank != root:  # MPI_IN_PLACE is for the root only
+            return lambda: mpi_comm.Reduce(x, None, mpi_op, root)
+        return lambda: mpi_comm.Reduce(send, out, mpi_op, root)
+
+    def gloo(self, group):
+        """torch.distributed's gloo collective, or None where gloo has no equivalent."""
+        import torch
+        import torch.distributed as dist
+
+        if self.op not in ("sum", "max", "min", "prod") or self.collective not in ("allreduce", "broadcast", "allgather"):
+            return None
+        reduce_op = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
+                     "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[self.op]
+        x, out = torch.from_numpy(self.x), torch.from_numpy(self.out)  # zero copy
+        if self.collective == "allreduce":
+            if self.inplace:
+                return lambda: dist.all_reduce(out, reduce_op, group=group)
+
+            def allreduce():  # gloo reduces in place: out of place costs the user a copy
+                out.copy_(x)
+                dist.all_reduce(out, reduce_op, group=group)
+
+            return allreduce
+        if self.collective == "broadcast":
+            return lambda: dist.broadcast(x, self.root, group=group)
+        return lambda: dist.all_gather_into_tensor(out, x, group=group)
+
+    # -- checking ----------------------------------------------------------------
+    def count_wrong(self, run):
+        """Run once on fresh input; the number of elements on this rank that differ
+        from what the MPI library's own collective gives."""
+        self._reset()
+        expected = native_result(self.world, self.collective, self.fresh, self.op, self.root)
+        self._reset()
+        run()
+        got = self.result()
+        self._reset()
+        if expected is None or got is None:
+            return 0
+        got, expected = np.asarray(got).reshape(-1), np.asarray(expected).reshape(-1)
+        if got.shape != expected.shape:
+            return max(got.size, expected.size)
+        same = (got == expected) | (np.isnan(got) & np.isnan(expected) if self.dtype.kind in "fc" else False)
+        return int(np.count_nonzero(~same))
+
+    def result(self):
+        """This rank's result after a call (None where the collective leaves none)."""
+        if self.collective == "broadcast":
+            return self.x
+        if self.collective == "reduce" and self.rank != self.root:
+            return None
+        return self.out

@@ -1,0 +1,232 @@
+"""``collectives-bench``: bandwidth and latency of every collective and algorithm,
+against the MPI library's own collectives measured in the same run.
+
+    mpiexec -n 4 collectives-bench                        # all collectives, 8 B .. 64 MiB
+    mpiexec -n 4 collectives-bench -c allreduce -b 1M -e 256M --check --plot ar.png
+    mpiexec -n 4 collectives-bench --tune tuning.json     # then COLLECTIVES_TUNING=tuning.json
+
+Exit status: 1 if ``--check`` found any wrong element, 2 on bad arguments.
+"""
+
+import argparse
+import os
+import re
+import socket
+import sys
+
+from mpi4py import MPI
+
+from .. import Communicator
+from ..algorithms import COLLECTIVES, algorithms
+from ..arrays import SUPPORTED_DTYPES
+from ..ops import OPS, check_op
+from . import report, timing, tune
+from .cases import Case, bus_factor
+
+_UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": 1024**2, "MB": 1024**2, "MIB": 1024**2,
+          "G": 1024**3, "GB": 1024**3, "GIB": 1024**3}
+
+
+def parse_bytes(text):
+    """'8' -> 8, '64K' -> 65536, '1MiB' -> 1048576."""
+    match = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 8, 64K, 16M or 1G; got {text!r}")
+    return int(match.group(1)) * _UNITS[match.group(2).upper()]
+
+
+def sizes(begin, end, factor):
+    out, size = [], begin
+    while size <= end:
+        out.append(size)
+        size *= factor
+    return out
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="collectives-bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-c", "--collectives", default="all",
+                   help=f"comma-separated, from {','.join(COLLECTIVES)}; or 'all' (default)")
+    p.add_argument("-a", "--algorithms", default="all",
+                   help="comma-separated algorithm names, each run where the collective has it; "
+                        "'all' (default) is every algorithm plus native and auto")
+    p.add_argument("-b", "--begin", type=parse_bytes, default=8, help="smallest size in bytes (default 8)")
+    p.add_argument("-e", "--end", type=parse_bytes, default=64 * 1024**2, help="largest size (default 64M)")
+    p.add_argument("-f", "--factor", type=int, default=2, help="size multiplier between steps (default 2)")
+    p.add_argument("-d", "--dtype", default="float32", choices=[d.name for d in SUPPORTED_DTYPES])
+    p.add_argument("-o", "--op", default="sum", choices=OPS)
+    p.add_argument("-w", "--warmup", type=int, default=2, help="untimed calls per contender and size")
+    p.add_argument("--budget", type=float, default=0.05,
+                   help="seconds of timed calls per contender and size: sets the iteration count (default 0.05)")
+    p.add_argument("--min-iters", type=int, default=5)
+    p.add_argument("--max-iters", type=int, default=2000)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per size (default 3)")
+    p.add_argument("--inplace", action="store_true",
+                   help="in place (out=x; MPI_IN_PLACE for native); reduce_scatter stays out of place")
+    p.add_argument("--check", action="store_true", help="verify every result against native MPI (#wrong)")
+    p.add_argument("--peers", default="", help="extra contenders: 'gloo' (torch.distributed, needs torch)")
+    p.add_argument("--no-memory", action="store_true", help="skip the tracemalloc measurement")
+    p.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
+    p.add_argument("--csv", metavar="FILE", help="write the rows as CSV")
+    p.add_argument("--plot", metavar="FILE.png", help="plot busbw against size (needs matplotlib)")
+    p.add_argument("--tune", metavar="FILE", nargs="?", const="collectives-tuning.json",
+                   help="measure every algorithm and merge the winners into a tuning file for auto "
+                        "(default collectives-tuning.json; use it with COLLECTIVES_TUNING=FILE)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    args = p.parse_args(argv)
+
+    args.collectives = list(COLLECTIVES) if args.collectives == "all" else args.collectives.split(",")
+    for c in args.collectives:
+        if c not in COLLECTIVES:
+            p.error(f"--collectives: {c!r} is not one of {', '.join(COLLECTIVES)}")
+    if args.algorithms == "all":
+        args.algorithms = None
+    else:
+        args.algorithms = args.algorithms.split(",")
+        known = {a for c in args.collectives for a in algorithms(c)}
+        for a in args.algorithms:
+            if a not in known:
+                p.error(f"--algorithms: {a!r} is not an algorithm of {', '.join(args.collectives)}; "
+                        f"known: {', '.join(sorted(known))}")
+    args.peers = [peer for peer in args.peers.split(",") if peer]
+    for peer in args.peers:
+        if peer != "gloo":
+            p.error(f"--peers: only 'gloo' is supported; got {peer!r}")
+    if args.factor < 2 or args.begin < 1 or args.end < args.begin:
+        p.error("need 1 <= --begin <= --end and --factor >= 2")
+    if min(args.warmup, args.min_iters, args.rounds) < 1 or args.max_iters < args.min_iters:
+        p.error("--warmup, --min-iters and --rounds must be >= 1, --max-iters >= --min-iters")
+    try:
+        check_op(args.op, args.dtype)
+    except TypeError as exc:
+        p.error(f"--op/--dtype: {exc}")
+    return args
+
+
+def contenders(collective, args):
+    """The names to run for ``collective``, in table order (native first)."""
+    ours = [a for a in algorithms(collective) if a not in ("native", "auto")]
+    if args.algorithms is None:
+        wanted = ours + ([] if args.tune else ["auto"])  # auto is what is being tuned
+    else:
+        wanted = args.algorithms
+    names = ["native"] + [a for a in wanted if a in algorithms(collective) and a != "native"]
+    if "gloo" in args.peers and collective in ("allreduce", "broadcast", "allgather") and args.op != "avg":
+        names.append("gloo")
+    return names
+
+
+def start_gloo(world):
+    """torch.distributed with the gloo backend over the same ranks (rank 0 serves)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        raise SystemExit("--peers gloo needs torch: pip install torch") from None
+    address = None
+    if world.Get_rank() == 0:
+        with socket.socket() as s:  # a free port; gloo binds it right after
+            s.bind(("", 0))
+            address = (socket.gethostbyname(socket.gethostname()), s.getsockname()[1])
+    host, port = world.bcast(address, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}",
+                            rank=world.Get_rank(), world_size=world.Get_size())
+    return dist.group.WORLD
+
+
+def measure(case, comm, world, names, args, gloo_group):
+    """Rows (dicts) for every contender on one case."""
+    calls = {}
+    for name in names:
+        if name == "native":
+            calls[name] = case.native(world)
+        elif name == "gloo":
+            calls[name] = case.gloo(gloo_group)
+        else:
+            calls[name] = case.ours(comm, name)
+    iters = {name: timing.iterations(world, call, args.warmup, args.budget, args.min_iters, args.max_iters)
+             for name, call in calls.items()}
+    samples = timing.interleaved(world, calls, iters, args.rounds)
+    rows = []
+    factor = bus_factor(case.collective, case.size)
+    for name in names:
+        stats = timing.combine(world, samples[name])
+        algbw = case.nbytes / (stats["time_us"] * 1e-6) / 1e9
+        row = {
+            "collective": case.collective, "algorithm": name, "bytes": case.nbytes, "count": case.count,
+            "world_size": case.size, "dtype": case.dtype.name, "op": case.op, "inplace": case.inplace,
+            **stats, "algbw_GBps": algbw, "busbw_GBps": algbw * factor,
+            "chosen": comm.choose(case.collective, case.nbytes)[0] if name == "auto" else None,
+            "extra_mem_bytes": None, "wrong": None,
+        }
+        if not args.no_memory and name not in ("native", "gloo"):  # MPI's and gloo's C memory is invisible
+            row["extra_mem_bytes"] = timing.peak_extra_memory(world, calls[name], comm.release_memory)
+        if args.check:
+            row["wrong"] = world.allreduce(case.count_wrong(calls[name]), op=MPI.SUM)
+        rows.append(row)
+    native = rows[0]["time_us"]
+    for row in rows:
+        row["speedup"] = native / row["time_us"]
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    world = MPI.COMM_WORLD.Dup()  # native runs here, ours on the Communicator's own duplicate
+    comm = Communicator(world)
+    rank0 = world.Get_rank() == 0
+    gloo_group = start_gloo(world) if "gloo" in args.peers else None
+    size_list = sizes(args.begin, args.end, args.factor)
+    meta = {"dtype": args.dtype, "op": args.op, "inplace": args.inplace, "world_size": world.Get_size()}
+    bar = None
+    if rank0 and not args.no_progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(args.collectives) * len(size_list), file=sys.stderr, unit="size",
+                       leave=False, dynamic_ncols=True)
+        except ImportError:
+            pass
+    say = (bar.write if bar is not None else print) if rank0 else (lambda *_: None)
+    if rank0:
+        say(f"# collectives-bench: {world.Get_size()} ranks, {MPI.Get_library_version().splitlines()[0].strip()}, "
+            f"{os.cpu_count()} cpus; budget {args.budget}s x {args.rounds} interleaved rounds per contender")
+    rows = []
+    for collective in args.collectives:
+        names = contenders(collective, args)
+        say(report.header(collective, meta))
+        for nbytes in size_list:
+            case = Case(collective, nbytes, world, args.dtype, args.op, args.inplace)
+            if bar is not None:
+                bar.set_description(f"{collective} {report.human_bytes(case.nbytes)}")
+            for row in measure(case, comm, world, names, args, gloo_group):
+                rows.append(row)
+                say(report.line(row))
+            if bar is not None:
+                bar.update()
+    if bar is not None:
+        bar.close()
+    wrong = sum(row["wrong"] or 0 for row in rows)
+    if rank0:
+        if args.check:
+            print(f"\n# check: {wrong} wrong elements over {len(rows)} rows (summed over ranks)")
+        if args.json:
+            report.write_json(args.json, rows)
+        if args.csv:
+            report.write_csv(args.csv, rows)
+        if args.plot:
+            report.plot(args.plot, rows, f"{args.dtype} {args.op}, {world.Get_size()} ranks, "
+                                         f"{MPI.Get_library_version().splitlines()[0].strip()}")
+        if args.tune:
+            settings = {"dtype": args.dtype, "op": args.op, "inplace": args.inplace, "budget_s": args.budget}
+            new = tune.write(args.tune, rows, settings)
+            print(f"\n# tuning for world size {world.Get_size()} merged into {args.tune}:")
+            for collective, by_size in new.items():
+                for world_size, entries in by_size.items():
+                    print(f"#   {collective:15s} " + ", ".join(f"{report.human_bytes(b)}+ {a}" for b, a in entries))
+    comm.free()
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""What ``algorithm="auto"`` picks, per (collective, bytes, world size).
+
+In order, the first that answers:
+
+1. ``COLLECTIVES_<COLLECTIVE>_ALGORITHM`` (e.g. ``COLLECTIVES_ALLREDUCE_ALGORITHM=ring``)
+   forces one algorithm for every size, like ``NCCL_ALGO`` or MPICH's CVARs;
+2. a measured tuning table: the file named by ``COLLECTIVES_TUNING``, else the table
+   measured on the development machine that ships with the package
+   (``collectives/data/tuning.json``), if it has the world size;
+3. the cost-model rule in :func:`collectives.algorithms.cost_model_choice`.
+
+A tuning file is what ``collectives-bench --tune`` writes::
+
+    {"format": 1,
+     "measured": {...where and how...},
+     "tables": {"allreduce": {"4": [[0, "native"], [65536, "ring"]], ...}, ...}}
+
+Each world size maps to a list of ``[from_bytes, algorithm]``, ascending: the
+algorithm applies from ``from_bytes`` up to the next entry's. ``bytes`` is the size
+the benchmark reports: the input for allreduce, reduce_scatter, broadcast and reduce,
+the gathered output for allgather.
+
+The environment is read when a :class:`~collectives.Communicator` is created, and
+bad values raise there, before any message is sent.
+"""
+
+import bisect
+import json
+import os
+from pathlib import Path
+
+from .algorithms import COLLECTIVES, algorithms, cost_model_choice
+
+FORMAT = 1
+DEFAULT_TABLE = Path(__file__).parent / "data" / "tuning.json"
+TUNING_ENV = "COLLECTIVES_TUNING"
+
+
+def override_variable(collective):
+    """The environment variable that forces ``collective``'s algorithm."""
+    return f"COLLECTIVES_{collective.upper()}_ALGORITHM"
+
+
+def _concrete(collective):
+    return tuple(a for a in algorithms(collective) if a != "auto")
+
+
+class TuningTable:
+    """Size thresholds between algorithms, per collective and world size."""
+
+    def __init__(self, tables, source="<memory>"):
+        self.source = str(source)
+        self._ranges = {}  # (collective, world_size) -> (from_bytes list, algorithm list)
+        if not isinstance(tables, dict):
+            raise ValueError(f"tuning table {self.source}: 'tables' must be an object")
+        for collective, by_size in tables.items():
+            if collective not in COLLECTIVES:
+                raise ValueError(f"tuning table {self.source}: unknown collective {collective!r}")
+            for world_size, entries in by_size.items():
+                self._ranges[collective, int(world_size)] = self._check(collective, world_size, entries)
+
+    def _check(self, collective, world_size, entries):
+        where = f"tuning table {self.source}, {collective} at world size {world_size}"
+        if not isinstance(entries, list) or not entries:
+            raise ValueError(f"{where}: expected a non-empty list of [from_bytes, algorithm]")
+        starts, names = [], []
+        for entry in entries:
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int) and entry[0] >= 0):
+                raise ValueError(f"{where}: entry {entry!r} is not [from_bytes, algorithm]")
+            if entry[1] not in _concrete(collective):
+                raise ValueError(f"{where}: algorithm {entry[1]!r} is not one of {', '.join(_concrete(collective))}")
+            if starts and entry[0] <= starts[-1]:
+                raise ValueError(f"{where}: from_bytes must increase; {entry[0]} follows {starts[-1]}")
+            starts.append(entry[0])
+            names.append(entry[1])
+        starts[0] = 0  # the first entry covers everything below the second
+        return starts, names
+
+    @classmethod
+    def load(cls, path):
+        """Read a tuning file; raises ``ValueError`` naming the file on anything malformed."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read tuning file {path}: {exc}") from exc
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"tuning file {path}: expected an object with \"format\": {FORMAT}")
+        return cls(data.get("tables"), source=path)
+
+    def world_sizes(self, collective):
+        return sorted(size for c, size in self._ranges if c == collective)
+
+    def lookup(self, collective, nbytes, world_size):
+        """The measured choice, or None if the table lacks this world size."""
+        ranges = self._ranges.get((collective, world_size))
+        if ranges is None:
+            return None
+        starts, names = ranges
+        return names[bisect.bisect_right(starts, nbytes) - 1]
+
+
+class Selector:
+    """Resolves ``auto`` for one communicator's world size (decisions are cached)."""
+
+    def __init__(self, world_size, table=None, overrides=None):
+        self.world_size = world_size
+        self.table = table
+        self.overrides = dict(overrides or {})
+        self._cache = {}
+
+    @classmethod
+    def from_environment(cls, world_size, environ=None):
+        environ = os.environ if environ is None else environ
+        overrides = {}
+        for collective in COLLECTIVES:
+            variable = override_variable(collective)
+            value = environ.get(variable, "").strip()
+            if value and value != "auto":
+                if value not in _concrete(collective):
+                    raise ValueError(f"{variable} must be one of {', '.join(_concrete(collective))}; got {value!r}")
+                overrides[collective] = value
+        path = environ.get(TUNING_ENV, "").strip()
+        if path:
+            table = TuningTable.load(path)
+        elif DEFAULT_TABLE.exists():
+            table = TuningTable.load(DEFAULT_TABLE)
+        else:
+            table = None
+        return cls(world_size, table, overrides)
+
+    def choose(self, collective, nbytes):
+        key = (collective, nbytes)
+        choice = self._cache.get(key)
+        if choice is None:
+            choice = self._decide(collective, nbytes)
+            if len(self._cache) > 4096:  # many distinct sizes: do not grow without bound
+                self._cache.clear()
+            self._cache[key] = choice
+        return choice
+
+    def explain(self, collective, nbytes):
+        """``(algorithm, why)``: what ``auto`` picks and which rule decided."""
+        if collective in self.overrides:
+            return self.overrides[collective], f"forced by {override_variable(collective)}"
+        if self.table is not None:
+            choice = self.table.lookup(collective, nbytes, self.world_size)
+            if choice is not None:
+                return choice, f"measured table {self.table.source}"
+        return cost_model_choice(collective, nbytes, self.world_size), "cost-model rule"
+
+    def _decide(self, collective, nbytes):
+        return self.explain(collective, nbytes)[0]
