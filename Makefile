@@ -8,15 +8,25 @@ MPIEXEC_FLAGS ?=
 WORLD_SIZES   ?= 2 3 4 5 6 7 8
 # A hung run must fail, not stall CI: seconds per mpiexec run.
 RUN_TIMEOUT   ?= 900
+# torch for the gloo comparison (collectives-bench --peers gloo); a CPU build.
+# Empty (make install TORCH=) leaves it out: the gloo tests then skip.
+TORCH         ?= torch==2.13.0
+# make bench: ranks, extra collectives-bench options, and where the results go.
+BENCH_RANKS   ?= 4
+BENCH_ARGS    ?=
+RESULTS       ?= bench/results
+# make tune: world sizes measured into the tuning file auto reads.
+TUNE_SIZES    ?= 2 3 4
+TUNING        ?= collectives-tuning.json
 
-.PHONY: install test test-serial test-mpi demo clean
+.PHONY: install test test-serial test-mpi demo bench tune clean
 
 install: $(VENV)/.installed
 
 $(VENV)/.installed: setup.py
 	test -x $(PYTHON) || python3 -m venv $(VENV)
 	$(PYTHON) -m pip install -q --upgrade pip
-	$(PYTHON) -m pip install -q -e ".[mpich,test]"
+	$(PYTHON) -m pip install -q -e ".[mpich,test,bench]" $(TORCH)
 	touch $@
 
 test: install test-serial test-mpi
@@ -34,6 +44,21 @@ test-mpi: install
 
 demo: install
 	$(MPIEXEC) $(MPIEXEC_FLAGS) -n 4 $(PYTHON) -m collectives.demo
+
+# The default sweep (every collective and algorithm, 8 B .. 64 MiB, checked against
+# native MPI): prints the table, writes JSON and the busbw plot.
+bench: install
+	mkdir -p $(RESULTS)
+	$(MPIEXEC) $(MPIEXEC_FLAGS) -n $(BENCH_RANKS) $(VENV)/bin/collectives-bench --check $(BENCH_ARGS) \
+	  --json $(RESULTS)/latest-n$(BENCH_RANKS).json --plot $(RESULTS)/latest-n$(BENCH_RANKS).png
+	@echo "plot: $(RESULTS)/latest-n$(BENCH_RANKS).png"
+
+# Measure every algorithm at each world size in TUNE_SIZES into $(TUNING); then
+# COLLECTIVES_TUNING=$(TUNING) makes auto use it.
+tune: install
+	@for n in $(TUNE_SIZES); do \
+	  $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(VENV)/bin/collectives-bench --tune $(TUNING) --no-progress || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

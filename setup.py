@@ -14,16 +14,22 @@ setup(
     python_requires=">=3.10",
     # kernels/ (CUDA sources, a later issue) ships inside the package as
     # collectives.kernels, so no generic top-level module called `kernels` is installed.
-    packages=["collectives", "collectives.algorithms", "collectives.transport", "collectives.kernels"],
+    packages=["collectives", "collectives.algorithms", "collectives.bench", "collectives.transport",
+              "collectives.kernels"],
     package_dir={"collectives": "collectives", "collectives.kernels": "kernels"},
-    package_data={"collectives.kernels": ["*.cu", "*.cuh", "README.md"]},
+    package_data={"collectives": ["data/*.json"], "collectives.kernels": ["*.cu", "*.cuh", "README.md"]},
     install_requires=["mpi4py>=3.1", "numpy>=1.23"],
     extras_require={
         # mpi4py's MPI runtime from PyPI: a fresh machine needs no system MPI.
         # On a cluster, leave this out and keep the site's MPI.
         "mpich": ["mpich"],
         "test": ["pytest>=7", "pytest-mpi>=0.6", "hypothesis>=6"],
+        # collectives-bench: --plot and the progress bar.
+        "bench": ["matplotlib>=3.5", "tqdm>=4.60"],
+        # collectives-bench --peers gloo (torch.distributed on the CPU).
+        "gloo": ["torch>=2.0"],
     },
+    entry_points={"console_scripts": ["collectives-bench=collectives.bench.cli:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: System :: Distributed Computing",

@@ -141,9 +141,13 @@ class Communicator:
             check_out(out, x.shape, x.dtype)
         if segment_size is not None:
             _check_segment_size(segment_size)
-        inp, result, inplace, unpack = _prepare(x, out, x.shape)
         if algorithm == "auto":
             algorithm = self._selector.choose("allreduce", x.nbytes)
+        if algorithm == "native" and blocking and x.flags.c_contiguous:
+            result = self._native_allreduce_now(x, op, out)
+            if result is not None:
+                return result
+        inp, result, inplace, unpack = _prepare(x, out, x.shape)
 
         def finish():
             ops.finish(op, result, self.size)
@@ -280,6 +284,25 @@ class Communicator:
         describe = f"{collective}(algorithm={algorithm!r})"
         handle = PlanHandle(self._progress, describe, done, self._comm, self._sequence, plan, buffers, op).start()
         return handle.wait() if blocking else handle
+
+    def _native_allreduce_now(self, x, op, out):
+        """The latency path (what ``auto`` picks for tiny buffers): MPI's blocking
+        allreduce straight on the caller's contiguous arrays. None, and nothing done,
+        if the call needs more (packing ``out``, a snapshot of an overlapping ``x``, or
+        other calls of ours in flight that MPI's blocking call could starve)."""
+        if out is None:
+            out = np.empty_like(x)
+        elif out is not x and (not out.flags.c_contiguous or overlaps(x, out)):
+            return None
+        if self._progress.active:
+            return None
+        self._sequence = (self._sequence + 1) % self._tag_limit  # every rank counts every call
+        try:
+            self._comm.Allreduce(MPI.IN_PLACE if out is x else x, out, _MPI_OPS[op])
+        except MPI.Exception as exc:
+            raise TransportError(f"allreduce(algorithm='native'): the MPI library failed: {exc}") from exc
+        ops.finish(op, out, self.size)
+        return out
 
     def _native(self, collective, inp, out, inplace, op, root, counts, blocking=False):
         """Start MPI's own non-blocking collective (return its request), or with

@@ -104,10 +104,11 @@ def test_errors_derive_from_collective_error():
 
 
 def test_algorithms_lists_native_and_auto():
-    assert cc.algorithms("allreduce") == ("ring", "tree", "recursive_halving", "recursive_doubling", "native", "auto")
-    assert cc.algorithms("reduce_scatter") == ("ring", "recursive_halving", "native", "auto")
-    assert cc.algorithms("allgather") == ("ring", "recursive_doubling", "bruck", "native", "auto")
-    assert cc.algorithms("broadcast") == ("binomial", "pipeline", "scatter_allgather", "native", "auto")
+    assert cc.algorithms("allreduce") == (
+        "ring", "tree", "recursive_halving", "recursive_doubling", "direct", "native", "auto")
+    assert cc.algorithms("reduce_scatter") == ("ring", "recursive_halving", "direct", "native", "auto")
+    assert cc.algorithms("allgather") == ("ring", "recursive_doubling", "bruck", "direct", "native", "auto")
+    assert cc.algorithms("broadcast") == ("binomial", "pipeline", "scatter_allgather", "direct", "native", "auto")
     assert cc.algorithms("reduce") == ("binomial", "native", "auto")
     with pytest.raises(ValueError, match="collective must be one of"):
         cc.algorithms("alltoall")

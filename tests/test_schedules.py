@@ -105,13 +105,18 @@ def bytes_sent(collective, algorithm, rank, size, count, itemsize=4):
 
 
 @pytest.mark.parametrize("size", range(2, 17))
-def test_ring_and_rabenseifner_send_the_bandwidth_bound(size):
+def test_ring_direct_and_rabenseifner_send_the_bandwidth_bound(size):
     count = 64 * 9 * 5 * 7 * 11 * 13  # divisible by every size here
     n = count * 4
     bound = 2 * (size - 1) * n // size
     for rank in range(size):
-        messages, sent = bytes_sent("allreduce", "ring", rank, size, count)
-        assert (messages, sent) == (2 * (size - 1), bound)
+        for algorithm in ("ring", "direct"):
+            messages, sent = bytes_sent("allreduce", algorithm, rank, size, count)
+            assert (messages, sent) == (2 * (size - 1), bound)
+        for collective in ("reduce_scatter", "allgather"):
+            per_rank = count if collective == "reduce_scatter" else count // size
+            messages, sent = bytes_sent(collective, "direct", rank, size, per_rank)
+            assert (messages, sent) == (size - 1, bound // 2)
     if size & (size - 1) == 0:  # Rabenseifner meets the bound for powers of two
         for rank in range(size):
             messages, sent = bytes_sent("allreduce", "recursive_halving", rank, size, count)
@@ -128,6 +133,9 @@ def test_workspace_is_a_fraction_of_the_buffer(size):
         assert build("allreduce", "tree", rank, size, count, segment=100).tmp <= 4 * 100
         assert build("broadcast", "pipeline", rank, size, count, segment=100).tmp == 0
         assert build("broadcast", "scatter_allgather", rank, size, count).tmp == 0
+        assert build("allreduce", "direct", rank, size, count).tmp <= (size - 1) * chunk
+        assert build("reduce_scatter", "direct", rank, size, count).tmp <= (size - 1) * chunk
+        assert build("broadcast", "direct", rank, size, count).tmp == 0
 
 
 def test_plan_waits_only_for_the_data_it_touches():

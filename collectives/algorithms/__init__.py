@@ -7,7 +7,7 @@ MPI library's own collective, which the transport calls directly.
 """
 
 from ._layout import block_bounds  # noqa: F401 (used by the communicator)
-from . import binomial, bruck, pipeline, recursive_doubling, recursive_halving, ring, scatter_allgather, tree
+from . import binomial, bruck, direct, pipeline, recursive_doubling, recursive_halving, ring, scatter_allgather, tree
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
 
@@ -17,20 +17,24 @@ BUILDERS = {
         "tree": tree.allreduce,
         "recursive_halving": recursive_halving.allreduce,
         "recursive_doubling": recursive_doubling.allreduce,
+        "direct": direct.allreduce,
     },
     "reduce_scatter": {
         "ring": ring.reduce_scatter,
         "recursive_halving": recursive_halving.reduce_scatter,
+        "direct": direct.reduce_scatter,
     },
     "allgather": {
         "ring": ring.allgather,
         "recursive_doubling": recursive_doubling.allgather,
         "bruck": bruck.allgather,
+        "direct": direct.allgather,
     },
     "broadcast": {
         "binomial": binomial.broadcast,
         "pipeline": pipeline.broadcast,
         "scatter_allgather": scatter_allgather.broadcast,
+        "direct": direct.broadcast,
     },
     "reduce": {
         "binomial": binomial.reduce,

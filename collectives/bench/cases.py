@@ -140,6 +140,7 @@ class Case:
         self._reset()
         run()
         got = self.result()
+        got = None if got is None else got.copy()  # the reset below may overwrite it
         self._reset()
         if expected is None or got is None:
             return 0

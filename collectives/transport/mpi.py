@@ -10,6 +10,8 @@ one handle also advances the others, so ranks that wait on their handles in
 different orders cannot deadlock.
 """
 
+import os
+
 from mpi4py import MPI
 
 from ..errors import TransportError
@@ -18,27 +20,52 @@ from .engine import Execution
 
 
 class Progress:
-    """The handles of one communicator that still have messages in flight."""
+    """The handles of one communicator that still have messages in flight.
+
+    Waiting polls (``Testsome``) and yields the CPU between polls instead of spinning
+    inside ``MPI_Waitsome``: when there are more ranks than cores, a rank that spins
+    keeps the very peer it waits for off the CPU, and every step of a schedule then
+    costs a scheduler time slice (a 1 MiB ring allreduce at 4 ranks on 2 cores went
+    from 21 ms to 0.8 ms). With a core per rank, ``sched_yield`` returns at once.
+    """
 
     def __init__(self):
         self.active = []
+        self._requests = None  # the outstanding requests of all active handles, and
+        self._owners = None  # (handle, token) for each; rebuilt after any change
+
+    def changed(self):
+        """A handle started, finished, or added or completed a request."""
+        self._requests = None
 
     def advance(self, block):
         """Complete what has finished; with ``block``, wait until something has."""
-        requests, owners = [], []
-        for handle in self.active:
-            for token, request in handle._requests.items():
-                requests.append(request)
-                owners.append((handle, token))
-        if not requests:
-            return
-        try:
-            finished = MPI.Request.Waitsome(requests) if block else MPI.Request.Testsome(requests)
-        except MPI.Exception as exc:
-            raise TransportError(f"MPI failed while waiting for messages: {exc}") from exc
-        for j in finished or ():
-            handle, token = owners[j]
-            handle._request_done(token)
+        while True:
+            if self._requests is None:
+                self._requests, self._owners = [], []
+                for handle in self.active:
+                    for token, request in handle._requests.items():
+                        self._requests.append(request)
+                        self._owners.append((handle, token))
+            if not self._requests:
+                return
+            try:
+                finished = MPI.Request.Testsome(self._requests)
+            except MPI.Exception as exc:
+                raise TransportError(f"MPI failed while waiting for messages: {exc}") from exc
+            if finished:
+                owners = self._owners
+                self.changed()
+                for j in finished:
+                    handle, token = owners[j]
+                    handle._request_done(token)
+                return
+            if not block:
+                return
+            _yield_cpu()
+
+
+_yield_cpu = getattr(os, "sched_yield", lambda: None)
 
 
 class Handle:
@@ -66,10 +93,12 @@ class Handle:
     # -- for transports -------------------------------------------------------
     def _begin(self):
         self._progress.active.append(self)
+        self._progress.changed()
         self._check_done()
 
     def _add_request(self, request, token):
         self._requests[token] = request
+        self._progress.changed()
 
     def _request_done(self, token):
         del self._requests[token]
@@ -79,6 +108,7 @@ class Handle:
     def _check_done(self):
         if not self._finished and self._is_done():
             self._progress.active.remove(self)
+            self._progress.changed()
             self._result = self._finish()
             self._finished = True
 

@@ -1,0 +1,111 @@
+"""Check benchmark JSON files (from ``collectives-bench --json``) against the project's
+performance targets and print a Markdown report.
+
+    python bench/targets.py bench/results/<machine>/n2.json bench/results/<machine>/n4.json
+
+Every ratio compares contenders measured in the same run (interleaved), never across
+runs. Times are each row's ``time_us`` (average over calls and ranks); the ``p50``
+columns repeat the comparison on the median, which a descheduled rank disturbs less.
+"""
+
+import json
+import sys
+from collections import defaultdict
+
+MiB = 1024 * 1024
+
+
+def load(path):
+    rows = json.load(open(path))
+    table = defaultdict(dict)  # (collective, bytes) -> algorithm -> row
+    for row in rows:
+        table[row["collective"], row["bytes"]][row["algorithm"]] = row
+    return rows[0]["world_size"], table
+
+
+def ours(algorithms):
+    return {a: r for a, r in algorithms.items() if a not in ("native", "gloo", "auto")}
+
+
+def fastest(candidates, key):
+    name = min(candidates, key=lambda a: candidates[a][key])
+    return name, candidates[name][key]
+
+
+def report(path):
+    p, table = load(path)
+    out = [f"\n## World size {p} (`{path}`)\n"]
+    verdicts = []
+
+    def verdict(name, ok, detail):
+        verdicts.append(f"| {name} | {'met' if ok else '**missed**'} | {detail} |")
+
+    # 1. best allreduce >= 1.5x native busbw at 16 MiB and above
+    worst = None
+    lines = ["| size | best (ours) | vs native (avg) | vs native (p50) |", "|---|---|---|---|"]
+    for (c, size), algs in sorted(table.items()):
+        if c == "allreduce" and size >= 16 * MiB and "native" in algs and ours(algs):
+            name, t = fastest(ours(algs), "time_us")
+            ratio = algs["native"]["time_us"] / t
+            ratio50 = algs["native"]["p50_us"] / fastest(ours(algs), "p50_us")[1]
+            worst = ratio if worst is None else min(worst, ratio)
+            lines.append(f"| {size // MiB} MiB | {name} | {ratio:.2f}x | {ratio50:.2f}x |")
+    if worst is not None:
+        out += ["### Allreduce at 16 MiB and above: best of ours against native\n", *lines, ""]
+        verdict("allreduce best >= 1.5x native, >= 16 MiB", worst >= 1.5, f"lowest {worst:.2f}x")
+
+    # 2. auto within 1.2x of the fastest (native included), 8 B .. 64 MiB
+    lines = ["| collective | size | auto picks | fastest | auto / fastest (avg) | (p50) |", "|---|---|---|---|---|---|"]
+    misses = defaultdict(list)
+    for (c, size), algs in sorted(table.items()):
+        if "auto" not in algs or size > 64 * MiB:
+            continue
+        field = {a: r for a, r in algs.items() if a not in ("auto", "gloo")}
+        best, t = fastest(field, "time_us")
+        ratio = algs["auto"]["time_us"] / t
+        ratio50 = algs["auto"]["p50_us"] / fastest(field, "p50_us")[1]
+        if ratio > 1.2:
+            misses[c].append(size)
+            lines.append(f"| {c} | {size} | {algs['auto'].get('chosen')} | {best} | {ratio:.2f} | {ratio50:.2f} |")
+    for c in sorted({c for c, _ in table}):
+        if any("auto" in algs for (cc, _), algs in table.items() if cc == c):
+            sizes = misses.get(c, [])
+            verdict(f"{c}: auto within 1.2x of fastest, 8 B..64 MiB", not sizes,
+                    f"over 1.2x at {len(sizes)} sizes" + (f": {sizes}" if sizes else ""))
+    if len(lines) > 2:
+        out += ["### Sizes where auto is more than 1.2x off the fastest\n", *lines, ""]
+
+    # 3. 8-byte allreduce through auto <= 2x native latency
+    algs = table.get(("allreduce", 8))
+    if algs and "auto" in algs:
+        ratio = algs["auto"]["time_us"] / algs["native"]["time_us"]
+        ratio50 = algs["auto"]["p50_us"] / algs["native"]["p50_us"]
+        verdict("8 B allreduce via auto <= 2x native", ratio <= 2.0,
+                f"{algs['auto']['time_us']:.1f} us vs {algs['native']['time_us']:.1f} us = {ratio:.2f}x (p50 {ratio50:.2f}x)")
+
+    # 4. broadcast and allgather: best >= native at 1 MiB and above
+    for c in ("broadcast", "allgather"):
+        ratios = {size: algs["native"]["time_us"] / fastest(ours(algs), "time_us")[1]
+                  for (cc, size), algs in table.items() if cc == c and size >= MiB and ours(algs)}
+        if ratios:
+            low = min(ratios.values())
+            verdict(f"{c}: best >= native, >= 1 MiB", low >= 1.0,
+                    "; ".join(f"{s // MiB} MiB {r:.2f}x" for s, r in sorted(ratios.items())))
+
+    # 5. >= 3x faster than gloo from 64 KiB
+    for c in ("allreduce", "broadcast", "allgather"):
+        ratios = {size: algs["gloo"]["time_us"] / fastest(ours(algs), "time_us")[1]
+                  for (cc, size), algs in table.items() if cc == c and size >= 64 * 1024 and "gloo" in algs}
+        if ratios:
+            low = min(ratios.values())
+            verdict(f"{c}: >= 3x faster than gloo, >= 64 KiB", low >= 3.0,
+                    f"lowest {low:.1f}x (at {min(ratios, key=ratios.get)} B), highest {max(ratios.values()):.1f}x")
+
+    out = out[:1] + ["| target | | measured |", "|---|---|---|", *verdicts, ""] + out[1:]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    print("# Targets\n" + "".join(report(path) for path in sys.argv[1:]))
