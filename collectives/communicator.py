@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 from . import ops
 from .algorithms import SEGMENTED, block_bounds, build, check_algorithm
+from .errors import TransportError
 from .arrays import as_array, check_out, flat_input, flat_view, overlaps, same_memory
 from .schedule import compile_plan
 from .transport.buffers import Buffers
@@ -110,6 +111,8 @@ class Communicator:
         """``(algorithm, why)``: what ``auto`` picks for ``collective`` on ``nbytes`` bytes
         (allgather: the gathered size) at this world size, and which rule decided."""
         check_algorithm(collective, "auto")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
+            raise ValueError(f"nbytes must be a non-negative number of bytes; got {nbytes!r}")
         return self._selector.explain(collective, int(nbytes))
 
     def release_memory(self):

@@ -56,7 +56,12 @@ class TuningTable:
         for collective, by_size in tables.items():
             if collective not in COLLECTIVES:
                 raise ValueError(f"tuning table {self.source}: unknown collective {collective!r}")
+            if not isinstance(by_size, dict):
+                raise ValueError(f"tuning table {self.source}, {collective}: expected an object keyed by world size")
             for world_size, entries in by_size.items():
+                if not (isinstance(world_size, str) and world_size.isdigit() and int(world_size) > 0):
+                    raise ValueError(f"tuning table {self.source}, {collective}: world size {world_size!r} "
+                                     "is not a positive integer")
                 self._ranges[collective, int(world_size)] = self._check(collective, world_size, entries)
 
     def _check(self, collective, world_size, entries):
@@ -65,7 +70,7 @@ class TuningTable:
             raise ValueError(f"{where}: expected a non-empty list of [from_bytes, algorithm]")
         starts, names = [], []
         for entry in entries:
-            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int) and entry[0] >= 0):
+            if not (isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is int and entry[0] >= 0):
                 raise ValueError(f"{where}: entry {entry!r} is not [from_bytes, algorithm]")
             if entry[1] not in _concrete(collective):
                 raise ValueError(f"{where}: algorithm {entry[1]!r} is not one of {', '.join(_concrete(collective))}")
@@ -83,7 +88,7 @@ class TuningTable:
             data = json.loads(Path(path).read_text())
         except (OSError, ValueError) as exc:
             raise ValueError(f"cannot read tuning file {path}: {exc}") from exc
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
+        if not isinstance(data, dict) or type(data.get("format")) is not int or data["format"] != FORMAT:
             raise ValueError(f"tuning file {path}: expected an object with \"format\": {FORMAT}")
         return cls(data.get("tables"), source=path)
 

@@ -117,7 +117,7 @@ class Case:
             return None
         reduce_op = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
                      "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[self.op]
-        x, out = torch.from_numpy(self.x), torch.from_numpy(self.out)  # zero copy
+        x, out = torch.from_numpy(self.x), torch.from_numpy(self.out.reshape(-1))  # zero copy, flat
         if self.collective == "allreduce":
             if self.inplace:
                 return lambda: dist.all_reduce(out, reduce_op, group=group)

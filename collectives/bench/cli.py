@@ -20,6 +20,7 @@ from .. import Communicator
 from ..algorithms import COLLECTIVES, algorithms
 from ..arrays import SUPPORTED_DTYPES
 from ..ops import OPS, check_op
+from ..tuning import TuningTable
 from . import report, timing, tune
 from .cases import Case, bus_factor
 
@@ -123,6 +124,8 @@ def start_gloo(world):
         import torch.distributed as dist
     except ImportError:
         raise SystemExit("--peers gloo needs torch: pip install torch") from None
+    if dist.is_initialized():  # a second sweep in the same processes
+        return dist.group.WORLD
     address = None
     if world.Get_rank() == 0:
         with socket.socket() as s:  # a free port; gloo binds it right after
@@ -170,10 +173,40 @@ def measure(case, comm, world, names, args, gloo_group):
     return rows
 
 
+def check_outputs(args, world):
+    """Fail before the sweep, on every rank, if the results could not be written."""
+    problem = None
+    if world.Get_rank() == 0:
+        try:
+            if args.plot:
+                import matplotlib  # noqa: F401
+            if args.tune and os.path.exists(args.tune):
+                TuningTable.load(args.tune)
+        except ImportError:
+            problem = "--plot needs matplotlib: pip install 'collectives[bench]'"
+        except ValueError as exc:
+            problem = f"--tune: {exc}"
+    problem = world.bcast(problem, root=0)
+    if problem:
+        raise SystemExit(problem)
+
+
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     world = MPI.COMM_WORLD.Dup()  # native runs here, ours on the Communicator's own duplicate
-    comm = Communicator(world)
+    try:
+        check_outputs(args, world)
+        comm = Communicator(world)
+        try:
+            return sweep(args, world, comm)
+        finally:
+            comm.free()
+    finally:
+        world.Free()
+
+
+def sweep(args, world, comm):
+    """Run the benchmark; write the outputs on rank 0; return the exit status."""
     rank0 = world.Get_rank() == 0
     gloo_group = start_gloo(world) if "gloo" in args.peers else None
     size_list = sizes(args.begin, args.end, args.factor)
@@ -224,7 +257,6 @@ def main(argv=None):
             for collective, by_size in new.items():
                 for world_size, entries in by_size.items():
                     print(f"#   {collective:15s} " + ", ".join(f"{report.human_bytes(b)}+ {a}" for b, a in entries))
-    comm.free()
     return 1 if wrong else 0
 
 

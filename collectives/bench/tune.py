@@ -34,8 +34,8 @@ def thresholds(rows):
         best = min(times, key=times.get)
         if winner in times and times[winner] <= STICKINESS * times[best]:
             best = winner
-        if best != winner:
-            start = 0 if previous_size is None else int(math.sqrt(previous_size * size))
+        if best != winner:  # from the geometric mean, past the size the old winner won at
+            start = 0 if previous_size is None else max(previous_size + 1, int(math.sqrt(previous_size * size)))
             entries.append([start, best])
             winner = best
         previous_size = size
@@ -71,8 +71,10 @@ def write(path, rows, settings):
     path = Path(path)
     data = {"format": FORMAT, "measured": {}, "tables": {}}
     if path.exists():
+        TuningTable.load(path)  # refuse to merge into a broken file (raises naming it)
         data = json.loads(path.read_text())
-        TuningTable(data.get("tables", {}), source=path)  # refuse to merge into a broken file
+        data.setdefault("measured", {})
+        data["tables"] = data.get("tables") or {}
     new = tables_from_rows(rows)
     for collective, by_size in new.items():
         data["tables"].setdefault(collective, {}).update(by_size)
