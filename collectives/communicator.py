@@ -44,6 +44,9 @@ def _check_root(root, size):
     return int(root)
 
 
+_NO_WORKSPACE = np.empty(0, np.uint8)  # sliced only to length 0 by plans with tmp == 0
+
+
 class _Workspace:
     """Reusable scratch memory, so calls do not allocate their workspace every time.
 
@@ -56,15 +59,19 @@ class _Workspace:
         self._keep = keep
 
     def take(self, count, dtype):
+        if count == 0:  # most plans need none: nothing to take or give back
+            return None, _NO_WORKSPACE
         nbytes = count * np.dtype(dtype).itemsize
-        fitting = [i for i, b in enumerate(self._free) if b.size >= nbytes]
-        if fitting:
-            buffer = self._free.pop(min(fitting, key=lambda i: self._free[i].size))
-        else:
-            buffer = np.empty(nbytes, np.uint8)
+        best = None
+        for i, b in enumerate(self._free):  # the smallest free buffer that fits
+            if b.size >= nbytes and (best is None or b.size < self._free[best].size):
+                best = i
+        buffer = self._free.pop(best) if best is not None else np.empty(nbytes, np.uint8)
         return buffer, buffer[:nbytes].view(dtype)
 
     def give(self, buffer):
+        if buffer is None:
+            return
         self._free.append(buffer)
         if len(self._free) > self._keep:
             self._free.sort(key=len)

@@ -60,8 +60,9 @@ def parse_args(argv):
     p.add_argument("-w", "--warmup", type=int, default=2, help="untimed calls per contender and size")
     p.add_argument("--budget", type=float, default=0.05,
                    help="seconds of timed calls per contender and size: sets the iteration count (default 0.05)")
-    p.add_argument("--min-iters", type=int, default=5)
-    p.add_argument("--max-iters", type=int, default=2000)
+    p.add_argument("--min-iters", type=int, default=5, help="fewest timed calls per contender and size")
+    p.add_argument("--max-iters", type=int, default=2000, help="most timed calls per contender and size")
+    p.add_argument("-n", "--iters", type=int, help="exactly this many timed calls (instead of --budget)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per size (default 3)")
     p.add_argument("--inplace", action="store_true",
                    help="in place (out=x; MPI_IN_PLACE for native); reduce_scatter stays out of place")
@@ -96,6 +97,10 @@ def parse_args(argv):
             p.error(f"--peers: only 'gloo' is supported; got {peer!r}")
     if args.factor < 2 or args.begin < 1 or args.end < args.begin:
         p.error("need 1 <= --begin <= --end and --factor >= 2")
+    if args.iters is not None:
+        if args.iters < 1:
+            p.error("--iters must be >= 1")
+        args.min_iters = args.max_iters = args.iters
     if min(args.warmup, args.min_iters, args.rounds) < 1 or args.max_iters < args.min_iters:
         p.error("--warmup, --min-iters and --rounds must be >= 1, --max-iters >= --min-iters")
     try:

@@ -1,11 +1,13 @@
 """From benchmark rows to a tuning table (the file ``auto`` reads; format in
 :mod:`collectives.tuning`).
 
-At each measured size the fastest contender (lowest average time, ``native``
-included) wins, except that the previous size's winner keeps the size if it is
-within ``STICKINESS`` of the fastest: on a noisy machine this stops the table from
-flapping between two algorithms that are really tied. A switch between two measured
-sizes takes effect at their geometric mean.
+Each contender's score at a measured size is its average time divided by the
+fastest one's there (``native`` included), averaged geometrically with the same
+ratio at the ``SMOOTHING`` measured sizes on either side, which count half as much: on a noisy machine one
+lucky size should not win an algorithm a range of its own. The lowest score wins,
+except that the previous size's winner keeps the size while its score is within
+``STICKINESS`` of the best (so two algorithms that are really tied do not make the
+table flap). A switch between two measured sizes takes effect at their geometric mean.
 """
 
 import datetime
@@ -22,18 +24,43 @@ STICKINESS = 1.05
 NOT_TUNED = ("auto", "gloo")  # what auto cannot pick
 
 
-def thresholds(rows):
-    """``[[from_bytes, algorithm], ...]`` for the rows of one collective and world size."""
+SMOOTHING = 1
+
+
+def winners(rows, window=SMOOTHING):
+    """``[(size, algorithm), ...]`` ascending: the winner at each measured size, for the
+    rows of one collective and world size."""
     by_size = {}
     for row in rows:
         if row["algorithm"] not in NOT_TUNED and row["time_us"] is not None:
             by_size.setdefault(row["bytes"], {})[row["algorithm"]] = row["time_us"]
-    entries, previous_size, winner = [], None, None
-    for size in sorted(by_size):
-        times = by_size[size]
-        best = min(times, key=times.get)
-        if winner in times and times[winner] <= STICKINESS * times[best]:
+    sizes = sorted(by_size)
+    ratios = []  # per size: each algorithm's time / the fastest time at that size
+    for size in sizes:
+        fastest = min(by_size[size].values())
+        ratios.append({a: t / fastest for a, t in by_size[size].items()})
+    result, winner = [], None
+    for i, size in enumerate(sizes):
+        scores = {}
+        for algorithm in ratios[i]:
+            # the size itself counts twice as much as each neighbour
+            weighted = [(2.0, math.log(ratios[i][algorithm]))]
+            for j in range(max(0, i - window), min(len(sizes), i + window + 1)):
+                if j != i and algorithm in ratios[j]:
+                    weighted.append((1.0, math.log(ratios[j][algorithm])))
+            scores[algorithm] = math.exp(sum(w * x for w, x in weighted) / sum(w for w, _ in weighted))
+        best = min(scores, key=scores.get)
+        if winner in scores and scores[winner] <= STICKINESS * scores[best]:
             best = winner
+        result.append((size, best))
+        winner = best
+    return result
+
+
+def thresholds(rows, window=SMOOTHING):
+    """``[[from_bytes, algorithm], ...]`` for the rows of one collective and world size."""
+    entries, previous_size, winner = [], None, None
+    for size, best in winners(rows, window):
         if best != winner:  # from the geometric mean, past the size the old winner won at
             start = 0 if previous_size is None else max(previous_size + 1, int(math.sqrt(previous_size * size)))
             entries.append([start, best])
