@@ -153,9 +153,9 @@ class Communicator:
             _check_segment_size(segment_size)
         if algorithm == "auto":
             algorithm = self._selector.choose("allreduce", x.nbytes)
-        if algorithm == "native" and blocking and x.flags.c_contiguous:
-            result = self._native_allreduce_now(x, op, out)
-            if result is not None:
+        if algorithm == "native" and blocking:
+            result = self._native_now("allreduce", x, out, x.shape, op)
+            if result is not _NOT_HANDLED:
                 return result
         inp, result, inplace, unpack = _prepare(x, out, x.shape)
 
@@ -181,14 +181,18 @@ class Communicator:
         shape = (bounds[self.rank + 1] - bounds[self.rank],)
         if out is not None:
             check_out(out, shape, x.dtype)
-        inp, result, _, unpack = _prepare(x, out, shape, allow_inplace=False)
         algorithm = self._resolve("reduce_scatter", algorithm, x.nbytes)
+        counts = [bounds[r + 1] - bounds[r] for r in range(self.size)]
+        if algorithm == "native" and blocking:
+            result = self._native_now("reduce_scatter", x, out, shape, op, counts=counts)
+            if result is not _NOT_HANDLED:
+                return result
+        inp, result, _, unpack = _prepare(x, out, shape, allow_inplace=False)
 
         def finish():
             ops.finish(op, result, self.size)
             return unpack()
 
-        counts = [bounds[r + 1] - bounds[r] for r in range(self.size)]
         return self._start("reduce_scatter", algorithm, x.size, inp, result, False, op, 0, None, finish, blocking, counts)
 
     def allgather(self, x, algorithm="auto", out=None):
@@ -204,8 +208,12 @@ class Communicator:
         shape = (self.size,) + x.shape
         if out is not None:
             check_out(out, shape, x.dtype)
-        inp, result, _, unpack = _prepare(x, out, shape, allow_inplace=False)
         algorithm = self._resolve("allgather", algorithm, x.nbytes * self.size)
+        if algorithm == "native" and blocking:
+            result = self._native_now("allgather", x, out, shape)
+            if result is not _NOT_HANDLED:
+                return result
+        inp, result, _, unpack = _prepare(x, out, shape, allow_inplace=False)
         return self._start("allgather", algorithm, x.size, inp, result, False, "sum", 0, None, unpack, blocking)
 
     def broadcast(self, x, root=0, algorithm="auto", *, segment_size=None):
@@ -223,8 +231,12 @@ class Communicator:
             raise ValueError("x must be a writable array: broadcast fills it in place")
         if segment_size is not None:
             _check_segment_size(segment_size)
-        _, result, _, unpack = _prepare(x, x, x.shape)
         algorithm = self._resolve("broadcast", algorithm, x.nbytes)
+        if algorithm == "native" and blocking:
+            result = self._native_now("broadcast", x, None, x.shape, root=root)
+            if result is not _NOT_HANDLED:
+                return result
+        _, result, _, unpack = _prepare(x, x, x.shape)
         return self._start("broadcast", algorithm, x.size, result, result, True, "sum", root, segment_size, unpack, blocking)
 
     def reduce(self, x, root=0, op="sum", algorithm="auto", out=None):
@@ -243,6 +255,10 @@ class Communicator:
         if out is not None:
             check_out(out, x.shape, x.dtype)
         algorithm = self._resolve("reduce", algorithm, x.nbytes)
+        if algorithm == "native" and blocking:
+            result = self._native_now("reduce", x, out, x.shape, op, root)
+            if result is not _NOT_HANDLED:
+                return result
         if self.rank != root:
             inp = flat_input(x)
             return self._start("reduce", algorithm, x.size, inp, inp[:0], False, op, root, None, _nothing, blocking)
@@ -295,23 +311,31 @@ class Communicator:
         handle = PlanHandle(self._progress, describe, done, self._comm, self._sequence, plan, buffers, op).start()
         return handle.wait() if blocking else handle
 
-    def _native_allreduce_now(self, x, op, out):
+    def _native_now(self, collective, x, out, shape, op="sum", root=0, counts=None):
         """The latency path (what ``auto`` picks for tiny buffers): MPI's blocking
-        allreduce straight on the caller's contiguous arrays. None, and nothing done,
-        if the call needs more (packing ``out``, a snapshot of an overlapping ``x``, or
-        other calls of ours in flight that MPI's blocking call could starve)."""
-        if out is None:
-            out = np.empty_like(x)
-        elif out is not x and (not out.flags.c_contiguous or overlaps(x, out)):
-            return None
-        if self._progress.active:
-            return None
+        collective straight on the caller's contiguous arrays, and its result. Returns
+        ``_NOT_HANDLED``, having done nothing, if the call needs more: packing, a
+        snapshot of an ``x`` that overlaps ``out``, or calls of ours in flight that
+        MPI's blocking call could starve."""
+        if self._progress.active or not x.flags.c_contiguous:
+            return _NOT_HANDLED
+        leaf = collective == "reduce" and self.rank != root  # gets no result; out is left alone
+        inplace = out is x and collective in ("allreduce", "reduce") and not leaf
+        if collective == "broadcast":
+            out = x
+        elif leaf:
+            out = None
+        elif out is None:
+            out = np.empty(shape, x.dtype)
+        elif not inplace and (not out.flags.c_contiguous or overlaps(x, out)):
+            return _NOT_HANDLED
         self._sequence = (self._sequence + 1) % self._tag_limit  # every rank counts every call
         try:
-            self._comm.Allreduce(MPI.IN_PLACE if out is x else x, out, _MPI_OPS[op])
+            self._native(collective, x, out, inplace, op, root, counts, blocking=True)
         except MPI.Exception as exc:
-            raise TransportError(f"allreduce(algorithm='native'): the MPI library failed: {exc}") from exc
-        ops.finish(op, out, self.size)
+            raise TransportError(f"{collective}(algorithm='native'): the MPI library failed: {exc}") from exc
+        if out is not None:
+            ops.finish(op, out, self.size)
         return out
 
     def _native(self, collective, inp, out, inplace, op, root, counts, blocking=False):
@@ -334,6 +358,9 @@ class Communicator:
 
 def _nothing():
     return None
+
+
+_NOT_HANDLED = object()  # _native_now's "take the general path"
 
 
 def _prepare(x, out, shape, allow_inplace=True):

@@ -52,6 +52,20 @@ def reference(op, inputs):
     return np.asarray(result, dtype=inputs[0].dtype)
 
 
+def expected_result(collective, rank, size, xs, op="sum", root=0):
+    """NumPy's answer for rank ``rank`` given every rank's input ``xs``."""
+    if collective == "allgather":
+        return np.stack(xs)
+    if collective == "broadcast":
+        return xs[root]
+    total = reference(op, xs)
+    if collective == "reduce":
+        return total if rank == root else None
+    if collective == "reduce_scatter":
+        return np.array_split(total.ravel(), size)[rank]
+    return total
+
+
 def agree(comm, problems):
     """Fail on every rank if any rank found a problem (so no rank is left waiting)."""
     everyone = comm.allgather(problems)

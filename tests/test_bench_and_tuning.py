@@ -25,7 +25,7 @@ from collectives.algorithms import cost_model_choice
 from collectives.bench import cli, timing, tune
 from collectives.bench.cases import Case, bus_factor, element_count
 from collectives.tuning import Selector, TuningTable
-from conftest import agree, rank_input, reference
+from conftest import agree, expected_result, rank_input, reference
 
 serial = pytest.mark.serial
 
@@ -91,20 +91,6 @@ def plans_used(monkeypatch):
 
     monkeypatch.setattr(communicator_module, "_plan", spy)
     return used
-
-
-def expected_result(collective, rank, size, xs, op="sum", root=0):
-    """NumPy's answer for rank ``rank`` given every rank's input ``xs``."""
-    if collective == "allgather":
-        return np.stack(xs)
-    if collective == "broadcast":
-        return xs[root]
-    total = reference(op, xs)
-    if collective == "reduce":
-        return total if rank == root else None
-    if collective == "reduce_scatter":
-        return np.array_split(total.ravel(), size)[rank]
-    return total
 
 
 def run_auto(comm, collective, x, root=0):

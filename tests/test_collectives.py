@@ -12,7 +12,7 @@ from mpi4py import MPI
 import collectives as cc
 
 from collectives.demo import native_result
-from conftest import ALL_DTYPES, agree, counts_for, ops_for, rank_input, reference, same
+from conftest import ALL_DTYPES, agree, counts_for, expected_result, ops_for, rank_input, reference, same
 
 REDUCING = ["allreduce", "reduce_scatter", "reduce"]
 
@@ -22,16 +22,7 @@ def inputs_of_all(size, count, dtype, op, shape=None):
 
 
 def expected(collective, comm, xs, op, root):
-    if collective == "allgather":
-        return np.stack(xs)
-    if collective == "broadcast":
-        return xs[root]
-    total = reference(op, xs)
-    if collective == "reduce":
-        return total if comm.rank == root else None
-    if collective == "reduce_scatter":
-        return np.array_split(total.ravel(), comm.size)[comm.rank]
-    return total
+    return expected_result(collective, comm.rank, comm.size, xs, op, root)
 
 
 def call(comm, collective, x, algorithm, op="sum", root=0, out=None, segment_size=None):

@@ -27,42 +27,47 @@ class Progress:
     keeps the very peer it waits for off the CPU, and every step of a schedule then
     costs a scheduler time slice (a 1 MiB ring allreduce at 4 ranks on 2 cores went
     from 21 ms to 0.8 ms). With a core per rank, ``sched_yield`` returns at once.
+
+    The requests of all active handles live in one list that only grows until half of
+    it has completed (MPI sets completed entries to ``REQUEST_NULL``, which later polls
+    skip); then it is compacted. So a pipelined schedule with thousands of segments in
+    flight costs O(1) Python work per completed request, not a rebuild per completion.
     """
 
     def __init__(self):
         self.active = []
-        self._requests = None  # the outstanding requests of all active handles, and
-        self._owners = None  # (handle, token) for each; rebuilt after any change
+        self._requests = []  # requests posted and not yet compacted away
+        self._owners = []  # (handle, token) for each entry of _requests
+        self._completed = 0  # entries of _requests that are REQUEST_NULL
 
-    def changed(self):
-        """A handle started, finished, or added or completed a request."""
-        self._requests = None
+    def add(self, handle, token, request):
+        self._requests.append(request)
+        self._owners.append((handle, token))
 
     def advance(self, block):
         """Complete what has finished; with ``block``, wait until something has."""
-        while True:
-            if self._requests is None:
-                self._requests, self._owners = [], []
-                for handle in self.active:
-                    for token, request in handle._requests.items():
-                        self._requests.append(request)
-                        self._owners.append((handle, token))
-            if not self._requests:
-                return
+        while self._requests:
             try:
                 finished = MPI.Request.Testsome(self._requests)
             except MPI.Exception as exc:
                 raise TransportError(f"MPI failed while waiting for messages: {exc}") from exc
             if finished:
-                owners = self._owners
-                self.changed()
-                for j in finished:
-                    handle, token = owners[j]
+                done = [self._owners[j] for j in finished]
+                self._completed += len(done)
+                if 2 * self._completed >= len(self._requests):
+                    self._compact()
+                for handle, token in done:  # may post new requests: appended to the lists
                     handle._request_done(token)
                 return
             if not block:
                 return
             _yield_cpu()
+
+    def _compact(self):
+        keep = [j for j, request in enumerate(self._requests) if request != MPI.REQUEST_NULL]
+        self._requests = [self._requests[j] for j in keep]
+        self._owners = [self._owners[j] for j in keep]
+        self._completed = 0
 
 
 _yield_cpu = getattr(os, "sched_yield", lambda: None)
@@ -93,12 +98,11 @@ class Handle:
     # -- for transports -------------------------------------------------------
     def _begin(self):
         self._progress.active.append(self)
-        self._progress.changed()
         self._check_done()
 
     def _add_request(self, request, token):
         self._requests[token] = request
-        self._progress.changed()
+        self._progress.add(self, token, request)
 
     def _request_done(self, token):
         del self._requests[token]
@@ -108,7 +112,6 @@ class Handle:
     def _check_done(self):
         if not self._finished and self._is_done():
             self._progress.active.remove(self)
-            self._progress.changed()
             self._result = self._finish()
             self._finished = True
 
