@@ -123,6 +123,11 @@ def contenders(collective, args):
     return names
 
 
+def mpi_library():
+    """'MPICH Version: 5.0.2' and the like: the first line, spaces squeezed."""
+    return " ".join(MPI.Get_library_version().split("\n")[0].split())
+
+
 def start_gloo(world):
     """torch.distributed with the gloo backend over the same ranks (rank 0 serves)."""
     try:
@@ -227,7 +232,7 @@ def sweep(args, world, comm):
             pass
     say = (bar.write if bar is not None else print) if rank0 else (lambda *_: None)
     if rank0:
-        say(f"# collectives-bench: {world.Get_size()} ranks, {MPI.Get_library_version().splitlines()[0].strip()}, "
+        say(f"# collectives-bench: {world.Get_size()} ranks, {mpi_library()}, "
             f"{os.cpu_count()} cpus; budget {args.budget}s x {args.rounds} interleaved rounds per contender")
     rows = []
     for collective in args.collectives:
@@ -254,7 +259,7 @@ def sweep(args, world, comm):
             report.write_csv(args.csv, rows)
         if args.plot:
             report.plot(args.plot, rows, f"{args.dtype} {args.op}, {world.Get_size()} ranks, "
-                                         f"{MPI.Get_library_version().splitlines()[0].strip()}")
+                                         f"{mpi_library()}")
         if args.tune:
             settings = {"dtype": args.dtype, "op": args.op, "inplace": args.inplace, "budget_s": args.budget}
             new = tune.write(args.tune, rows, settings)

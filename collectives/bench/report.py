@@ -85,8 +85,12 @@ def plot(path, rows, title):
     except ImportError as exc:
         raise SystemExit("--plot needs matplotlib: pip install 'collectives[bench]'") from exc
     collectives = list(dict.fromkeys(r["collective"] for r in rows))
-    fig, axes = plt.subplots(1, len(collectives), figsize=(5.5 * len(collectives), 4.2), squeeze=False)
-    for ax, collective in zip(axes[0], collectives):
+    ncols = min(3, len(collectives))
+    nrows = -(-len(collectives) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4.2 * nrows), squeeze=False)
+    for ax in axes.flat[len(collectives):]:
+        ax.set_visible(False)
+    for ax, collective in zip(axes.flat, collectives):
         mine = [r for r in rows if r["collective"] == collective]
         for algorithm in dict.fromkeys(r["algorithm"] for r in mine):
             points = sorted((r["bytes"], r["busbw_GBps"]) for r in mine if r["algorithm"] == algorithm)

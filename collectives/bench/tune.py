@@ -87,7 +87,7 @@ def describe_machine():
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
         "python": platform.python_version(),
-        "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+        "mpi": " ".join(MPI.Get_library_version().split("\n")[0].split()),
         "mpi4py": __import__("mpi4py").__version__,
     }
 
