@@ -27,6 +27,11 @@ def ours(algorithms):
     return {a: r for a, r in algorithms.items() if a not in ("native", "gloo", "auto")}
 
 
+def library(algorithms):
+    """Every way to call the library: its algorithms and auto (which may pick native)."""
+    return {a: r for a, r in algorithms.items() if a not in ("native", "gloo")}
+
+
 def fastest(candidates, key):
     name = min(candidates, key=lambda a: candidates[a][key])
     return name, candidates[name][key]
@@ -92,14 +97,15 @@ def report(path):
             verdict(f"{c}: best >= native, >= 1 MiB", low >= 1.0,
                     "; ".join(f"{s // MiB} MiB {r:.2f}x" for s, r in sorted(ratios.items())))
 
-    # 5. >= 3x faster than gloo from 64 KiB
+    # 5. >= 3x faster than gloo from 64 KiB: what the library gives (auto, or the best
+    # algorithm named explicitly)
     for c in ("allreduce", "broadcast", "allgather"):
-        ratios = {size: algs["gloo"]["time_us"] / fastest(ours(algs), "time_us")[1]
+        ratios = {size: algs["gloo"]["time_us"] / fastest(library(algs), "time_us")[1]
                   for (cc, size), algs in table.items() if cc == c and size >= 64 * 1024 and "gloo" in algs}
         if ratios:
             low = min(ratios.values())
             verdict(f"{c}: >= 3x faster than gloo, >= 64 KiB", low >= 3.0,
-                    f"lowest {low:.1f}x (at {min(ratios, key=ratios.get)} B), highest {max(ratios.values()):.1f}x")
+                    f"lowest {low:.2f}x (at {min(ratios, key=ratios.get)} B), highest {max(ratios.values()):.1f}x")
 
     out = out[:1] + ["| target | | measured |", "|---|---|---|", *verdicts, ""] + out[1:]
     return "\n".join(out)

@@ -227,7 +227,7 @@ def sweep(args, world, comm):
             from tqdm import tqdm
 
             bar = tqdm(total=len(args.collectives) * len(size_list), file=sys.stderr, unit="size",
-                       leave=False, dynamic_ncols=True)
+                       leave=False, dynamic_ncols=True, disable=None)  # None: off when stderr is not a terminal
         except ImportError:
             pass
     say = (bar.write if bar is not None else print) if rank0 else (lambda *_: None)
