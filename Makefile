@@ -8,8 +8,10 @@ MPIEXEC_FLAGS ?=
 WORLD_SIZES   ?= 2 3 4 5 6 7 8
 # A hung run must fail, not stall CI: seconds per mpiexec run.
 RUN_TIMEOUT   ?= 900
-# torch for the gloo comparison (collectives-bench --peers gloo); a CPU build.
-# Empty (make install TORCH=) leaves it out: the gloo tests then skip.
+# torch for the gloo comparison (collectives-bench --peers gloo). Here pip finds a
+# CPU build of 2.13.0; from PyPI on Linux this pulls the CUDA build: use
+# TORCH="torch --index-url https://download.pytorch.org/whl/cpu" there, or TORCH=
+# to leave it out (the gloo tests then skip).
 TORCH         ?= torch==2.13.0
 # make bench: ranks, extra collectives-bench options, and where the results go.
 BENCH_RANKS   ?= 4

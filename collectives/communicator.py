@@ -133,8 +133,8 @@ class Communicator:
 
     # -- collectives ------------------------------------------------------------
     # Each blocking call is its *_async call followed by wait(), except that a call
-    # that resolves to ``native`` while nothing else is in flight calls MPI's blocking
-    # collective directly (the cheapest path for tiny buffers).
+    # that resolves to ``native`` calls MPI's blocking collective (the cheapest path
+    # for tiny buffers), after finishing the calls this rank has in flight.
     def allreduce(self, x, op="sum", algorithm="auto", out=None, *, segment_size=None):
         """Reduce ``x`` elementwise over all ranks; every rank gets the result (shaped like
         ``x``; ``out=x`` works in place). Every rank's result has the same bits."""
@@ -288,16 +288,15 @@ class Communicator:
         algorithms only."""
         self._sequence = (self._sequence + 1) % self._tag_limit
         if algorithm == "native":
-            if blocking and not self._progress.active:
-                # Nothing of ours in flight that MPI's blocking call could starve.
+            if blocking:
+                self._drain()
                 try:
                     self._native(collective, inp, out, inplace, op, root, counts, blocking=True)
                 except MPI.Exception as exc:
                     raise TransportError(f"{collective}(algorithm='native'): the MPI library failed: {exc}") from exc
                 return finish()
             start = lambda: self._native(collective, inp, out, inplace, op, root, counts)  # noqa: E731
-            handle = RequestHandle(self._progress, f"{collective}(algorithm='native')", finish, start).start()
-            return handle.wait() if blocking else handle
+            return RequestHandle(self._progress, f"{collective}(algorithm='native')", finish, start).start()
         segment = self._segment(segment_size, out.itemsize) if (collective, algorithm) in SEGMENTED else 1
         plan = _plan(collective, algorithm, self.rank, self.size, count, root, segment, inplace)
         raw, tmp = self._workspace.take(plan.tmp, out.dtype)
@@ -314,10 +313,9 @@ class Communicator:
     def _native_now(self, collective, x, out, shape, op="sum", root=0, counts=None):
         """The latency path (what ``auto`` picks for tiny buffers): MPI's blocking
         collective straight on the caller's contiguous arrays, and its result. Returns
-        ``_NOT_HANDLED``, having done nothing, if the call needs more: packing, a
-        snapshot of an ``x`` that overlaps ``out``, or calls of ours in flight that
-        MPI's blocking call could starve."""
-        if self._progress.active or not x.flags.c_contiguous:
+        ``_NOT_HANDLED``, having done nothing, if the arrays need packing or ``x``
+        overlaps ``out`` (then ``_start`` packs them and makes the same blocking call)."""
+        if not x.flags.c_contiguous:
             return _NOT_HANDLED
         leaf = collective == "reduce" and self.rank != root  # gets no result; out is left alone
         inplace = out is x and collective in ("allreduce", "reduce") and not leaf
@@ -330,6 +328,7 @@ class Communicator:
         elif not inplace and (not out.flags.c_contiguous or overlaps(x, out)):
             return _NOT_HANDLED
         self._sequence = (self._sequence + 1) % self._tag_limit  # every rank counts every call
+        self._drain()
         try:
             self._native(collective, x, out, inplace, op, root, counts, blocking=True)
         except MPI.Exception as exc:
@@ -337,6 +336,19 @@ class Communicator:
         if out is not None:
             ops.finish(op, out, self.size)
         return out
+
+    def _drain(self):
+        """Finish this rank's calls in flight before a blocking MPI collective.
+
+        Every rank makes a blocking native call with MPI's blocking collective (a
+        blocking and a non-blocking collective never match each other in MPI, so the
+        choice must not depend on what this rank happens to have in flight). Our own
+        calls in flight need this rank's Python to progress them, which a rank blocked
+        inside MPI cannot do, so they are finished first; every rank started them
+        before this call, so every rank can finish them.
+        """
+        while self._progress.active:
+            self._progress.advance(block=True)
 
     def _native(self, collective, inp, out, inplace, op, root, counts, blocking=False):
         """Start MPI's own non-blocking collective (return its request), or with

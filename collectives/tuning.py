@@ -16,7 +16,8 @@ A tuning file is what ``collectives-bench --tune`` writes::
      "tables": {"allreduce": {"4": [[0, "native"], [65536, "ring"]], ...}, ...}}
 
 Each world size maps to a list of ``[from_bytes, algorithm]``, ascending: the
-algorithm applies from ``from_bytes`` up to the next entry's. ``bytes`` is the size
+algorithm applies from ``from_bytes`` up to the next entry's (the first entry also
+below its ``from_bytes``, which ``--tune`` writes as 0). ``bytes`` is the size
 the benchmark reports: the input for allreduce, reduce_scatter, broadcast and reduce,
 the gathered output for allgather.
 
@@ -27,6 +28,7 @@ bad values raise there, before any message is sent.
 import bisect
 import json
 import os
+import re
 from pathlib import Path
 
 from .algorithms import COLLECTIVES, algorithms, cost_model_choice
@@ -59,7 +61,7 @@ class TuningTable:
             if not isinstance(by_size, dict):
                 raise ValueError(f"tuning table {self.source}, {collective}: expected an object keyed by world size")
             for world_size, entries in by_size.items():
-                if not (isinstance(world_size, str) and world_size.isdigit() and int(world_size) > 0):
+                if not (isinstance(world_size, str) and re.fullmatch(r"[1-9][0-9]*", world_size)):
                     raise ValueError(f"tuning table {self.source}, {collective}: world size {world_size!r} "
                                      "is not a positive integer")
                 self._ranges[collective, int(world_size)] = self._check(collective, world_size, entries)

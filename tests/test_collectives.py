@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 import collectives as cc
 
-from collectives.demo import native_result
+from collectives.demo import native_result, run_one
 from conftest import ALL_DTYPES, agree, counts_for, expected_result, ops_for, rank_input, reference, same
 
 REDUCING = ["allreduce", "reduce_scatter", "reduce"]
@@ -183,6 +183,29 @@ def test_allreduce_bits_identical_across_ranks(comm, mpi_comm, algorithm):
             everyone = mpi_comm.allgather(got.tobytes())
             if any(b != everyone[0] for b in everyone):
                 problems.append(f"{dtype} {op}: results differ between ranks")
+    agree(mpi_comm, problems)
+
+
+@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"])
+def test_blocking_native_while_some_ranks_have_calls_in_flight(comm, mpi_comm, collective):
+    """A blocking call that goes to MPI's blocking collective must make the same kind
+    of MPI call on every rank, whatever each rank still has in flight (here rank 0 has
+    finished its async broadcast and the others have not), and must not leave a call
+    in flight unfinished on a rank that blocks inside MPI."""
+    problems = []
+    root = comm.size - 1
+    y = np.arange(8.0) * (comm.rank == root)
+    h = comm.broadcast_async(y, root=root, algorithm="binomial")
+    if comm.rank == 0:
+        while not h.test():
+            pass
+    xs = inputs_of_all(comm.size, 3, "float32", "sum")
+    got = run_one(comm, collective, "native", xs[comm.rank], "sum", 0)
+    want = expected(collective, comm, xs, "sum", 0)
+    if not (got is None and want is None) and not same(got, want):
+        problems.append(f"{collective}: {got} != {want}")
+    if not same(h.wait(), np.arange(8.0)):
+        problems.append("the broadcast in flight went wrong")
     agree(mpi_comm, problems)
 
 

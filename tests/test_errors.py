@@ -22,6 +22,9 @@ def test_unknown_algorithm_lists_the_valid_ones(comm, collective):
     names = ", ".join(cc.algorithms(collective))
     with pytest.raises(ValueError, match=f"algorithm for {collective} must be one of {names}; got 'fastest'"):
         getattr(comm, collective)(np.ones(4), algorithm="fastest")
+    for wrong in (["ring"], None, 3):  # not even a name: the same clear error
+        with pytest.raises(ValueError, match=f"algorithm for {collective} must be one of"):
+            getattr(comm, collective)(np.ones(4), algorithm=wrong)
     comm.barrier()
 
 

@@ -59,7 +59,7 @@ def algorithms(collective):
 
 
 def check_algorithm(collective, algorithm):
-    if algorithm in _VALID.get(collective, ()):  # the common case: a known name
+    if isinstance(algorithm, str) and algorithm in _VALID.get(collective, ()):  # the common case
         return algorithm
     names = algorithms(collective)
     if not isinstance(algorithm, str) or algorithm not in names:

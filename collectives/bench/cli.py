@@ -188,6 +188,9 @@ def check_outputs(args, world):
     problem = None
     if world.Get_rank() == 0:
         try:
+            for option, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot), ("--tune", args.tune)):
+                if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+                    raise ValueError(f"{option} {path}: the folder does not exist")
             if args.plot:
                 import matplotlib  # noqa: F401
             if args.tune and os.path.exists(args.tune):
@@ -195,7 +198,7 @@ def check_outputs(args, world):
         except ImportError:
             problem = "--plot needs matplotlib: pip install 'collectives[bench]'"
         except ValueError as exc:
-            problem = f"--tune: {exc}"
+            problem = str(exc) if str(exc).startswith("--") else f"--tune: {exc}"
     problem = world.bcast(problem, root=0)
     if problem:
         raise SystemExit(problem)
@@ -227,7 +230,7 @@ def sweep(args, world, comm):
             from tqdm import tqdm
 
             bar = tqdm(total=len(args.collectives) * len(size_list), file=sys.stderr, unit="size",
-                       leave=False, dynamic_ncols=True, disable=None)  # None: off when stderr is not a terminal
+                       leave=False, dynamic_ncols=True)
         except ImportError:
             pass
     say = (bar.write if bar is not None else print) if rank0 else (lambda *_: None)

@@ -111,7 +111,8 @@ class Handle:
 
     def _check_done(self):
         if not self._finished and self._is_done():
-            self._progress.active.remove(self)
+            if self in self._progress.active:  # a handle whose start() failed never joined
+                self._progress.active.remove(self)
             self._result = self._finish()
             self._finished = True
 
