@@ -151,8 +151,7 @@ class Communicator:
             check_out(out, x.shape, x.dtype)
         if segment_size is not None:
             _check_segment_size(segment_size)
-        if algorithm == "auto":
-            algorithm = self._selector.choose("allreduce", x.nbytes)
+        algorithm = self._resolve("allreduce", algorithm, x.nbytes)
         if algorithm == "native" and blocking:
             result = self._native_now("allreduce", x, out, x.shape, op)
             if result is not _NOT_HANDLED:
@@ -289,11 +288,7 @@ class Communicator:
         self._sequence = (self._sequence + 1) % self._tag_limit
         if algorithm == "native":
             if blocking:
-                self._drain()
-                try:
-                    self._native(collective, inp, out, inplace, op, root, counts, blocking=True)
-                except MPI.Exception as exc:
-                    raise TransportError(f"{collective}(algorithm='native'): the MPI library failed: {exc}") from exc
+                self._native_blocking(collective, inp, out, inplace, op, root, counts)
                 return finish()
             start = lambda: self._native(collective, inp, out, inplace, op, root, counts)  # noqa: E731
             return RequestHandle(self._progress, f"{collective}(algorithm='native')", finish, start).start()
@@ -328,17 +323,13 @@ class Communicator:
         elif not inplace and (not out.flags.c_contiguous or overlaps(x, out)):
             return _NOT_HANDLED
         self._sequence = (self._sequence + 1) % self._tag_limit  # every rank counts every call
-        self._drain()
-        try:
-            self._native(collective, x, out, inplace, op, root, counts, blocking=True)
-        except MPI.Exception as exc:
-            raise TransportError(f"{collective}(algorithm='native'): the MPI library failed: {exc}") from exc
+        self._native_blocking(collective, x, out, inplace, op, root, counts)
         if out is not None:
             ops.finish(op, out, self.size)
         return out
 
-    def _drain(self):
-        """Finish this rank's calls in flight before a blocking MPI collective.
+    def _native_blocking(self, collective, inp, out, inplace, op, root, counts):
+        """MPI's blocking collective, after this rank's calls in flight have finished.
 
         Every rank makes a blocking native call with MPI's blocking collective (a
         blocking and a non-blocking collective never match each other in MPI, so the
@@ -349,6 +340,10 @@ class Communicator:
         """
         while self._progress.active:
             self._progress.advance(block=True)
+        try:
+            self._native(collective, inp, out, inplace, op, root, counts, blocking=True)
+        except MPI.Exception as exc:
+            raise TransportError(f"{collective}(algorithm='native'): the MPI library failed: {exc}") from exc
 
     def _native(self, collective, inp, out, inplace, op, root, counts, blocking=False):
         """Start MPI's own non-blocking collective (return its request), or with
