@@ -139,7 +139,7 @@ class Selector:
         key = (collective, nbytes)
         choice = self._cache.get(key)
         if choice is None:
-            choice = self._decide(collective, nbytes)
+            choice = self.explain(collective, nbytes)[0]
             if len(self._cache) > 4096:  # many distinct sizes: do not grow without bound
                 self._cache.clear()
             self._cache[key] = choice
@@ -154,6 +154,3 @@ class Selector:
             if choice is not None:
                 return choice, f"measured table {self.table.source}"
         return cost_model_choice(collective, nbytes, self.world_size), "cost-model rule"
-
-    def _decide(self, collective, nbytes):
-        return self.explain(collective, nbytes)[0]

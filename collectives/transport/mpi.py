@@ -81,7 +81,6 @@ class Handle:
         self._progress = progress
         self._describe = describe  # for error messages: "allreduce(ring)" etc.
         self._finish = finish
-        self._requests = {}  # outstanding MPI requests by what they stand for (a plan's op index)
         self._finished = False
         self._result = None
 
@@ -101,11 +100,9 @@ class Handle:
         self._check_done()
 
     def _add_request(self, request, token):
-        self._requests[token] = request
         self._progress.add(self, token, request)
 
     def _request_done(self, token):
-        del self._requests[token]
         self._on_request_done(token)
         self._check_done()
 
