@@ -14,7 +14,7 @@ setup(
     python_requires=">=3.10",
     # kernels/ (CUDA sources, a later issue) ships inside the package as
     # collectives.kernels, so no generic top-level module called `kernels` is installed.
-    packages=["collectives", "collectives.algorithms", "collectives.bench", "collectives.transport",
+    packages=["collectives", "collectives.algorithms", "collectives.bench", "collectives.sim", "collectives.transport",
               "collectives.kernels"],
     package_dir={"collectives": "collectives", "collectives.kernels": "kernels"},
     package_data={"collectives": ["data/*.json"], "collectives.kernels": ["*.cu", "*.cuh", "README.md"]},

@@ -12,6 +12,7 @@ from .communicator import Communicator
 from .errors import CollectiveError, TransportError
 from .ops import OPS
 from .transport.mpi import Handle
+from . import sim  # noqa: E402 (the simulator: cc.sim.run)
 
 __version__ = "0.1.0"
 
@@ -24,4 +25,5 @@ __all__ = [
     "Handle",
     "TransportError",
     "algorithms",
+    "sim",
 ]

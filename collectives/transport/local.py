@@ -69,10 +69,11 @@ def run(plans, inputs, outputs, op, dtype):
         raise CollectiveError(f"ranks {stuck} never finished: the schedules deadlock")
 
 
-def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, inplace=False):
+def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, inplace=False, plans=None):
     """Run ``collective`` with ``algorithm`` for ``len(inputs)`` virtual ranks in this
     process and return each rank's result as the Communicator would shape it (flat;
     ``None`` for the non-roots of reduce). ``inputs[r]`` is rank r's flat array.
+    ``plans``: every rank's compiled plan, if the caller has built them already.
     """
     # Imported here: the algorithm registry imports nothing from the transports.
     from .. import ops as ops_layer
@@ -99,10 +100,11 @@ def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, i
         outputs = [np.empty(count if r == root else 0, dtype) for r in range(size)]
     else:
         outputs = [np.empty(count, dtype) for _ in range(size)]
-    plans = [
-        compile_plan(build(collective, algorithm, r, size, count, root=root, segment=segment), inplace=inplace)
-        for r in range(size)
-    ]
+    if plans is None:
+        plans = [
+            compile_plan(build(collective, algorithm, r, size, count, root=root, segment=segment), inplace=inplace)
+            for r in range(size)
+        ]
     run(plans, inputs, outputs, op, dtype)
     if collective in ("allreduce", "reduce_scatter", "reduce"):
         for r, out in enumerate(outputs):

@@ -1,0 +1,255 @@
+"""``run`` and ``costs``: build every virtual rank's plan, run them, count and time them."""
+
+import math
+from functools import cached_property
+
+import numpy as np
+
+from .. import ops as ops_layer
+from ..algorithms import BUILDERS, COLLECTIVES, SEGMENTED, block_bounds, build
+from ..arrays import check_dtype
+from ..errors import CollectiveError
+from ..schedule import Recv, Reduce, Send, compile_plan
+from ..transport import local
+from . import parameter_server
+from .timing import Graph, Model
+
+DEFAULT_SEGMENT_SIZE = 256 * 1024  # bytes, as the Communicator's default
+# Schedules that exist only in the simulator: baselines to compare with, not algorithms.
+BASELINES = {("allreduce", "parameter_server"): parameter_server.allreduce}
+PARAMS = ("segment_size", "servers", "inplace")
+
+
+def algorithms(collective):
+    """The algorithms the simulator runs for ``collective`` (the library's, without
+    ``native``/``auto``, plus the baselines)."""
+    if collective not in BUILDERS:
+        raise ValueError(f"collective must be one of {', '.join(COLLECTIVES)}; got {collective!r}")
+    return tuple(BUILDERS[collective]) + tuple(a for c, a in BASELINES if c == collective)
+
+
+class Costs:
+    """What a simulated call costs, per virtual rank and in time.
+
+    ``messages_sent[r]``, ``bytes_sent[r]``, ``bytes_received[r]`` and
+    ``bytes_reduced[r]`` count what rank r's plan does (operations on zero elements
+    are not sent, as on MPI). ``rounds`` is the number of message latencies on the
+    critical path (the time with α = 1, β = γ = 0). :meth:`time` gives the predicted
+    completion time.
+    """
+
+    def __init__(self, collective, algorithm, world_size, count, dtype, root, plans):
+        self.collective, self.algorithm = collective, algorithm
+        self.world_size, self.count, self.dtype, self.root = world_size, count, np.dtype(dtype), root
+        self.plans = plans
+        itemsize = self.dtype.itemsize
+        self.messages_sent, self.bytes_sent, self.bytes_received, self.bytes_reduced = [], [], [], []
+        for plan in plans:
+            sent = [op.src.hi - op.src.lo for op in plan.ops if isinstance(op, Send)]
+            received = sum(op.dst.hi - op.dst.lo for op in plan.ops if isinstance(op, Recv))
+            reduced = sum(op.dst.hi - op.dst.lo for op in plan.ops if isinstance(op, Reduce))
+            self.messages_sent.append(len(sent))
+            self.bytes_sent.append(sum(sent) * itemsize)
+            self.bytes_received.append(received * itemsize)
+            self.bytes_reduced.append(reduced * itemsize)
+
+    @property
+    def nbytes(self):
+        """The size the benchmarks call S: the input, or for allgather the gathered output."""
+        n = self.count * self.dtype.itemsize
+        return n * self.world_size if self.collective == "allgather" else n
+
+    @cached_property
+    def _graph(self):
+        return Graph(self.plans, self.dtype.itemsize)
+
+    @cached_property
+    def rounds(self):
+        return round(self._graph.time(Model(1.0, 0.0, 0.0)))
+
+    def time(self, alpha, beta, gamma, ranks_per_node=None, inter_alpha=None, inter_beta=None):
+        """Predicted completion time in seconds: α per message, β seconds per byte per
+        link, γ seconds per byte reduced; with ``ranks_per_node``, messages between
+        nodes cost ``inter_alpha``/``inter_beta`` (default: α and β) and share each
+        node's link. See :mod:`collectives.sim.timing` for the whole model."""
+        return self._graph.time(Model(alpha, beta, gamma, ranks_per_node, inter_alpha, inter_beta))
+
+    def __repr__(self):
+        return (
+            f"<{type(self).__name__} {self.collective}/{self.algorithm} p={self.world_size} "
+            f"count={self.count} {self.dtype.name}: max {max(self.bytes_sent, default=0)} bytes sent, "
+            f"{self.rounds} rounds>"
+        )
+
+
+class SimResult(Costs):
+    """:class:`Costs` plus ``results[r]``: rank r's result (flat; ``None`` where the
+    collective gives none: non-roots of reduce, parameter servers), already checked
+    against NumPy."""
+
+    def __init__(self, results, *args):
+        super().__init__(*args)
+        self.results = results
+
+
+def _check_args(collective, algorithm, world_size, count, dtype, op, root, params):
+    names = algorithms(collective)
+    if algorithm not in names:
+        raise ValueError(
+            f"algorithm for {collective} must be one of {', '.join(names)} in the simulator; got {algorithm!r}"
+            + (" (native is the MPI library's own, and auto picks among these)" if algorithm in ("native", "auto") else "")
+        )
+    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer; got {world_size!r}")
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+        raise ValueError(f"count must be an integer >= 0; got {count!r}")
+    try:
+        np_dtype = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must name a NumPy dtype; got {dtype!r}") from None
+    check_dtype(np_dtype, name="dtype")
+    if op is not None:
+        ops_layer.check_op(op, dtype)
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < world_size:
+        raise ValueError(f"root must be a rank in [0, {world_size}); got {root!r}")
+    unknown = set(params) - set(PARAMS)
+    if unknown:
+        raise TypeError(f"unknown parameter(s) {', '.join(sorted(unknown))}; the simulator takes {', '.join(PARAMS)}")
+    segment_size = params.get("segment_size", DEFAULT_SEGMENT_SIZE)
+    if isinstance(segment_size, bool) or not isinstance(segment_size, (int, np.integer)) or segment_size < 1:
+        raise ValueError(f"segment_size must be a positive number of bytes; got {segment_size!r}")
+    if (collective, algorithm) in BASELINES:
+        servers = params.get("servers", 1)
+        if isinstance(servers, bool) or not isinstance(servers, (int, np.integer)) or not 1 <= servers < world_size:
+            raise ValueError(
+                f"servers must be an integer in [1, world_size) = [1, {world_size}) (the other ranks are "
+                f"the workers); got {servers!r}"
+            )
+    elif "servers" in params:
+        raise TypeError(f"servers is a parameter of the parameter_server baseline, not of {algorithm}")
+
+
+def plans_for(collective, algorithm, world_size, count, dtype="float32", root=0, **params):
+    """Every virtual rank's compiled plan: the very ones the MPI transport would run."""
+    _check_args(collective, algorithm, world_size, count, dtype, None, root, params)
+    inplace = bool(params.get("inplace", False)) or collective == "broadcast"
+    if (collective, algorithm) in BASELINES:
+        builder = BASELINES[collective, algorithm]
+        servers = int(params.get("servers", 1))
+        return [compile_plan(builder(r, world_size, count, servers=servers), inplace) for r in range(world_size)]
+    segment = 1
+    if (collective, algorithm) in SEGMENTED:
+        segment = max(1, int(params.get("segment_size", DEFAULT_SEGMENT_SIZE)) // np.dtype(dtype).itemsize)
+    return [
+        compile_plan(build(collective, algorithm, r, world_size, count, root=root, segment=segment), inplace)
+        for r in range(world_size)
+    ]
+
+
+def costs(collective, algorithm, world_size, count, dtype="float32", root=0, **params):
+    """Counters and timing of a call without running it on data (for sweeps and fits).
+
+    Same arguments as :func:`run`, less ``op``; the counts and times are the ones
+    :func:`run` gives, since they depend only on the plans.
+    """
+    plans = plans_for(collective, algorithm, world_size, count, dtype, root, **params)
+    return Costs(collective, algorithm, world_size, count, dtype, root, plans)
+
+
+def run(collective, algorithm, world_size, count, dtype="float32", op="sum", root=0, **params):
+    """Run ``collective`` with ``algorithm`` for ``world_size`` virtual ranks in this
+    process, on integer-valued NumPy inputs of ``count`` elements per rank (allgather:
+    each rank's contribution), and check every rank's result, bit for bit, against
+    NumPy's reduction of the same inputs.
+
+    ``params``: ``segment_size`` (bytes, for the pipelined ``tree`` and ``pipeline``),
+    ``inplace`` (the in-place form of the call), ``servers`` (``parameter_server``).
+    Raises :class:`~collectives.CollectiveError` if a result differs from NumPy's.
+    """
+    _check_args(collective, algorithm, world_size, count, dtype, op, root, params)
+    dtype = np.dtype(dtype)
+    baseline = (collective, algorithm) in BASELINES
+    if baseline and op == "avg":
+        raise ValueError("op 'avg' is not modelled for the parameter_server baseline; use op='sum'")
+    plans = plans_for(collective, algorithm, world_size, count, dtype, root, **params)
+    inputs = [make_input(r, world_size, count, dtype, op) for r in range(world_size)]
+    inplace = bool(params.get("inplace", False))
+    got = local.run_collective(collective, algorithm, [x.copy() for x in inputs], op, root, inplace=inplace, plans=plans)
+    contributors = range(world_size)
+    if baseline:  # servers hold no data and get no result
+        contributors = range(int(params.get("servers", 1)), world_size)
+        got = [got[r] if r in contributors else None for r in range(world_size)]
+    want = reference(collective, [inputs[r] for r in contributors], op, root if not baseline else 0)
+    for r in range(world_size):
+        expected = None if (baseline and r not in contributors) else want[r - contributors.start]
+        _check_equal(r, got[r], expected, collective, algorithm)
+    if collective == "allreduce":  # one reduction per element, then copies: the same bits
+        first = got[contributors.start]
+        for r in contributors:
+            if got[r].tobytes() != first.tobytes():
+                raise CollectiveError(f"{collective}/{algorithm}: ranks {contributors.start} and {r} got different bits")
+    return SimResult(got, collective, algorithm, world_size, count, dtype, root, plans)
+
+
+def _check_equal(rank, got, expected, collective, algorithm):
+    if expected is None:
+        if got is not None:
+            raise CollectiveError(f"{collective}/{algorithm}: rank {rank} got a result where none was due")
+        return
+    # Equal values: the sign of a zero may differ (a complex product's in another order).
+    if got.shape != expected.shape or not np.array_equal(got, expected):
+        if got.shape != expected.shape:
+            detail = f"{got.size} elements instead of {expected.size}"
+        else:
+            index = int(np.flatnonzero(got != expected)[0])
+            detail = f"element {index} is {got[index]!r}, NumPy says {expected[index]!r}"
+        raise CollectiveError(f"{collective}/{algorithm}: rank {rank}'s result differs from NumPy's: {detail}")
+
+
+_UFUNCS = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+
+
+def reference(collective, inputs, op="sum", root=0):
+    """NumPy's answer for every rank, given every rank's input (flat arrays)."""
+    size = len(inputs)
+    if collective == "allgather":
+        return [np.concatenate(inputs)] * size
+    if collective == "broadcast":
+        return [inputs[root]] * size
+    dtype = inputs[0].dtype
+    total = _UFUNCS[op].reduce(np.stack(inputs), axis=0, dtype=dtype) if inputs[0].size else inputs[0].copy()
+    if op == "avg":
+        total = np.divide(total, size).astype(dtype)
+    if collective == "allreduce":
+        return [total] * size
+    if collective == "reduce":
+        return [total if r == root else None for r in range(size)]
+    bounds = block_bounds(total.size, size)
+    return [total[bounds[r] : bounds[r + 1]] for r in range(size)]
+
+
+def make_input(rank, world_size, count, dtype, op):
+    """Rank ``rank``'s input: integer-valued and distinct per rank and index, chosen so
+    that ``op`` over ``world_size`` ranks is exact in ``dtype`` in any order (sums stay
+    within the dtype's exact integers; products are of ±1 and 2, whose overflow to
+    infinity or wrap-around does not depend on the order)."""
+    dtype = np.dtype(dtype)
+    index = np.arange(count)
+    if op == "prod":
+        values = np.where((index + rank) % 5 == 0, 2, 1)
+        if dtype.kind != "u":
+            values = np.where((index * 3 + rank) % 7 == 0, -values, values)
+    else:
+        limit = world_size * 3
+        if dtype.kind in "fc":  # sums must stay within the consecutive integers
+            limit = 2 ** (np.finfo(dtype).nmant + 1)
+        amplitude = min(3, limit // world_size)
+        if amplitude >= 1:
+            low = 0 if dtype.kind == "u" else -amplitude
+            values = (index * 5 + rank * 3) % (amplitude - low + 1) + low
+        else:  # so many ranks that only a sparse set of ones stays exact
+            values = ((index + rank) % math.ceil(world_size / limit) == 0).astype(int)
+    x = values.astype(dtype)
+    if dtype.kind == "c" and op != "prod":
+        x = x + (1j * values[::-1]).astype(dtype)
+    return x

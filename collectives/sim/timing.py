@@ -1,0 +1,184 @@
+"""The completion time of every rank's plan under the α-β-γ model.
+
+The model (also in the package docstring and the README):
+
+- A message of m bytes from rank s to rank d takes ``α + m·β`` once it has started.
+  It starts when both sides have posted it (the send's data is ready and the receive's
+  slice is free, as the plan's dependencies say; messages between two ranks start in
+  the order the plans list them) and as soon as s's send port and d's receive port are
+  free: a rank sends one message and receives one at a time, both at once.
+- With a two-level topology (``ranks_per_node``), ranks ``k·r … k·r + k - 1`` share a
+  node. A message between nodes costs ``inter_alpha + m·inter_beta`` and also holds
+  the sending node's outgoing link and the receiving node's incoming link, so the
+  ranks of a node take turns on the network.
+- A reduction of m bytes takes ``m·γ`` on its rank's processor, one at a time, while
+  the rank's messages go on. Copies cost nothing (the model has no memory-copy term).
+- Everything starts as soon as the plan allows; where several messages could take a
+  port, the one that was ready first gets it (ties: the sender's earlier operation,
+  then the lower rank). Completion is the time the last rank finishes.
+
+This is list scheduling over the plans' dependency graphs: the critical path through
+the schedule, with port contention on it.
+"""
+
+import heapq
+from dataclasses import dataclass
+
+from ..schedule import Copy, Recv, Reduce, Send
+
+_SEND, _RECV, _REDUCE, _COPY = 0, 1, 2, 3
+_DONE, _START_MESSAGE = 0, 1  # event kinds; completions at a time come first
+
+
+@dataclass(frozen=True)
+class Model:
+    """The parameters of the α-β-γ model, in seconds and seconds per byte."""
+
+    alpha: float
+    beta: float
+    gamma: float
+    ranks_per_node: int = None
+    inter_alpha: float = None
+    inter_beta: float = None
+
+    def __post_init__(self):
+        for name in ("alpha", "beta", "gamma", "inter_alpha", "inter_beta"):
+            value = getattr(self, name)
+            if value is None and name.startswith("inter"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0 (seconds); got {value!r}")
+        rpn = self.ranks_per_node
+        if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1):
+            raise ValueError(f"ranks_per_node must be a positive integer or None; got {rpn!r}")
+        if rpn is None and (self.inter_alpha is not None or self.inter_beta is not None):
+            raise ValueError("inter_alpha and inter_beta need ranks_per_node (how many ranks share a node)")
+
+
+class Graph:
+    """Every rank's plan in the arrays the timing loop reads, with each send matched
+    to its receive. Built once per simulated call and reused for every :meth:`time`."""
+
+    def __init__(self, plans, itemsize):
+        self.plans = plans
+        self.kinds, self.nbytes, self.peers = [], [], []
+        for plan in plans:
+            kinds, nbytes, peers = [], [], []
+            for op in plan.ops:
+                if isinstance(op, Send):
+                    kinds.append(_SEND), nbytes.append((op.src.hi - op.src.lo) * itemsize), peers.append(op.peer)
+                elif isinstance(op, Recv):
+                    kinds.append(_RECV), nbytes.append((op.dst.hi - op.dst.lo) * itemsize), peers.append(op.peer)
+                elif isinstance(op, Reduce):
+                    kinds.append(_REDUCE), nbytes.append((op.dst.hi - op.dst.lo) * itemsize), peers.append(-1)
+                else:
+                    assert isinstance(op, Copy)
+                    kinds.append(_COPY), nbytes.append(0), peers.append(-1)
+            self.kinds.append(kinds)
+            self.nbytes.append(nbytes)
+            self.peers.append(peers)
+        self.match = self._match()
+
+    def _match(self):
+        """``match[r][i]`` = the index of the receive (at the peer) that send ``i`` of
+        rank ``r`` meets, or of the send that receive ``i`` meets: the k-th message
+        from s to d meets d's k-th receive from s, as MPI's ordering on one tag says."""
+        sends, recvs = {}, {}
+        for rank, kinds in enumerate(self.kinds):
+            for i, kind in enumerate(kinds):
+                if kind == _SEND:
+                    sends.setdefault((rank, self.peers[rank][i]), []).append(i)
+                elif kind == _RECV:
+                    recvs.setdefault((self.peers[rank][i], rank), []).append(i)
+        match = [[-1] * len(kinds) for kinds in self.kinds]
+        for key in set(sends) | set(recvs):
+            src, dst = key
+            out, into = sends.get(key, []), recvs.get(key, [])
+            if len(out) != len(into):
+                raise ValueError(f"rank {src} sends {len(out)} messages to rank {dst}, which receives {len(into)}")
+            for i, j in zip(out, into):
+                if self.nbytes[src][i] != self.nbytes[dst][j]:
+                    raise ValueError(
+                        f"rank {src} sends {self.nbytes[src][i]} bytes to rank {dst}, which expects {self.nbytes[dst][j]}"
+                    )
+                match[src][i] = j
+                match[dst][j] = i
+        return match
+
+    def time(self, model):
+        """Completion time of the whole call under ``model`` (a :class:`Model`)."""
+        return _simulate(self, model)
+
+
+def _simulate(graph, model):
+    plans, kinds, nbytes, peers, match = graph.plans, graph.kinds, graph.nbytes, graph.peers, graph.match
+    size = len(plans)
+    rpn = model.ranks_per_node
+    inter_alpha = model.alpha if model.inter_alpha is None else model.inter_alpha
+    inter_beta = model.beta if model.inter_beta is None else model.inter_beta
+    gamma = model.gamma
+
+    pending = [plan.initial_pending() for plan in plans]
+    remaining = [len(plan.ops) for plan in plans]
+    posted = [[None] * len(plan.ops) for plan in plans]  # the time a send/recv was posted
+    send_free, recv_free, cpu_free = [0.0] * size, [0.0] * size, [0.0] * size
+    nodes = (size + rpn - 1) // rpn if rpn else 0
+    out_link, in_link = [0.0] * nodes, [0.0] * nodes
+    events = []  # (time, kind, order, rank, index)
+    finish = 0.0
+
+    def release(rank, i, now):
+        """One more thing operation i of rank waited for is done; start it if it was
+        the last. A send or receive posted here lets the next one to that peer post."""
+        pending[rank][i] -= 1
+        while pending[rank][i] == 0:
+            kind = kinds[rank][i]
+            if kind == _COPY:
+                heapq.heappush(events, (now, _DONE, 0, rank, i))
+                return
+            if kind == _REDUCE:
+                start = max(now, cpu_free[rank])
+                cpu_free[rank] = end = start + nbytes[rank][i] * gamma
+                heapq.heappush(events, (end, _DONE, 0, rank, i))
+                return
+            posted[rank][i] = now
+            peer, j = peers[rank][i], match[rank][i]
+            if posted[peer][j] is not None:  # both sides are posted: the message may go
+                src, send_i = (rank, i) if kind == _SEND else (peer, j)
+                heapq.heappush(events, (now, _START_MESSAGE, send_i, src, send_i))
+            i = plans[rank].fifo_next[i]
+            if i < 0:
+                return
+            pending[rank][i] -= 1
+
+    for rank in range(size):
+        for i in [i for i, n in enumerate(pending[rank]) if n == 0]:  # before any release
+            pending[rank][i] = 1
+            release(rank, i, 0.0)
+
+    while events:
+        now, kind, _, rank, i = heapq.heappop(events)
+        if kind == _DONE:
+            remaining[rank] -= 1
+            finish = max(finish, now)
+            for j in plans[rank].dependents[i]:
+                release(rank, j, now)
+            continue
+        dst, j = peers[rank][i], match[rank][i]
+        m = nbytes[rank][i]
+        if rpn and rank // rpn != dst // rpn:
+            a, b = rank // rpn, dst // rpn
+            start = max(now, send_free[rank], recv_free[dst], out_link[a], in_link[b])
+            end = start + inter_alpha + m * inter_beta
+            out_link[a] = in_link[b] = end
+        else:
+            start = max(now, send_free[rank], recv_free[dst])
+            end = start + model.alpha + m * model.beta
+        send_free[rank] = recv_free[dst] = end
+        heapq.heappush(events, (end, _DONE, 0, rank, i))
+        heapq.heappush(events, (end, _DONE, 0, dst, j))
+
+    stuck = [r for r in range(size) if remaining[r]]
+    if stuck:
+        raise ValueError(f"ranks {stuck[:8]} never finish: the schedules deadlock")
+    return finish

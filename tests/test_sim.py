@@ -1,0 +1,436 @@
+"""The simulator: counters against the cost model's formulas, times against their
+closed forms, results against NumPy.
+
+The expected counters are written here from ``shared/reference/cost-model.md`` (p a
+power of two) and from the non-power-of-two derivations in each algorithm module's
+docstring; nothing here calls the library's own cost code. Counts are multiples of p
+so that the blocks are equal, as the formulas assume.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import collectives as cc
+import collectives.sim as sim
+from collectives.algorithms import BUILDERS
+
+from conftest import ALL_DTYPES, ops_for, reference
+
+pytestmark = pytest.mark.serial
+
+SIZES = range(1, 65)
+ITEM = 4  # float32
+
+
+def lowbit(v):
+    return v & -v
+
+
+class Fold:
+    """The non-power-of-two layout: p' = 2^⌊lg p⌋ and e = p - p' extra ranks; the first
+    2e ranks pair up, the even one of a pair sits out, the odd one (the keeper) is
+    virtual rank r // 2 and stands for two blocks."""
+
+    def __init__(self, p, block):
+        self.p, self.block = p, block
+        self.pof2 = 1 << (p.bit_length() - 1)
+        self.extra = p - self.pof2
+        self.steps = self.pof2.bit_length() - 1
+
+    def role(self, r):
+        if r < 2 * self.extra:
+            return ("out", None) if r % 2 == 0 else ("keeper", r // 2)
+        return ("plain", r - self.extra)
+
+    def width(self, v):
+        return 2 * self.block if v < self.extra else self.block
+
+    def group(self, d, v):
+        """Bytes of the aligned group of d virtual blocks holding v."""
+        first = v - v % d
+        return sum(self.width(u) for u in range(first, first + d))
+
+    def halving_kept(self, v):
+        """Σ over the halving steps of what v keeps (= receives = reduces)."""
+        return sum(self.group(1 << k, v) for k in range(self.steps))
+
+
+def expected_counters(collective, algorithm, p, count, root=0, segments=1):
+    """(messages sent, bytes sent, bytes received, bytes reduced) for every rank."""
+    n = count * ITEM * (p if collective == "allgather" else 1)
+    b = n // p
+    lg_ceil = (p - 1).bit_length()
+    fold = Fold(p, b)
+    rows = []
+    for r in range(p):
+        if p == 1:
+            rows.append((0, 0, 0, 0))
+            continue
+        key = (collective, algorithm)
+        if key in (("allreduce", "ring"), ("allreduce", "direct")):
+            row = (2 * (p - 1), 2 * (p - 1) * b, 2 * (p - 1) * b, (p - 1) * b)
+        elif key in (("reduce_scatter", "ring"), ("reduce_scatter", "direct")):
+            row = (p - 1, (p - 1) * b, (p - 1) * b, (p - 1) * b)
+        elif key in (("allgather", "ring"), ("allgather", "direct")):
+            row = (p - 1, (p - 1) * b, (p - 1) * b, 0)
+        elif key == ("allgather", "bruck"):
+            row = (lg_ceil, (p - 1) * b, (p - 1) * b, 0)
+        elif key == ("allreduce", "recursive_doubling"):
+            role, _ = fold.role(r)
+            k = fold.steps + (role == "keeper")
+            row = (1, n, n, 0) if role == "out" else (k, k * n, k * n, k * n)
+        elif key == ("allreduce", "recursive_halving"):
+            role, v = fold.role(r)
+            if role == "out":
+                row = (1, n, n, 0)
+            else:
+                kept, given = fold.halving_kept(v), n - fold.width(v)
+                row = (2 * fold.steps, given + kept, kept + given, kept)
+                if role == "keeper":  # the fold received and reduced, the result sent back
+                    row = (row[0] + 1, row[1] + n, row[2] + n, row[3] + n)
+        elif key == ("reduce_scatter", "recursive_halving"):
+            role, v = fold.role(r)
+            if role == "out":
+                row = (1, n, b, 0)
+            else:
+                kept, given = fold.halving_kept(v), n - fold.width(v)
+                row = (fold.steps, given, kept, kept)
+                if role == "keeper":  # the partner's input in, its block back
+                    row = (row[0] + 1, row[1] + b, row[2] + n, row[3] + n)
+        elif key == ("allgather", "recursive_doubling"):
+            role, v = fold.role(r)
+            if role == "out":
+                row = (1, b, n, 0)
+            else:
+                row = (fold.steps, fold.halving_kept(v), n - fold.width(v), 0)
+                if role == "keeper":  # the partner's block in, everything back
+                    row = (row[0] + 1, row[1] + n, row[2] + b, 0)
+        elif key == ("allreduce", "tree"):  # heap-ordered binary tree
+            links = (r > 0) + sum(c < p for c in (2 * r + 1, 2 * r + 2))
+            children = links - (r > 0)
+            row = (segments * links, links * n, links * n, children * n)
+        elif key in (("broadcast", "binomial"), ("reduce", "binomial")):
+            vr = (r - root) % p
+            below = lowbit(vr) if vr else 1 << lg_ceil
+            children = sum(1 for k in range(lg_ceil) if (1 << k) < below and vr + (1 << k) < p)
+            if collective == "broadcast":
+                row = (children, children * n, n if vr else 0, 0)
+            else:
+                row = (1 if vr else 0, n if vr else 0, children * n, children * n)
+        elif key == ("broadcast", "pipeline"):
+            pos = (r - root) % p
+            row = (segments if pos < p - 1 else 0, n if pos < p - 1 else 0, n if pos else 0, 0)
+        elif key == ("broadcast", "scatter_allgather"):
+            vr = (r - root) % p
+            subtree = min(lowbit(vr), p - vr) if vr else p  # blocks this rank gets (root: has)
+            below = lowbit(vr) if vr else 1 << lg_ceil
+            children = sum(1 for k in range(lg_ceil) if (1 << k) < below and vr + (1 << k) < p)
+            row = (children + p - 1, (subtree - 1) * b + (p - 1) * b, (subtree * b if vr else 0) + (p - 1) * b, 0)
+        elif key == ("broadcast", "direct"):
+            row = (2 * (p - 1), 2 * (p - 1) * b, 0, 0) if r == root else (p - 2, (p - 2) * b, n, 0)
+        else:
+            raise AssertionError(f"no formula for {key}")
+        rows.append(row)
+    return rows
+
+
+ALGORITHMS = [(c, a) for c, names in BUILDERS.items() for a in names]
+
+
+def test_every_algorithm_has_a_formula():
+    for collective, algorithm in ALGORITHMS:
+        expected_counters(collective, algorithm, 5, 10)
+
+
+def counters(result):
+    return list(zip(result.messages_sent, result.bytes_sent, result.bytes_received, result.bytes_reduced))
+
+
+@pytest.mark.parametrize("collective,algorithm", ALGORITHMS)
+def test_counters_equal_the_cost_model_for_every_p(collective, algorithm):
+    problems = []
+    for p in SIZES:
+        count = 3 * p
+        roots = [0, p - 1] if collective in ("broadcast", "reduce") else [0]
+        for root in roots:
+            got = counters(sim.costs(collective, algorithm, p, count, root=root))
+            want = expected_counters(collective, algorithm, p, count, root)
+            if got != want:
+                bad = next(r for r in range(p) if got[r] != want[r])
+                problems.append(f"p={p} root={root} rank {bad}: got {got[bad]}, formula {want[bad]}")
+    assert not problems, "\n".join(problems[:10])
+
+
+@pytest.mark.parametrize("collective,algorithm", [("allreduce", "tree"), ("broadcast", "pipeline")])
+@pytest.mark.parametrize("p", [2, 3, 5, 8, 13])
+def test_segmented_counters(collective, algorithm, p):
+    count, segments = 7 * 12, 7  # segments of 12 elements
+    got = counters(sim.costs(collective, algorithm, p, count, segment_size=12 * ITEM))
+    assert got == expected_counters(collective, algorithm, p, count, segments=segments)
+
+
+def test_the_cost_model_power_of_two_rows():
+    # The cost model's own columns, for p a power of two, straight from its table.
+    for p in (2, 4, 8, 16, 32, 64):
+        n, lg = 3 * p * ITEM, int(math.log2(p))
+        bound = 2 * (p - 1) * n // p
+        for r in (0, p - 1):
+            rh = sim.costs("allreduce", "recursive_halving", p, 3 * p)
+            assert (rh.messages_sent[r], rh.bytes_sent[r], rh.bytes_reduced[r]) == (2 * lg, bound, (p - 1) * n // p)
+            rd = sim.costs("allreduce", "recursive_doubling", p, 3 * p)
+            assert (rd.messages_sent[r], rd.bytes_sent[r], rd.bytes_reduced[r]) == (lg, lg * n, lg * n)
+        binomial = sim.costs("broadcast", "binomial", p, 3 * p)
+        assert binomial.messages_sent[0] == lg and binomial.bytes_sent[0] == lg * n
+        assert sum(binomial.bytes_sent) == (p - 1) * n  # everyone else receives once
+
+
+def test_parameter_server_counters():
+    servers, p, count = 3, 8, 60
+    result = sim.costs("allreduce", "parameter_server", p, count, servers=servers)
+    n, workers = count * ITEM, p - servers
+    shard = n // servers
+    for r in range(p):
+        want = (workers, workers * shard, workers * shard, (workers - 1) * shard) if r < servers else (servers, n, n, 0)
+        assert counters(result)[r] == want
+
+
+# ---------------------------------------------------------------- time: closed forms
+
+A, B, G = 1000.0, 3.0, 1.0  # α, β, γ in units that keep every sum an exact integer
+
+
+def c(m):
+    return A + m * B
+
+
+def g(m, gamma=G):
+    return m * gamma
+
+
+def closed_form(collective, algorithm, p, n, gamma=G, segments=1):
+    """Completion time under the α-β-γ model, for the cases where it has one."""
+    b, lg = n // p, int(math.log2(p))
+    lg_ceil = (p - 1).bit_length()
+    pof2 = p & (p - 1) == 0
+    key = (collective, algorithm)
+    if key == ("allreduce", "ring"):
+        return (p - 1) * (c(b) + g(b, gamma)) + (p - 1) * c(b)
+    if key == ("reduce_scatter", "ring"):
+        return (p - 1) * (c(b) + g(b, gamma))
+    if key in (("allgather", "ring"), ("allgather", "direct")):
+        return (p - 1) * c(b)
+    if key == ("allreduce", "direct"):  # one round of p-1 messages, the reductions overlap
+        return (p - 1) * c(b) + max((p - 1) * c(b) + g(b, gamma), c(b) + (p - 1) * g(b, gamma))
+    if key == ("reduce_scatter", "direct"):
+        return max((p - 1) * c(b) + g(b, gamma), c(b) + (p - 1) * g(b, gamma))
+    if key == ("allgather", "bruck"):
+        return lg_ceil * A + (p - 1) * b * B
+    if key == ("broadcast", "binomial"):
+        return lg_ceil * c(n)
+    if key == ("broadcast", "pipeline"):
+        return (p - 1 + segments - 1) * c(n // segments)
+    if not pof2:
+        if key == ("allreduce", "recursive_doubling"):  # fold in, lg p' steps, result back
+            k = int(math.log2(1 << (p.bit_length() - 1)))
+            return (k + 2) * c(n) + (k + 1) * g(n, gamma)
+        return None
+    if key == ("allreduce", "recursive_doubling"):
+        return lg * (c(n) + g(n, gamma))
+    if key == ("allreduce", "recursive_halving"):
+        return 2 * lg * A + 2 * (p - 1) * b * B + (p - 1) * b * gamma
+    if key == ("reduce_scatter", "recursive_halving"):
+        return lg * A + (p - 1) * b * (B + gamma)
+    if key == ("allgather", "recursive_doubling"):
+        return lg * A + (p - 1) * b * B
+    if key == ("reduce", "binomial"):
+        return lg * (c(n) + g(n, gamma))
+    if key == ("broadcast", "scatter_allgather"):
+        return (lg + p - 1) * A + 2 * (p - 1) * b * B
+    return None
+
+
+CLOSED_FORMS = [
+    ca for ca in ALGORITHMS if closed_form(*ca, 4, 64) is not None
+]
+
+
+def test_closed_forms_cover_all_but_the_trees_and_direct_broadcast():
+    missing = {ca for ca in ALGORITHMS} - set(CLOSED_FORMS)
+    assert missing == {("allreduce", "tree"), ("broadcast", "direct")}  # tested below / counters only
+
+
+@pytest.mark.parametrize("collective,algorithm", CLOSED_FORMS)
+@pytest.mark.parametrize("gamma", [G, 5000.0])  # reductions cheaper, and dearer, than a message
+def test_time_equals_the_closed_form(collective, algorithm, gamma):
+    problems = []
+    for p in list(range(2, 18)) + [32, 64]:
+        count = 6 * p
+        n = count * ITEM * (p if collective == "allgather" else 1)
+        want = closed_form(collective, algorithm, p, n, gamma)
+        if want is None:
+            continue
+        got = sim.costs(collective, algorithm, p, count).time(A, B, gamma)
+        if got != want:
+            problems.append(f"p={p}: simulated {got}, closed form {want}")
+    assert not problems, "\n".join(problems[:10])
+
+
+@pytest.mark.parametrize("p", [2, 3, 5, 16])
+def test_pipelined_chain_time(p):
+    count, segments = 12 * 8, 8
+    got = sim.costs("broadcast", "pipeline", p, count, segment_size=12 * ITEM).time(A, B, G)
+    assert got == closed_form("broadcast", "pipeline", p, count * ITEM, segments=segments)
+
+
+def test_tree_times():
+    # Two ranks, s segments: the leaf streams its segments up back to back, the root adds
+    # each and sends it down: (s + 1)(α + mβ) + mγ.
+    count, s = 10 * 16, 10
+    m = count * ITEM // s
+    got = sim.costs("allreduce", "tree", 2, count, segment_size=16 * ITEM).time(A, B, G)
+    assert got == (s + 1) * c(m) + g(m)
+    # A full binary tree of depth D, one segment: each level up receives two children one
+    # after the other and adds them, then the result goes down, two sends per level.
+    for depth in (1, 2, 3, 4, 5):
+        p = 2 ** (depth + 1) - 1
+        n = 4 * ITEM
+        for gamma in (G, 5000.0):
+            got = sim.costs("allreduce", "tree", p, 4).time(A, B, gamma)
+            assert got == depth * (max(2 * c(n), c(n) + g(n, gamma)) + g(n, gamma)) + 2 * depth * c(n)
+
+
+def test_rounds_count_latencies_on_the_critical_path():
+    assert sim.costs("allreduce", "ring", 8, 64).rounds == 14
+    assert sim.costs("allreduce", "recursive_halving", 8, 64).rounds == 6
+    assert sim.costs("allreduce", "recursive_doubling", 6, 64).rounds == 4  # fold, 2 steps, unfold
+    assert sim.costs("broadcast", "binomial", 64, 64).rounds == 6
+    assert sim.costs("allgather", "bruck", 7, 64).rounds == 3
+
+
+def test_two_level_topology():
+    # Ring allreduce over 2 nodes of 4: every step has two messages between nodes, one
+    # each way on each node's link, so the step costs the inter-node α + mβ.
+    p, count = 8, 8 * 100
+    b = count * ITEM // p
+    cost = sim.costs("allreduce", "ring", p, count)
+    flat = cost.time(A, B, 0.0)
+    two_level = cost.time(A, B, 0.0, ranks_per_node=4, inter_alpha=10 * A, inter_beta=10 * B)
+    assert flat == 2 * (p - 1) * c(b)
+    assert two_level == 2 * (p - 1) * (10 * A + 10 * B * b)
+    # Direct allreduce sends 4·4 messages between the nodes per phase where the ring sends
+    # 2: the shared links make it slower than the ring there, though not within a node.
+    direct = sim.costs("allreduce", "direct", p, count)
+    assert direct.time(A, B, 0.0) == flat
+    assert direct.time(A, B, 0.0, ranks_per_node=4, inter_alpha=10 * A, inter_beta=10 * B) > two_level
+    # One node holding every rank is the flat model.
+    assert cost.time(A, B, 0.0, ranks_per_node=8, inter_alpha=10 * A, inter_beta=10 * B) == flat
+
+
+def test_four_thousand_ranks():
+    result = sim.run("allreduce", "recursive_doubling", 4096, 16)
+    assert result.rounds == 12 and result.bytes_sent[5] == 12 * 16 * ITEM
+    result = sim.run("broadcast", "binomial", 4096, 16, root=17)
+    assert result.rounds == 12 and sum(result.bytes_sent) == 4095 * 16 * ITEM
+
+
+# ---------------------------------------------------------------- data: NumPy reference
+
+
+def expected(collective, inputs, op, root):
+    size = len(inputs)
+    if collective == "allgather":
+        return [np.concatenate(inputs)] * size
+    if collective == "broadcast":
+        return [inputs[root]] * size
+    total = reference(op, inputs)
+    if collective == "allreduce":
+        return [total] * size
+    if collective == "reduce":
+        return [total if r == root else None for r in range(size)]
+    return np.array_split(total, size)
+
+
+@st.composite
+def calls(draw):
+    collective, algorithm = draw(st.sampled_from(ALGORITHMS))
+    dtype = draw(st.sampled_from(ALL_DTYPES))
+    op = draw(st.sampled_from(ops_for(dtype))) if collective in ("allreduce", "reduce_scatter", "reduce") else "sum"
+    p = draw(st.integers(1, 64))
+    count = draw(st.integers(0, 3 * p + 5))
+    root = draw(st.integers(0, p - 1))
+    segment = draw(st.integers(1, 5)) * np.dtype(dtype).itemsize
+    return collective, algorithm, dtype, op, p, count, root, segment
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(calls())
+def test_results_equal_numpy_bit_for_bit_on_every_rank(call):
+    collective, algorithm, dtype, op, p, count, root, segment = call
+    result = sim.run(collective, algorithm, p, count, dtype, op, root, segment_size=segment)
+    inputs = [sim.simulate.make_input(r, p, count, dtype, op) for r in range(p)]
+    want = expected(collective, inputs, op, root)
+    for r in range(p):
+        if want[r] is None:
+            assert result.results[r] is None
+        else:
+            assert result.results[r].dtype == np.dtype(dtype)
+            assert np.array_equal(result.results[r], want[r]), f"rank {r}"  # -0 == +0
+    if collective in ("allreduce", "allgather", "broadcast"):
+        assert len({x.tobytes() for x in result.results}) == 1
+
+
+def test_a_wrong_schedule_is_caught(monkeypatch):
+    # The check inside run() must notice a result that differs from NumPy's.
+    from collectives.transport import local
+
+    real = local.run
+
+    def off_by_one(plans, inputs, outputs, op, dtype):
+        real(plans, inputs, outputs, op, dtype)
+        outputs[1][0] += 1
+
+    monkeypatch.setattr(local, "run", off_by_one)
+    with pytest.raises(cc.CollectiveError, match="rank 1's result differs from NumPy's: element 0"):
+        sim.run("allreduce", "ring", 4, 8)
+
+
+def test_parameter_server_result():
+    result = sim.run("allreduce", "parameter_server", 7, 50, "int32", "sum", servers=2)
+    workers = [sim.simulate.make_input(r, 7, 50, "int32", "sum") for r in range(2, 7)]
+    assert result.results[:2] == [None, None]
+    for got in result.results[2:]:
+        assert got.tobytes() == np.sum(workers, axis=0, dtype=np.int32).tobytes()
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(algorithm="native"), ValueError, "algorithm for allreduce must be one of .*native is the MPI"),
+        (dict(world_size=0), ValueError, "world_size must be a positive integer"),
+        (dict(count=-1), ValueError, "count must be an integer >= 0"),
+        (dict(dtype="bool"), TypeError, "dtype has unsupported dtype bool"),
+        (dict(op="mean"), ValueError, "op must be one of"),
+        (dict(root=4), ValueError, r"root must be a rank in \[0, 4\)"),
+        (dict(segment=3), TypeError, "unknown parameter"),
+        (dict(servers=2), TypeError, "servers is a parameter of the parameter_server baseline"),
+        (dict(algorithm="parameter_server", servers=4), ValueError, r"servers must be an integer in \[1, world_size\)"),
+        (dict(segment_size=0), ValueError, "segment_size must be a positive number of bytes"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    args = dict(collective="allreduce", algorithm="ring", world_size=4, count=8)
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        sim.run(**args)
+
+
+def test_time_arguments_are_checked():
+    cost = sim.costs("allreduce", "ring", 4, 8)
+    with pytest.raises(ValueError, match="alpha must be a number >= 0"):
+        cost.time(-1, 0, 0)
+    with pytest.raises(ValueError, match="need ranks_per_node"):
+        cost.time(1, 1, 1, inter_alpha=3)
