@@ -434,3 +434,103 @@ def test_time_arguments_are_checked():
         cost.time(-1, 0, 0)
     with pytest.raises(ValueError, match="need ranks_per_node"):
         cost.time(1, 1, 1, inter_alpha=3)
+
+
+# ---------------------------------------------------------------- projection and fit
+
+
+def test_projection_closed_forms_equal_the_simulator():
+    from collectives.sim import project
+
+    params = dict(alpha=A, beta=B, gamma=G)
+    for algorithm in ("ring", "direct", "recursive_halving", "recursive_doubling"):
+        for p in (2, 4, 8, 16, 32, 64):
+            for nbytes in (4 * p, 256 * p, 4096 * p):
+                want = sim.costs("allreduce", algorithm, p, nbytes // 4).time(**params)
+                assert project.closed_form(algorithm, p, nbytes, **params) == want, (algorithm, p, nbytes)
+    assert project.closed_form("ring", 6, 4 * 6, **params) is None  # not a power of two
+    assert project.closed_form("tree", 8, 4 * 8, **params) is None
+
+
+def test_projection_switches_to_the_closed_form_beyond_the_simulated_range():
+    from collectives.sim import project
+
+    model = dict(alpha=A, beta=B, gamma=G)
+    small, how = project.predict("ring", 64, 1 << 20, model, max_ops=10**6)
+    assert how == "sim"
+    assert project.predict("ring", 64, 1 << 20, model, max_ops=10) == (small, "closed form")
+    assert project.predict("tree", 64, 1 << 20, model, max_ops=10) == (None, None)
+
+
+def synthetic_rows(params, world_sizes=(2, 4)):
+    """Benchmark rows whose 'measured' time is the model's under ``params``."""
+    rows = []
+    for p in world_sizes:
+        for collective, algorithm in ALGORITHMS:
+            for nbytes in (1 << 12, 1 << 16, 1 << 20, 1 << 22):
+                count = nbytes // 4 // (p if collective == "allgather" else 1)
+                t = sim.costs(collective, algorithm, p, count).time(*params)
+                rows.append(dict(collective=collective, algorithm=algorithm, bytes=nbytes, count=count, world_size=p,
+                                 dtype="float32", time_us=t * 1e6))
+        rows.append(dict(collective="allreduce", algorithm="native", bytes=64, count=16, world_size=p,
+                         dtype="float32", time_us=1.0))  # another library's: ignored
+    return rows
+
+
+def test_fit_recovers_the_parameters_that_made_the_times():
+    from collectives.sim import calibrate
+
+    truth = (7e-6, 2e-10, 3e-10)
+    rows = synthetic_rows(truth)
+    fitted = calibrate.fit(calibrate.load_rows_from(rows))
+    assert fitted == pytest.approx(truth, rel=1e-6)
+    comparison = calibrate.compare(calibrate.load_rows_from(rows), fitted, 1 << 20)
+    assert len(comparison) == 2 * len(ALGORITHMS) * 2
+    assert max(abs(e) for *_, e in comparison) < 1e-6
+
+
+def test_the_command_line_fits_projects_and_plots(tmp_path, capsys):
+    import json
+
+    from collectives.sim.__main__ import main
+
+    bench = tmp_path / "n.json"
+    bench.write_text(json.dumps(synthetic_rows((5e-6, 1e-10, 2e-10))))
+    png, rows = tmp_path / "p.png", tmp_path / "p.json"
+    main(["--fit", str(bench), "--max-world-size", "16", "--world-size", "8", "--max-bytes", "64K",
+          "--servers", "2", "--plot", str(png), "--json", str(rows), "--no-progress"])
+    out = capsys.readouterr().out
+    assert "# fitted: alpha 5.00 us" in out and "within 25%: 100%" in out
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    data = json.loads(rows.read_text())
+    assert {r["world_size"] for r in data["by_world_size"]} == {2, 4, 8, 16}
+    assert {r["algorithm"] for r in data["by_size"]} == set(BUILDERS["allreduce"]) | {"parameter_server(S=2)"}
+    assert all(r["how"] == "sim" and r["time_s"] > 0 for r in data["by_size"])
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--fit", "x.json", "--alpha", "1"], "either --fit or"),
+        (["--beta", "-1"], "--beta must be >= 0"),
+        (["--inter-beta", "1"], "need --ranks-per-node"),
+        (["--plot", "x.svg"], "must name a .png"),
+        (["--world-size", "1"], "--world-size must be at least 2"),
+    ],
+)
+def test_the_command_line_rejects_bad_options(argv, message, capsys):
+    from collectives.sim.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_fit_rejects_a_file_without_our_rows(tmp_path):
+    from collectives.sim import calibrate
+
+    path = tmp_path / "n.json"
+    path.write_text('[{"collective": "allreduce", "algorithm": "native", "count": 1, "world_size": 2, '
+                    '"dtype": "float32", "time_us": 3}]')
+    with pytest.raises(ValueError, match="no rows of this library's algorithms"):
+        calibrate.load_rows([path])

@@ -11,6 +11,12 @@ bit, skipping children ≥ p: so any p works, the tree is just not full. lg p st
 the whole buffer: the choice for small messages. Reduce adds each child's buffer into
 a running sum as it arrives (workspace: one receive buffer, plus the running sum on
 ranks other than the root).
+
+Cost per rank (tested in ``tests/test_sim.py``): a rank's children are vr + 2^k for the
+2^k below vr's lowest set bit (the root: below p) with vr + 2^k < p; broadcast sends
+n to each child and receives n once (not the root): the root sends ⌈lg p⌉ messages,
+all ranks together (p-1)·n bytes. Reduce runs it backwards: n received and reduced per
+child, one n-byte message to the parent.
 """
 
 from ..schedule import Schedule, sl

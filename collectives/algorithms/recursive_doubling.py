@@ -12,6 +12,14 @@ swap the blocks they have gathered so far, doubling them each step. A world size
 is not a power of two is folded first (see ``Fold``): the even rank of each of the
 first 2·(p - p') ranks' pairs sends its data to the odd one and gets the result back
 at the end. Workspace: allreduce one buffer to receive into; allgather none.
+
+Cost per rank (tested in ``tests/test_sim.py``; p' = 2^⌊lg p⌋): allreduce, lg p'
+messages of n bytes, each received and reduced; the pair's even rank sends n once and
+receives n; the odd rank adds n received and reduced (the fold) and one n-byte message
+back. Allgather, b = the gathered n/p: a rank sends K_v and receives n - w_v over
+lg p' messages (w_v and K_v as in ``recursive_halving``: (p-1)·b each for p a power of
+two); the even rank of a pair sends its b and receives all n, the odd rank adds b
+received and one n-byte message back.
 """
 
 from ..schedule import Schedule, sl

@@ -14,6 +14,20 @@ ranks run the power-of-two algorithm on ranges made of their real blocks; at the
 the odd rank sends the pair's result back (the even rank's block for reduce_scatter,
 the whole buffer for allreduce). Workspace: half the buffer to receive into, plus the
 whole buffer on ranks that receive a fold, plus (reduce_scatter only) the running sums.
+
+Cost per rank (n bytes, p | count so blocks are b = n/p; p' = 2^⌊lg p⌋, e = p - p';
+tested against these in ``tests/test_sim.py``). Virtual block v weighs w_v = 2b for
+v < e (a pair's two blocks), else b; W_d(v) is the weight of the aligned group of d
+virtual blocks holding v. A halving step at distance d keeps, receives and reduces
+W_d(v) and sends the other half, so over the lg p' steps a rank sends n - w_v and
+receives and reduces K_v = Σ_{d=1,2,…,p'/2} W_d(v); the doubling steps mirror this
+(send K_v, receive n - w_v).
+    allreduce:      2 lg p' messages, n - w_v + K_v bytes sent and received, K_v reduced
+    reduce_scatter: lg p' messages, n - w_v sent, K_v received and reduced
+The pair's even rank sends n in one message and receives the result (n; its block b
+for reduce_scatter). The odd rank adds the fold: n more received and reduced, and one
+more message back (n for allreduce, b for reduce_scatter). For p a power of two this
+is the cost model's 2 lg p messages, 2(p-1)/p·n sent, (p-1)/p·n reduced.
 """
 
 from ..schedule import Schedule, sl
