@@ -20,8 +20,10 @@ RESULTS       ?= bench/results
 # make tune: world sizes measured into the tuning file auto reads.
 TUNE_SIZES    ?= 2 3 4
 TUNING        ?= collectives-tuning.json
+# make project: extra options for python -m collectives.sim (e.g. --fit results.json).
+SIM_ARGS      ?=
 
-.PHONY: install test test-serial test-mpi demo bench tune clean
+.PHONY: install test test-serial test-mpi demo bench tune project clean
 
 install: $(VENV)/.installed
 
@@ -61,6 +63,12 @@ tune: install
 	@for n in $(TUNE_SIZES); do \
 	  $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(VENV)/bin/collectives-bench --tune $(TUNING) --no-progress || exit 1; \
 	done
+
+# The simulator's projection to 4096 ranks: table on stdout, plot and rows in RESULTS.
+project: install
+	mkdir -p $(RESULTS)
+	$(PYTHON) -m collectives.sim --no-progress --plot $(RESULTS)/latest-projection.png \
+	  --json $(RESULTS)/latest-projection.json $(SIM_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

@@ -1,18 +1,21 @@
 """Layouts shared by the algorithms: how a buffer is cut into blocks, and how a world
 size that is not a power of two is folded onto one that is."""
 
+from functools import lru_cache
+
 from ..schedule import sl
 
 
+@lru_cache(maxsize=64)  # every rank of a call asks for the same (the simulator: p times)
 def block_bounds(count, parts):
     """Offsets of ``parts`` blocks of ``count`` elements, as ``numpy.array_split`` cuts
     them: the first ``count % parts`` blocks hold one element more. Block ``b`` is
-    ``[bounds[b], bounds[b + 1])``."""
+    ``[bounds[b], bounds[b + 1])`` (a tuple: shared between callers)."""
     base, extra = divmod(count, parts)
     bounds = [0]
     for b in range(parts):
         bounds.append(bounds[-1] + base + (b < extra))
-    return bounds
+    return tuple(bounds)
 
 
 def segments(lo, hi, segment):
@@ -75,4 +78,10 @@ def doubling_exchange(s, fold, offsets, buf="out"):
 
 def virtual_offsets(fold, bounds):
     """Element offsets of the virtual blocks of ``fold`` given the real block bounds."""
-    return [bounds[fold.first_block(v)] for v in range(fold.pof2 + 1)]
+    return _virtual_offsets(fold.size, tuple(bounds))
+
+
+@lru_cache(maxsize=64)
+def _virtual_offsets(size, bounds):
+    fold = Fold(0, size)  # the layout depends on the size only
+    return tuple(bounds[fold.first_block(v)] for v in range(fold.pof2 + 1))
