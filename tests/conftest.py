@@ -52,6 +52,22 @@ def reference(op, inputs):
     return np.asarray(result, dtype=inputs[0].dtype)
 
 
+def expected_everywhere(collective, inputs, op="sum", root=0):
+    """NumPy's answer for every rank (flat arrays in, a list out; None for the
+    non-roots of reduce) given every rank's flat input."""
+    size = len(inputs)
+    if collective == "allgather":
+        return [np.concatenate(inputs)] * size
+    if collective == "broadcast":
+        return [inputs[root]] * size
+    total = reference(op, inputs)
+    if collective == "allreduce":
+        return [total] * size
+    if collective == "reduce":
+        return [total if r == root else None for r in range(size)]
+    return np.array_split(total, size)
+
+
 def expected_result(collective, rank, size, xs, op="sum", root=0):
     """NumPy's answer for rank ``rank`` given every rank's input ``xs``."""
     if collective == "allgather":

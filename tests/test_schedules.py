@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collectives.algorithms import BUILDERS, block_bounds, build
+from collectives.algorithms import BUILDERS, build
 from collectives.schedule import Copy, Recv, Reduce, Schedule, Send, compile_plan, sl
 from collectives.transport.local import run_collective
 
-from conftest import ALL_DTYPES, ops_for, rank_input, reference, same
+from conftest import ALL_DTYPES, expected_everywhere, ops_for, rank_input, same
 
 pytestmark = pytest.mark.serial
 
@@ -24,26 +24,11 @@ ALGORITHMS = [(c, a) for c, names in BUILDERS.items() for a in names]
 SEGMENTED = {("allreduce", "tree"), ("broadcast", "pipeline")}
 
 
-def expected(collective, inputs, op, root):
-    size = len(inputs)
-    if collective == "allgather":
-        return [np.concatenate(inputs)] * size
-    if collective == "broadcast":
-        return [inputs[root]] * size
-    total = reference(op, inputs)
-    if collective == "allreduce":
-        return [total] * size
-    if collective == "reduce":
-        return [total if r == root else None for r in range(size)]
-    bounds = block_bounds(total.size, size)
-    return [total[bounds[r] : bounds[r + 1]] for r in range(size)]
-
-
 def check(collective, algorithm, size, count, dtype="float64", op="sum", root=0, segment=3, inplace=False):
     inputs = [rank_input(r, count, dtype, op) for r in range(size)]
     kept = [x.copy() for x in inputs]
     got = run_collective(collective, algorithm, inputs, op, root, segment, inplace)
-    want = expected(collective, kept, op, root)
+    want = expected_everywhere(collective, kept, op, root)
     problems = []
     for r in range(size):
         if want[r] is None:

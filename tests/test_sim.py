@@ -18,7 +18,7 @@ import collectives as cc
 import collectives.sim as sim
 from collectives.algorithms import BUILDERS
 
-from conftest import ALL_DTYPES, ops_for, reference
+from conftest import ALL_DTYPES, expected_everywhere, ops_for
 
 pytestmark = pytest.mark.serial
 
@@ -340,20 +340,6 @@ def test_four_thousand_ranks():
 # ---------------------------------------------------------------- data: NumPy reference
 
 
-def expected(collective, inputs, op, root):
-    size = len(inputs)
-    if collective == "allgather":
-        return [np.concatenate(inputs)] * size
-    if collective == "broadcast":
-        return [inputs[root]] * size
-    total = reference(op, inputs)
-    if collective == "allreduce":
-        return [total] * size
-    if collective == "reduce":
-        return [total if r == root else None for r in range(size)]
-    return np.array_split(total, size)
-
-
 @st.composite
 def calls(draw):
     collective, algorithm = draw(st.sampled_from(ALGORITHMS))
@@ -363,16 +349,17 @@ def calls(draw):
     count = draw(st.integers(0, 3 * p + 5))
     root = draw(st.integers(0, p - 1))
     segment = draw(st.integers(1, 5)) * np.dtype(dtype).itemsize
-    return collective, algorithm, dtype, op, p, count, root, segment
+    inplace = draw(st.booleans()) if collective in ("allreduce", "reduce") else False
+    return collective, algorithm, dtype, op, p, count, root, segment, inplace
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(calls())
 def test_results_equal_numpy_bit_for_bit_on_every_rank(call):
-    collective, algorithm, dtype, op, p, count, root, segment = call
-    result = sim.run(collective, algorithm, p, count, dtype, op, root, segment_size=segment)
+    collective, algorithm, dtype, op, p, count, root, segment, inplace = call
+    result = sim.run(collective, algorithm, p, count, dtype, op, root, segment_size=segment, inplace=inplace)
     inputs = [sim.simulate.make_input(r, p, count, dtype, op) for r in range(p)]
-    want = expected(collective, inputs, op, root)
+    want = expected_everywhere(collective, inputs, op, root)
     for r in range(p):
         if want[r] is None:
             assert result.results[r] is None

@@ -159,8 +159,9 @@ def costs(collective, algorithm, world_size, count, dtype="float32", root=0, **p
 def run(collective, algorithm, world_size, count, dtype="float32", op="sum", root=0, **params):
     """Run ``collective`` with ``algorithm`` for ``world_size`` virtual ranks in this
     process, on integer-valued NumPy inputs of ``count`` elements per rank (allgather:
-    each rank's contribution), and check every rank's result, bit for bit, against
-    NumPy's reduction of the same inputs.
+    each rank's contribution), and check every rank's result against NumPy's reduction
+    of the same inputs: equal values (+0 and -0 alike), and for allreduce the same
+    bits on every rank.
 
     ``params``: ``segment_size`` (bytes, for the pipelined ``tree`` and ``pipeline``),
     ``inplace`` (the in-place form of the call), ``servers`` (``parameter_server``).
