@@ -67,6 +67,8 @@ def parse_args(argv):
             p.error(f"--{name.replace('_', '-')} must be at least {2 if 'world' in name else 1}; got {value}")
     if any(s < 1 for s in args.servers):
         p.error("--servers must be positive")
+    if args.size < 4 or args.size % 4:
+        p.error(f"--size must be a positive multiple of 4 bytes (float32 elements); got {args.size}")
     if args.min_bytes < 4 or args.min_bytes > args.max_bytes:
         p.error("need 4 <= --min-bytes <= --max-bytes")
     if not args.plot.lower().endswith(".png"):
@@ -81,9 +83,9 @@ def main(argv=None):
     if args.fit:
         try:
             rows = calibrate.load_rows(args.fit)
-        except (OSError, ValueError) as e:
-            sys.exit(f"python -m collectives.sim: {e}")
-        alpha, beta, gamma = calibrate.fit(rows, args.fit_from)
+            alpha, beta, gamma = calibrate.fit(rows, args.fit_from)
+        except (OSError, ValueError, TypeError) as e:
+            sys.exit(f"python -m collectives.sim: --fit: {e}")
         params = dict(alpha=alpha, beta=beta, gamma=gamma)
         source = f"fitted to {', '.join(args.fit)}"
         print(f"# fitted: alpha {alpha * 1e6:.2f} us, beta {beta * 1e9:.4f} ns/B ({1 / beta / 1e9:.2f} GB/s), "

@@ -41,7 +41,7 @@ def load_rows_from(data, source="the rows"):
         raise ValueError(f"{source}: expected a list of rows as collectives-bench --json writes")
     rows = []
     for row in data:
-        missing = {"collective", "algorithm", "count", "world_size", "dtype", "time_us"} - set(row)
+        missing = {"collective", "algorithm", "bytes", "count", "world_size", "dtype", "time_us"} - set(row)
         if missing:
             raise ValueError(f"{source}: a row lacks {', '.join(sorted(missing))}")
         if row["algorithm"] not in OTHER_LIBRARIES and row["time_us"]:

@@ -72,7 +72,8 @@ class Costs:
         link, γ seconds per byte reduced; with ``ranks_per_node``, messages between
         nodes cost ``inter_alpha``/``inter_beta`` (default: α and β) and share each
         node's link. See :mod:`collectives.sim.timing` for the whole model."""
-        return self._graph.time(Model(alpha, beta, gamma, ranks_per_node, inter_alpha, inter_beta))
+        model = Model(alpha, beta, gamma, ranks_per_node, inter_alpha, inter_beta)  # checked before any work
+        return self._graph.time(model)
 
     def __repr__(self):
         return (
@@ -127,11 +128,14 @@ def _check_args(collective, algorithm, world_size, count, dtype, op, root, param
             )
     elif "servers" in params:
         raise TypeError(f"servers is a parameter of the parameter_server baseline, not of {algorithm}")
+    if not isinstance(params.get("inplace", False), (bool, np.bool_)):
+        raise ValueError(f"inplace must be True or False; got {params['inplace']!r}")
 
 
 def plans_for(collective, algorithm, world_size, count, dtype="float32", root=0, **params):
     """Every virtual rank's compiled plan: the very ones the MPI transport would run."""
     _check_args(collective, algorithm, world_size, count, dtype, None, root, params)
+    world_size, count, root = int(world_size), int(count), int(root)  # NumPy integers too
     inplace = bool(params.get("inplace", False)) or collective == "broadcast"
     if (collective, algorithm) in BASELINES:
         builder = BASELINES[collective, algorithm]
@@ -153,7 +157,7 @@ def costs(collective, algorithm, world_size, count, dtype="float32", root=0, **p
     :func:`run` gives, since they depend only on the plans.
     """
     plans = plans_for(collective, algorithm, world_size, count, dtype, root, **params)
-    return Costs(collective, algorithm, world_size, count, dtype, root, plans)
+    return Costs(collective, algorithm, int(world_size), int(count), dtype, int(root), plans)
 
 
 def run(collective, algorithm, world_size, count, dtype="float32", op="sum", root=0, **params):
@@ -168,7 +172,7 @@ def run(collective, algorithm, world_size, count, dtype="float32", op="sum", roo
     Raises :class:`~collectives.CollectiveError` if a result differs from NumPy's.
     """
     _check_args(collective, algorithm, world_size, count, dtype, op, root, params)
-    dtype = np.dtype(dtype)
+    world_size, count, root, dtype = int(world_size), int(count), int(root), np.dtype(dtype)
     baseline = (collective, algorithm) in BASELINES
     if baseline and op == "avg":
         raise ValueError("op 'avg' is not modelled for the parameter_server baseline; use op='sum'")

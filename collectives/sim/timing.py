@@ -21,13 +21,15 @@ This is list scheduling over the plans' dependency graphs: the critical path thr
 the schedule, with port contention on it.
 """
 
+import bisect
 import heapq
+import math
+import numbers
 from dataclasses import dataclass
 
 from ..schedule import Copy, Recv, Reduce, Send
 
 _SEND, _RECV, _REDUCE, _COPY = 0, 1, 2, 3
-_DONE, _START_MESSAGE = 0, 1  # event kinds; completions at a time come first
 
 
 @dataclass(frozen=True)
@@ -46,10 +48,10 @@ class Model:
             value = getattr(self, name)
             if value is None and name.startswith("inter"):
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"{name} must be a number >= 0 (seconds); got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0 (seconds); got {value!r}")
         rpn = self.ranks_per_node
-        if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1):
+        if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, numbers.Integral) or rpn < 1):
             raise ValueError(f"ranks_per_node must be a positive integer or None; got {rpn!r}")
         if rpn is None and (self.inter_alpha is not None or self.inter_beta is not None):
             raise ValueError("inter_alpha and inter_beta need ranks_per_node (how many ranks share a node)")
@@ -113,19 +115,36 @@ class Graph:
 def _simulate(graph, model):
     plans, kinds, nbytes, peers, match = graph.plans, graph.kinds, graph.nbytes, graph.peers, graph.match
     size = len(plans)
-    rpn = model.ranks_per_node
+    rpn = int(model.ranks_per_node) if model.ranks_per_node else None
     inter_alpha = model.alpha if model.inter_alpha is None else model.inter_alpha
     inter_beta = model.beta if model.inter_beta is None else model.inter_beta
     gamma = model.gamma
+    nodes = (size + rpn - 1) // rpn if rpn else 0
 
     pending = [plan.initial_pending() for plan in plans]
     remaining = [len(plan.ops) for plan in plans]
-    posted = [[None] * len(plan.ops) for plan in plans]  # the time a send/recv was posted
-    send_free, recv_free, cpu_free = [0.0] * size, [0.0] * size, [0.0] * size
-    nodes = (size + rpn - 1) // rpn if rpn else 0
-    out_link, in_link = [0.0] * nodes, [0.0] * nodes
-    events = []  # (time, kind, order, rank, index)
+    posted = [[False] * len(plan.ops) for plan in plans]
+    cpu_free = [0.0] * size  # reductions queue on their rank's processor in ready order
+    # Ports and links, numbered: send port of rank r = r, receive port = size + r,
+    # node a's outgoing link = 2·size + a, its incoming link = 2·size + nodes + a.
+    busy = bytearray(2 * size + 2 * nodes)
+    waiting = {}  # port or link -> keys of the messages waiting for it, best first
+    needs = {}  # message key -> the ports and links it holds while in flight
+    in_flight = {}  # (sender, send index) -> key
+    started = set()
+    dirty = set()  # ports and links freed (or newly wanted) since the last dispatch
+    events = []  # (time, rank, index): an operation completes
     finish = 0.0
+
+    def post_message(now, src, i, dst, j):
+        key = (now, i, src, dst, j)  # ready first, then the sender's earlier operation, then the lower rank
+        held = [src, size + dst]
+        if rpn and src // rpn != dst // rpn:
+            held += [2 * size + src // rpn, 2 * size + nodes + dst // rpn]
+        needs[key] = held
+        for port in held:
+            bisect.insort(waiting.setdefault(port, []), key)
+        dirty.update(held)
 
     def release(rank, i, now):
         """One more thing operation i of rank waited for is done; start it if it was
@@ -134,49 +153,77 @@ def _simulate(graph, model):
         while pending[rank][i] == 0:
             kind = kinds[rank][i]
             if kind == _COPY:
-                heapq.heappush(events, (now, _DONE, 0, rank, i))
+                heapq.heappush(events, (now, rank, i))
                 return
             if kind == _REDUCE:
                 start = max(now, cpu_free[rank])
                 cpu_free[rank] = end = start + nbytes[rank][i] * gamma
-                heapq.heappush(events, (end, _DONE, 0, rank, i))
+                heapq.heappush(events, (end, rank, i))
                 return
-            posted[rank][i] = now
+            posted[rank][i] = True
             peer, j = peers[rank][i], match[rank][i]
-            if posted[peer][j] is not None:  # both sides are posted: the message may go
-                src, send_i = (rank, i) if kind == _SEND else (peer, j)
-                heapq.heappush(events, (now, _START_MESSAGE, send_i, src, send_i))
+            if posted[peer][j]:  # both sides are posted: the message may go
+                if kind == _SEND:
+                    post_message(now, rank, i, peer, j)
+                else:
+                    post_message(now, peer, j, rank, i)
             i = plans[rank].fifo_next[i]
             if i < 0:
                 return
             pending[rank][i] -= 1
 
+    def first_startable(port):
+        """The best waiting message on ``port`` whose ports and links are all free."""
+        queue = waiting.get(port, ())
+        k = 0
+        while k < len(queue):
+            key = queue[k]
+            if key in started:
+                del queue[k]
+                continue
+            if not any(busy[x] for x in needs[key]):
+                return key
+            k += 1
+        return None
+
+    def dispatch(now):
+        """Start every waiting message whose ports and links are free now, best first."""
+        while dirty:
+            candidates = sorted({key for port in dirty if not busy[port] for key in [first_startable(port)] if key})
+            dirty.clear()
+            for key in candidates:
+                held = needs[key]
+                if any(busy[x] for x in held):  # lost a port to a better message: look again
+                    dirty.update(x for x in held if not busy[x])
+                    continue
+                for x in held:
+                    busy[x] = 1
+                started.add(key)
+                _, i, src, dst, j = key
+                inter = len(held) > 2
+                end = now + (inter_alpha if inter else model.alpha) + nbytes[src][i] * (inter_beta if inter else model.beta)
+                in_flight[src, i] = key
+                heapq.heappush(events, (end, src, i))
+                heapq.heappush(events, (end, dst, j))
+
     for rank in range(size):
         for i in [i for i, n in enumerate(pending[rank]) if n == 0]:  # before any release
             pending[rank][i] = 1
             release(rank, i, 0.0)
-
+    dispatch(0.0)
     while events:
-        now, kind, _, rank, i = heapq.heappop(events)
-        if kind == _DONE:
+        now = events[0][0]
+        while events and events[0][0] == now:  # everything that ends now, then dispatch
+            _, rank, i = heapq.heappop(events)
             remaining[rank] -= 1
-            finish = max(finish, now)
+            finish = now
+            if kinds[rank][i] == _SEND:
+                for x in needs.pop(in_flight.pop((rank, i))):
+                    busy[x] = 0
+                    dirty.add(x)
             for j in plans[rank].dependents[i]:
                 release(rank, j, now)
-            continue
-        dst, j = peers[rank][i], match[rank][i]
-        m = nbytes[rank][i]
-        if rpn and rank // rpn != dst // rpn:
-            a, b = rank // rpn, dst // rpn
-            start = max(now, send_free[rank], recv_free[dst], out_link[a], in_link[b])
-            end = start + inter_alpha + m * inter_beta
-            out_link[a] = in_link[b] = end
-        else:
-            start = max(now, send_free[rank], recv_free[dst])
-            end = start + model.alpha + m * model.beta
-        send_free[rank] = recv_free[dst] = end
-        heapq.heappush(events, (end, _DONE, 0, rank, i))
-        heapq.heappush(events, (end, _DONE, 0, dst, j))
+        dispatch(now)
 
     stuck = [r for r in range(size) if remaining[r]]
     if stuck:
