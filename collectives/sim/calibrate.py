@@ -16,7 +16,7 @@ import json
 
 import numpy as np
 
-from .simulate import costs
+from .simulate import DEFAULT_SEGMENT_SIZE, costs
 
 OTHER_LIBRARIES = ("native", "gloo", "auto")
 START = (20e-6, 1e-9, 1e-9)  # α, β, γ: a first guess for the critical paths
@@ -58,7 +58,7 @@ class _Prediction:
         self.row = row
         self.costs = costs(
             row["collective"], row["algorithm"], int(row["world_size"]), int(row["count"]), row["dtype"],
-            segment_size=int(row.get("segment_size") or 256 * 1024),
+            segment_size=int(row.get("segment_size") or DEFAULT_SEGMENT_SIZE),
         )
         self.measured = float(row["time_us"]) * 1e-6
 

@@ -11,11 +11,10 @@ run); the pipelined tree, which has none, is left out there. Every row says whic
 import math
 
 from ..algorithms import BUILDERS
-from .simulate import costs
+from .simulate import DEFAULT_SEGMENT_SIZE as SEGMENT, costs
 
 ALLREDUCE = tuple(BUILDERS["allreduce"])
 DEFAULT_MAX_OPS = 400_000  # simulated operations per point: about 3 s here
-SEGMENT = 256 * 1024
 
 
 def parameter_server_name(servers):

@@ -8,13 +8,13 @@ import numpy as np
 from .. import ops as ops_layer
 from ..algorithms import BUILDERS, COLLECTIVES, SEGMENTED, block_bounds, build
 from ..arrays import check_dtype
+from ..communicator import DEFAULT_SEGMENT_SIZE  # bytes: segments as the Communicator cuts them
 from ..errors import CollectiveError
 from ..schedule import Recv, Reduce, Send, compile_plan
 from ..transport import local
 from . import parameter_server
 from .timing import Graph, Model
 
-DEFAULT_SEGMENT_SIZE = 256 * 1024  # bytes, as the Communicator's default
 # Schedules that exist only in the simulator: baselines to compare with, not algorithms.
 BASELINES = {("allreduce", "parameter_server"): parameter_server.allreduce}
 PARAMS = ("segment_size", "servers", "inplace")
