@@ -8,7 +8,7 @@ import numpy as np
 from .. import ops as ops_layer
 from ..algorithms import BUILDERS, COLLECTIVES, SEGMENTED, block_bounds, build
 from ..arrays import check_dtype
-from ..communicator import DEFAULT_SEGMENT_SIZE  # bytes: segments as the Communicator cuts them
+from ..communicator import DEFAULT_SEGMENT_SIZE, _check_segment_size  # segments as the Communicator cuts them
 from ..errors import CollectiveError
 from ..schedule import Recv, Reduce, Send, compile_plan
 from ..transport import local
@@ -93,6 +93,10 @@ class SimResult(Costs):
         self.results = results
 
 
+def _is_int(value):
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def _check_args(collective, algorithm, world_size, count, dtype, op, root, params):
     names = algorithms(collective)
     if algorithm not in names:
@@ -100,9 +104,9 @@ def _check_args(collective, algorithm, world_size, count, dtype, op, root, param
             f"algorithm for {collective} must be one of {', '.join(names)} in the simulator; got {algorithm!r}"
             + (" (native is the MPI library's own, and auto picks among these)" if algorithm in ("native", "auto") else "")
         )
-    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
+    if not _is_int(world_size) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer; got {world_size!r}")
-    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+    if not _is_int(count) or count < 0:
         raise ValueError(f"count must be an integer >= 0; got {count!r}")
     try:
         np_dtype = np.dtype(dtype)
@@ -111,17 +115,15 @@ def _check_args(collective, algorithm, world_size, count, dtype, op, root, param
     check_dtype(np_dtype, name="dtype")
     if op is not None:
         ops_layer.check_op(op, dtype)
-    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < world_size:
+    if not _is_int(root) or not 0 <= root < world_size:
         raise ValueError(f"root must be a rank in [0, {world_size}); got {root!r}")
     unknown = set(params) - set(PARAMS)
     if unknown:
         raise TypeError(f"unknown parameter(s) {', '.join(sorted(unknown))}; the simulator takes {', '.join(PARAMS)}")
-    segment_size = params.get("segment_size", DEFAULT_SEGMENT_SIZE)
-    if isinstance(segment_size, bool) or not isinstance(segment_size, (int, np.integer)) or segment_size < 1:
-        raise ValueError(f"segment_size must be a positive number of bytes; got {segment_size!r}")
+    _check_segment_size(params.get("segment_size", DEFAULT_SEGMENT_SIZE))
     if (collective, algorithm) in BASELINES:
         servers = params.get("servers", 1)
-        if isinstance(servers, bool) or not isinstance(servers, (int, np.integer)) or not 1 <= servers < world_size:
+        if not _is_int(servers) or not 1 <= servers < world_size:
             raise ValueError(
                 f"servers must be an integer in [1, world_size) = [1, {world_size}) (the other ranks are "
                 f"the workers); got {servers!r}"
