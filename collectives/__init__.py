@@ -13,6 +13,7 @@ from .errors import CollectiveError, TransportError
 from .ops import OPS
 from .transport.mpi import Handle
 from . import sim  # noqa: E402 (the simulator: cc.sim.run)
+from . import training  # noqa: E402 (data-parallel training: cc.training.GradientReducer)
 
 __version__ = "0.1.0"
 
@@ -26,4 +27,5 @@ __all__ = [
     "TransportError",
     "algorithms",
     "sim",
+    "training",
 ]

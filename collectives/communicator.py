@@ -126,6 +126,24 @@ class Communicator:
         """Drop the scratch buffers kept between calls (they are made again when needed)."""
         self._workspace = _Workspace()
 
+    def dup(self):
+        """A new :class:`Communicator` over the same ranks with its own private MPI
+        communicator (collective), e.g. for a thread that must not share this one's
+        calls in flight. It keeps this one's ``segment_size``."""
+        self._finish_in_flight()
+        return Communicator(self._comm, segment_size=self.segment_size)
+
+    def broadcast_object(self, obj, root=0):
+        """``obj`` from ``root`` on every rank: a small picklable Python object (metadata
+        such as names, shapes and hyperparameters), never array data — arrays go through
+        :meth:`broadcast`. Collective; finishes this rank's calls in flight first."""
+        root = _check_root(root, self.size)
+        self._finish_in_flight()
+        try:
+            return self._comm.bcast(obj if self.rank == root else None, root)
+        except MPI.Exception as exc:
+            raise TransportError(f"broadcast_object: the MPI library failed: {exc}") from exc
+
     def free(self):
         """Release the private MPI communicator (collective). The object is unusable after."""
         if self._comm != MPI.COMM_NULL:
@@ -338,12 +356,17 @@ class Communicator:
         inside MPI cannot do, so they are finished first; every rank started them
         before this call, so every rank can finish them.
         """
-        while self._progress.active:
-            self._progress.advance(block=True)
+        self._finish_in_flight()
         try:
             self._native(collective, inp, out, inplace, op, root, counts, blocking=True)
         except MPI.Exception as exc:
             raise TransportError(f"{collective}(algorithm='native'): the MPI library failed: {exc}") from exc
+
+    def _finish_in_flight(self):
+        """Finish this rank's calls in flight (before a blocking MPI call, during which
+        this rank's Python cannot progress them)."""
+        while self._progress.active:
+            self._progress.advance(block=True)
 
     def _native(self, collective, inp, out, inplace, op, root, counts, blocking=False):
         """Start MPI's own non-blocking collective (return its request), or with

@@ -1,0 +1,489 @@
+"""Data-parallel training on the collectives: the framework-neutral core.
+
+Every rank keeps a full copy of the model. The parameters are broadcast once from
+rank 0; then every step each rank computes gradients on its own shard of the batch,
+and the gradients are averaged over the ranks with allreduce, so every replica takes
+the same step (as PyTorch DDP and Horovod do)::
+
+    comm = cc.Communicator()
+    broadcast_parameters(params, comm=comm)          # rank 0's values, in place
+    reducer = GradientReducer(params, comm=comm)
+    for batch in my_shard:
+        for name, grad in backward(batch):           # as soon as each gradient is complete
+            reducer.gradient_ready(name, grad)       # a full bucket starts its allreduce now
+        reducer.synchronize()                        # every grad now holds the average
+        optimizer_step(params, grads)
+
+``params`` is a mapping (or a sequence of ``(name, array)`` pairs) with the same names,
+shapes and dtypes, in the same order, on every rank.
+
+**Buckets** (DDP's gradient buckets, Horovod's tensor fusion): many small gradients
+are packed into few flat buffers, each reduced by one allreduce. Parameters are laid
+out in *reverse* order, because backward produces the last layer's gradients first;
+a bucket holds one dtype; the first bucket of each dtype is capped at
+``first_bucket_bytes`` (1 MiB, so communication starts early in backward), the
+others at ``bucket_bytes`` (25 MiB); a parameter larger than the cap has a bucket of
+its own. The layout depends only on the names, shapes and dtypes, so it is the same
+on every rank, and buckets start their allreduce in the same order on every rank
+(bucket i waits for bucket i-1 to start) whatever order the gradients arrive in.
+
+**Overlap**: a bucket's allreduce is started as soon as its last gradient arrives and
+runs while backward computes the earlier layers. The library's transports progress
+only when called, so the reducer polls at every ``gradient_ready``; with
+``progress_thread=True`` a background thread also polls while backward is busy in
+NumPy or PyTorch kernels (which release the GIL), on a private duplicate of the
+communicator.
+"""
+
+import contextlib
+import hashlib
+import threading
+import time
+
+import numpy as np
+
+from .algorithms import check_algorithm
+from .communicator import Communicator, _check_root
+
+FIRST_BUCKET_BYTES = 1 << 20
+BUCKET_BYTES = 25 << 20
+
+# compression -> the dtype on the wire (the gradients keep their own dtype)
+COMPRESSIONS = {None: None, "fp16": np.dtype(np.float16)}
+
+
+class TrainingError(RuntimeError):
+    """Training code used the reducer in a way that cannot give the right gradients
+    (the message says how to fix it), or the ranks' parameters disagree."""
+
+
+def named_arrays(params, what="params"):
+    """``params`` as a list of ``(name, ndarray)``: a mapping, a sequence of
+    ``(name, array)`` pairs, or a sequence of arrays (named "0", "1", ...)."""
+    items = list(params.items()) if hasattr(params, "items") else list(params)
+    named = []
+    for i, item in enumerate(items):
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            name, array = item
+        else:
+            name, array = str(i), item
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"{what}[{name!r}] must be a numpy.ndarray; got {type(array).__name__}")
+        named.append((name, array))
+    names = [name for name, _ in named]
+    if len(set(names)) != len(names):
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        raise ValueError(f"{what} has duplicate names: {', '.join(duplicates)}")
+    return named
+
+
+_default_comm = None
+
+
+def default_communicator():
+    """The communicator over ``MPI.COMM_WORLD`` that training calls use when given none
+    (made on first use: collective, like every call here)."""
+    global _default_comm
+    if _default_comm is None:
+        _default_comm = Communicator()
+    return _default_comm
+
+
+def _communicator(comm):
+    if comm is None:
+        return default_communicator()
+    if not isinstance(comm, Communicator):
+        raise TypeError(f"comm must be a collectives.Communicator or None; got {type(comm).__name__}")
+    return comm
+
+
+class Bucket:
+    """Arrays of one dtype packed into one flat buffer, moved by one collective call."""
+
+    def __init__(self, index, dtype, cap):
+        self.index = index
+        self.dtype = np.dtype(dtype)
+        self.cap = cap  # bytes
+        self.names = []
+        self.slices = {}  # name -> (start, stop) in the flat buffer
+        self.shapes = {}
+        self.count = 0
+        self.data = None  # the flat buffer, once allocate() is called
+
+    @property
+    def nbytes(self):
+        return self.count * self.dtype.itemsize
+
+    def add(self, name, shape, size):
+        self.names.append(name)
+        self.slices[name] = (self.count, self.count + size)
+        self.shapes[name] = tuple(shape)
+        self.count += size
+
+    def allocate(self):
+        self.data = np.empty(self.count, self.dtype)
+        return self
+
+    def view(self, name):
+        """The slot of ``name`` in the flat buffer, shaped like its array."""
+        start, stop = self.slices[name]
+        return self.data[start:stop].reshape(self.shapes[name])
+
+
+def plan_buckets(entries, first_bucket_bytes=FIRST_BUCKET_BYTES, bucket_bytes=BUCKET_BYTES):
+    """Buckets for ``entries`` (``(name, shape, dtype)``, in the order their arrays are
+    expected to become ready), in the order they are to be reduced.
+
+    One dtype per bucket. The first bucket of each dtype is capped at
+    ``first_bucket_bytes``, later ones at ``bucket_bytes``; an array larger than the
+    cap gets a bucket of its own. Deterministic: the same entries give the same buckets
+    on every rank. Buffers are not allocated here (``Bucket.allocate``).
+    """
+    buckets = []
+    filling = {}  # dtype -> the bucket being filled
+    for name, shape, dtype in entries:
+        dtype = np.dtype(dtype)
+        size = int(np.prod(shape, dtype=np.int64))
+        bucket = filling.get(dtype)
+        if bucket is None or (bucket.count and bucket.nbytes + size * dtype.itemsize > bucket.cap):
+            cap = bucket_bytes if bucket is not None else first_bucket_bytes
+            bucket = Bucket(len(buckets), dtype, cap)
+            buckets.append(bucket)
+            filling[dtype] = bucket
+        bucket.add(name, shape, size)
+    return buckets
+
+
+def _check_bytes(value, name):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive number of bytes; got {value!r}")
+    return int(value)
+
+
+# -- checks across ranks ---------------------------------------------------------------
+def _digest_rows(comm, rows):
+    """Every rank's 16-byte digests of ``rows`` (one per row): shape ``(size, len(rows), 16)``."""
+    mine = np.array([np.frombuffer(hashlib.blake2b(row, digest_size=16).digest(), np.uint8) for row in rows],
+                    dtype=np.uint8).reshape(len(rows), 16)
+    return comm.allgather(mine)
+
+
+def _layout(named):
+    return [(name, tuple(array.shape), array.dtype.str) for name, array in named]
+
+
+def check_same_layout(named, comm, what="params"):
+    """Raise :class:`TrainingError` on every rank unless every rank passed the same names,
+    shapes and dtypes in the same order. Collective: one small allgather (and, only on
+    a mismatch, rank 0's layout broadcast so each rank can say what differs)."""
+    layout = _layout(named)
+    everyone = _digest_rows(comm, [repr(layout).encode()])
+    differ = [r for r in range(comm.size) if not np.array_equal(everyone[r], everyone[0])]
+    if not differ:
+        return
+    reference = comm.broadcast_object(layout, root=0)
+    detail = ""
+    if comm.rank in differ:
+        detail = f" Here (rank {comm.rank}): {_first_difference(reference, layout)}."
+    raise TrainingError(
+        f"{what} differ between ranks: rank(s) {', '.join(map(str, differ))} passed other names, shapes or "
+        f"dtypes than rank 0.{detail} Every rank must build the same model and pass its parameters in the "
+        "same order."
+    )
+
+
+def _first_difference(reference, layout):
+    for i, (want, got) in enumerate(zip(reference, layout)):
+        if want != got:
+            return (f"entry {i} is {got[0]!r} shape {got[1]} dtype {np.dtype(got[2]).name}, rank 0 has "
+                    f"{want[0]!r} shape {want[1]} dtype {np.dtype(want[2]).name}")
+    return f"{len(layout)} entries, rank 0 has {len(reference)}"
+
+
+def check_parameters(params, comm=None):
+    """Raise :class:`TrainingError` on every rank if the ranks' parameters are not
+    identical: the same names, shapes and dtypes, and bit-for-bit the same values.
+    The message names the parameters and the ranks that differ from rank 0.
+    Collective; costs two small allgathers (16 bytes per parameter)."""
+    comm = _communicator(comm)
+    named = named_arrays(params)
+    check_same_layout(named, comm)
+    everyone = _digest_rows(comm, [np.ascontiguousarray(array).tobytes() for _, array in named])
+    problems = []
+    for i, (name, _) in enumerate(named):
+        ranks = [r for r in range(comm.size) if not np.array_equal(everyone[r, i], everyone[0, i])]
+        if ranks:
+            problems.append(f"{name!r} on rank(s) {', '.join(map(str, ranks))}")
+    if problems:
+        shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
+        raise TrainingError(
+            f"parameters differ from rank 0's: {shown}. Broadcast them from one rank "
+            "(broadcast_parameters) before training, and make every rank take the same steps."
+        )
+
+
+# -- broadcast ---------------------------------------------------------------------------
+def broadcast_parameters(params, root=0, comm=None, bucket_bytes=BUCKET_BYTES):
+    """Overwrite ``params`` (arrays, in place) on every rank with ``root``'s values.
+
+    Arrays of any dtype are packed as bytes into few buffers of at most
+    ``bucket_bytes`` and broadcast bucket by bucket. Collective: every rank must pass
+    the same names, shapes and dtypes (checked first; a mismatch raises
+    :class:`TrainingError` everywhere). Returns ``params``.
+    """
+    comm = _communicator(comm)
+    root = _check_root(root, comm.size)
+    named = named_arrays(params)
+    for name, array in named:
+        if not array.flags.writeable:
+            raise ValueError(f"params[{name!r}] must be writable: broadcast_parameters fills it in place")
+    _check_bytes(bucket_bytes, "bucket_bytes")
+    check_same_layout(named, comm)
+    arrays = dict(named)
+    entries = [(name, (array.nbytes,), np.uint8) for name, array in named]
+    for bucket in plan_buckets(entries, bucket_bytes, bucket_bytes):
+        bucket.allocate()
+        if comm.rank == root:
+            for name in bucket.names:
+                bucket.view(name)[...] = _bytes_of(arrays[name])
+        comm.broadcast(bucket.data, root=root)
+        if comm.rank != root:
+            for name in bucket.names:
+                array = arrays[name]
+                array[...] = bucket.view(name).view(array.dtype).reshape(array.shape)
+    return params
+
+
+def _bytes_of(array):
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+# -- gradient reduction ------------------------------------------------------------------
+class GradientReducer:
+    """Averages gradients over the ranks in fused buckets, overlapped with backward.
+
+    Call :meth:`gradient_ready` for each parameter as soon as its gradient is complete
+    (in any order), then :meth:`synchronize`, which waits for the allreduces and writes
+    the average over the ranks back into the gradient arrays. Construction is
+    collective and checks that every rank passed the same parameter layout.
+
+    - ``backward_passes_per_step=k``: gradient accumulation. Each parameter is expected
+      ``k`` times per step; the first ``k-1`` calls only count (the caller accumulates,
+      as PyTorch does in ``.grad``), the ``k``-th hands over the accumulated gradient.
+      :meth:`no_sync` does the same for the backward passes inside it.
+    - ``compression="fp16"``: each bucket is divided by the world size first (so the
+      sum cannot overflow), sent and summed as float16, and cast back; the gradients
+      keep their dtype. ``None`` sends them as they are, summed then divided.
+    - ``algorithm``: the allreduce algorithm ("auto" picks per bucket size).
+    - ``progress_thread=True``: a background thread advances the allreduces while the
+      caller computes, on a private duplicate of ``comm``.
+    """
+
+    def __init__(self, params, comm=None, *, first_bucket_bytes=FIRST_BUCKET_BYTES, bucket_bytes=BUCKET_BYTES,
+                 backward_passes_per_step=1, compression=None, algorithm="auto", progress_thread=False,
+                 poll_interval=50e-6):
+        named = named_arrays(params)
+        for name, array in named:
+            if array.dtype.kind not in "fc":
+                raise TypeError(f"params[{name!r}] has dtype {array.dtype.name}: gradients are averaged, so "
+                                "parameters must be floating or complex (leave integer state out of params)")
+        _check_bytes(first_bucket_bytes, "first_bucket_bytes")
+        _check_bytes(bucket_bytes, "bucket_bytes")
+        k = backward_passes_per_step
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"backward_passes_per_step must be a positive integer; got {k!r}")
+        if not isinstance(compression, (str, type(None))) or compression not in COMPRESSIONS:
+            names = ", ".join(repr(c) for c in COMPRESSIONS)
+            raise ValueError(f"compression must be one of {names}; got {compression!r}")
+        if compression is not None:
+            complex_params = [name for name, array in named if array.dtype.kind == "c"]
+            if complex_params:
+                raise TypeError(f"compression={compression!r} is for real gradients; params[{complex_params[0]!r}] "
+                                "is complex")
+        self.algorithm = check_algorithm("allreduce", algorithm)
+        if isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)) or not poll_interval >= 0:
+            raise ValueError(f"poll_interval must be a non-negative number of seconds; got {poll_interval!r}")
+        comm = _communicator(comm)
+        check_same_layout(named, comm)
+
+        self.backward_passes_per_step = int(k)
+        self.compression = compression
+        self.names = [name for name, _ in named]
+        # Backward produces the last parameters' gradients first: lay them out first.
+        entries = [(name, array.shape, array.dtype) for name, array in reversed(named)]
+        self.buckets = [b.allocate() for b in plan_buckets(entries, first_bucket_bytes, bucket_bytes)]
+        self._bucket_of = {name: b for b in self.buckets for name in b.names}
+        wire = COMPRESSIONS[compression]
+        self._wire = [None if wire is None else np.empty(b.count, wire) for b in self.buckets]
+        self._comm = comm.dup() if progress_thread else comm
+        self._owns_comm = progress_thread
+        self._no_sync = False
+        self._reset()
+
+        self._lock = threading.Condition()
+        self._error = None  # an exception the progress thread met, raised by synchronize
+        self._closed = False
+        self._thread = None
+        if progress_thread:
+            self._poll_interval = float(poll_interval)
+            self._thread = threading.Thread(target=self._progress_loop, name="collectives-progress", daemon=True)
+            self._thread.start()
+
+    # -- the step ------------------------------------------------------------------
+    def gradient_ready(self, name, grad):
+        """Hand over ``name``'s gradient (an array shaped and typed like the parameter),
+        complete for this backward pass. On the pass that completes a step, it is copied
+        into its bucket, and every bucket that is now full starts its allreduce (in
+        bucket order). ``grad`` receives the averaged gradient in :meth:`synchronize`."""
+        bucket = self._bucket_of.get(name)
+        if bucket is None:
+            raise ValueError(f"name {name!r} is not one of the reducer's parameters")
+        if not isinstance(grad, np.ndarray):
+            raise TypeError(f"grad for {name!r} must be a numpy.ndarray; got {type(grad).__name__}")
+        if grad.shape != bucket.shapes[name] or grad.dtype != bucket.dtype:
+            raise ValueError(f"grad for {name!r} must have shape {bucket.shapes[name]} and dtype {bucket.dtype.name} "
+                             f"like the parameter; got shape {grad.shape}, dtype {grad.dtype.name}")
+        self._check_thread()
+        if self._no_sync:
+            return
+        passes = self._passes[name] + 1
+        if passes > self.backward_passes_per_step:
+            raise TrainingError(
+                f"the gradient of {name!r} arrived {passes} times before synchronize(), but "
+                f"backward_passes_per_step={self.backward_passes_per_step}: call synchronize() (the optimizer's "
+                "step) after each step's backward passes, or increase backward_passes_per_step to accumulate "
+                "gradients locally over more passes"
+            )
+        self._passes[name] = passes
+        if passes == self.backward_passes_per_step:
+            np.copyto(bucket.view(name), grad)
+            self._grads[name] = grad
+            self._waiting[bucket.index] -= 1
+            if self._waiting[bucket.index] == 0:
+                self._start_full_buckets()
+        if self._thread is None:
+            self._poll()
+
+    def synchronize(self):
+        """Wait for every bucket's allreduce and write the averaged gradients into the
+        arrays given to :meth:`gradient_ready` (a read-only one gets a copy). Returns
+        ``{name: averaged gradient}`` in parameter order. Raises :class:`TrainingError`
+        if some gradient has not arrived ``backward_passes_per_step`` times."""
+        if self._no_sync:
+            raise TrainingError("synchronize() inside no_sync(): leave the no_sync() block first, and run the "
+                                "backward pass that completes the step outside it")
+        self._check_thread()
+        missing = [name for name in self.names if self._passes[name] < self.backward_passes_per_step]
+        if missing:
+            self._wait_started()  # every rank started these: finishing them keeps the ranks matched
+            self._reset()
+            shown = ", ".join(repr(n) for n in missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise TrainingError(
+                f"synchronize() before every gradient arrived: {len(missing)} of {len(self.names)} parameters "
+                f"({shown}) were not handed over {self.backward_passes_per_step} time(s) this step. Run the "
+                "backward pass(es) and call gradient_ready for every parameter before stepping; a parameter "
+                "that takes no part in the loss must be left out of the reducer's params."
+            )
+        self._wait_started()
+        averaged = {}
+        for bucket, wire in zip(self.buckets, self._wire):
+            if wire is not None:
+                np.copyto(bucket.data, wire)
+            for name in bucket.names:
+                grad = self._grads[name]
+                if grad.flags.writeable:
+                    np.copyto(grad, bucket.view(name))
+                else:
+                    grad = bucket.view(name).copy()
+                averaged[name] = grad
+        self._reset()
+        return {name: averaged[name] for name in self.names}
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside do not communicate: :meth:`gradient_ready` ignores them
+        and the caller accumulates (as ``.grad`` does in PyTorch). The next pass outside
+        hands over the accumulated gradients, as DDP's ``no_sync``."""
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield self
+        finally:
+            self._no_sync = previous
+
+    def close(self):
+        """Stop the progress thread and free the private communicator (collective if
+        ``progress_thread``). Unfinished allreduces are waited for first."""
+        if self._closed:
+            return
+        self._wait_started()
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        if self._owns_comm:
+            self._comm.free()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- machinery -------------------------------------------------------------------
+    def _reset(self):
+        self._passes = dict.fromkeys(self.names, 0)
+        self._grads = {}
+        self._waiting = [len(b.names) for b in self.buckets]
+        self._handles = []  # started allreduces, in bucket order
+        self._next = 0  # the next bucket to start
+
+    def _start_full_buckets(self):
+        """Start the allreduce of every full bucket whose predecessors have started: the
+        same order on every rank, whatever order the gradients came in."""
+        with self._lock:
+            while self._next < len(self.buckets) and self._waiting[self._next] == 0:
+                bucket, wire = self.buckets[self._next], self._wire[self._next]
+                if wire is None:
+                    handle = self._comm.allreduce_async(bucket.data, op="avg", algorithm=self.algorithm,
+                                                        out=bucket.data)
+                else:
+                    np.divide(bucket.data, self._comm.size, out=bucket.data)
+                    np.copyto(wire, bucket.data, casting="same_kind")
+                    handle = self._comm.allreduce_async(wire, op="sum", algorithm=self.algorithm, out=wire)
+                self._handles.append(handle)
+                self._next += 1
+            self._lock.notify_all()
+
+    def _poll(self):
+        """Advance the allreduces in flight without blocking."""
+        for handle in self._handles:
+            if not handle.test():
+                return
+
+    def _wait_started(self):
+        with self._lock:
+            for handle in self._handles:
+                handle.wait()
+
+    def _check_thread(self):
+        if self._closed:
+            raise TrainingError("the reducer is closed")
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _progress_loop(self):
+        """The progress thread: poll the allreduces in flight until the reducer closes."""
+        while True:
+            with self._lock:
+                while not self._closed and all(h.test() for h in self._handles):
+                    self._lock.wait()
+                if self._closed:
+                    return
+                try:
+                    self._poll()
+                except Exception as exc:  # noqa: BLE001 - handed to the caller's thread
+                    self._error = exc
+                    self._handles = []
+            time.sleep(self._poll_interval)  # lets the caller's thread have the GIL
