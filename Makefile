@@ -30,7 +30,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: setup.py
 	test -x $(PYTHON) || python3 -m venv $(VENV)
 	$(PYTHON) -m pip install -q --upgrade pip
-	$(PYTHON) -m pip install -q -e ".[mpich,test,bench]" $(TORCH)
+	$(PYTHON) -m pip install -q -e ".[mpich,test,bench,examples]" $(TORCH)
 	touch $@
 
 test: install test-serial test-mpi

@@ -28,6 +28,10 @@ setup(
         "bench": ["matplotlib>=3.5", "tqdm>=4.60"],
         # collectives-bench --peers gloo (torch.distributed on the CPU).
         "gloo": ["torch>=2.0"],
+        # collectives.torch (DistributedOptimizer): post-accumulate-grad hooks need 2.1.
+        "torch": ["torch>=2.1"],
+        # examples/: the digits data set ships inside scikit-learn; progress bars.
+        "examples": ["scikit-learn>=1.0", "tqdm>=4.60"],
     },
     entry_points={"console_scripts": ["collectives-bench=collectives.bench.cli:main"]},
     classifiers=[

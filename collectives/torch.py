@@ -1,0 +1,188 @@
+"""PyTorch adapter: data-parallel training with the collectives, in the Horovod style.
+
+    import collectives.torch as cct
+    comm = cc.Communicator()
+    cct.broadcast_parameters(model.state_dict(), comm=comm)     # rank 0's weights everywhere
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cct.broadcast_optimizer_state(optimizer, comm=comm)
+    optimizer = cct.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), comm=comm)
+    for x, y in my_shard:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()   # each gradient starts its bucket's allreduce as it is accumulated
+        optimizer.step()                  # waits for the averaged gradients, then steps
+
+CPU tensors are shared with the library zero-copy through NumPy (``Tensor.numpy()``).
+torch is an optional extra (``pip install collectives[torch]``): importing
+:mod:`collectives` never imports it. CUDA tensors need the GPU path (CuPy buffers in
+the collectives), which this version does not have yet: they are refused with a clear
+error rather than copied behind the user's back.
+"""
+
+import collections
+
+import torch
+
+from . import training
+from .training import TrainingError, default_communicator
+
+__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "TrainingError"]
+
+# torch dtypes NumPy has no twin for: moved as same-sized integers (broadcast moves bytes)
+_BIT_TWINS = {torch.bfloat16: torch.int16, torch.bool: torch.uint8}
+
+
+def _numpy(tensor, name, what):
+    """A NumPy view sharing ``tensor``'s memory (no copy)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what}[{name!r}] must be a torch.Tensor; got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise TypeError(f"{what}[{name!r}] is on {tensor.device}: this version of collectives works on CPU "
+                        "tensors only (the GPU path is not built yet); move the model to the CPU")
+    tensor = tensor.detach()
+    if tensor.dtype in _BIT_TWINS:
+        tensor = tensor.view(_BIT_TWINS[tensor.dtype])
+    return tensor.numpy()
+
+
+def _named(params, what):
+    items = params.items() if hasattr(params, "items") else params
+    named = []
+    for i, item in enumerate(items):
+        name, tensor = item if isinstance(item, tuple) and len(item) == 2 else (str(i), item)
+        named.append((name, _numpy(tensor, name, what)))
+    return named
+
+
+def broadcast_parameters(params, root=0, comm=None):
+    """Overwrite ``params`` on every rank with ``root``'s values, in place: a
+    ``state_dict()`` (parameters and buffers), ``named_parameters()`` or a list of
+    tensors. Collective; every rank must pass the same names, shapes and dtypes."""
+    training.broadcast_parameters(_named(params, "params"), root=root, comm=comm)
+    return params
+
+
+_Placeholder = collections.namedtuple("_Placeholder", "index shape dtype")
+
+
+def broadcast_optimizer_state(optimizer, root=0, comm=None):
+    """Give every rank ``root``'s optimizer state (moments, step counts) and
+    hyperparameters (learning rates ...), e.g. after rank 0 loaded a checkpoint.
+
+    The structure of ``optimizer.state_dict()`` (small: names, numbers, shapes) goes
+    with ``broadcast_object``; the tensors go as arrays with
+    :func:`broadcast_parameters`. Ranks whose optimizer has no state yet get it
+    created. Collective."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
+    comm = comm if comm is not None else default_communicator()
+    tensors = []
+
+    def strip(value):  # tensors -> placeholders, on root
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+            return _Placeholder(len(tensors) - 1, tuple(value.shape), str(value.dtype).replace("torch.", ""))
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(strip(v) for v in value)
+        return value
+
+    skeleton = strip(optimizer.state_dict()) if comm.rank == root else None
+    skeleton = comm.broadcast_object(skeleton, root=root)
+    if comm.rank != root:
+        tensors = []
+
+        def fill(value):  # placeholders -> new tensors, on the other ranks
+            if isinstance(value, _Placeholder):
+                tensors.append(torch.empty(value.shape, dtype=getattr(torch, value.dtype)))
+                return tensors[-1]
+            if isinstance(value, dict):
+                return {k: fill(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return type(value)(fill(v) for v in value)
+            return value
+
+        state = fill(skeleton)
+    broadcast_parameters([(f"state.{i}", t) for i, t in enumerate(tensors)], root=root, comm=comm)
+    if comm.rank != root:
+        optimizer.load_state_dict(state)
+
+
+class _Distributed:
+    """Mixed into the user's optimizer class by :func:`DistributedOptimizer`."""
+
+    def _setup(self, named_parameters, comm, reducer_options):
+        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        if named_parameters is None:
+            named = [(f"param.{i}", p) for i, p in enumerate(params)]
+        else:
+            named = [(n, p) for n, p in named_parameters if p.requires_grad]
+            given = {id(p) for _, p in named}
+            unnamed = sum(1 for p in params if id(p) not in given)
+            if unnamed:
+                raise ValueError(f"named_parameters leaves out {unnamed} parameter(s) the optimizer updates: pass "
+                                 "model.named_parameters() of the model the optimizer was built from")
+            mine = {id(p) for p in params}
+            named = [(n, p) for n, p in named if id(p) in mine]
+        self._reducer = training.GradientReducer(_named(named, "named_parameters"), comm, **reducer_options)
+        self._synchronized = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(name)) for name, p in named]
+
+    def _make_hook(self, name):
+        def hook(param):  # after autograd accumulated this backward pass into param.grad
+            self._reducer.gradient_ready(name, _numpy(param.grad, name, "grad"))
+        return hook
+
+    def synchronize(self):
+        """Wait for the averaged gradients (now in every ``.grad``). ``step()`` calls it
+        unless it was called since the last step (e.g. to clip the averaged gradients)."""
+        self._reducer.synchronize()
+        self._synchronized = True
+
+    def step(self, closure=None):
+        """Synchronize the gradients, then take the wrapped optimizer's step."""
+        if closure is not None:
+            raise ValueError("step(closure) is not supported: run the forward and backward pass yourself, "
+                             "then call step()")
+        if not self._synchronized:
+            self.synchronize()
+        self._synchronized = False
+        return super().step()
+
+    def no_sync(self):
+        """Backward passes inside accumulate into ``.grad`` without communicating."""
+        return self._reducer.no_sync()
+
+    def close(self):
+        """Remove the gradient hooks and stop the reducer (its progress thread, if any)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._reducer.close()
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, comm=None, *, backward_passes_per_step=1,
+                         compression=None, algorithm="auto", first_bucket_bytes=training.FIRST_BUCKET_BYTES,
+                         bucket_bytes=training.BUCKET_BYTES, progress_thread=False):
+    """Wrap ``optimizer`` so that ``step()`` applies the gradients averaged over ranks.
+
+    Returns an optimizer of a subclass of ``optimizer``'s class sharing its parameter
+    groups, state and hooks (so LR schedulers and ``state_dict()`` work as before);
+    use it instead of ``optimizer``. Every gradient is handed over by an autograd hook
+    as soon as backward has accumulated it, and its bucket's allreduce starts when the
+    bucket is full, overlapping the rest of backward. Options as in
+    :class:`collectives.training.GradientReducer` (``backward_passes_per_step=k``:
+    call backward k times per step; scale the loss by 1/k for a mean). Collective.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
+    if isinstance(optimizer, _Distributed):
+        raise ValueError("optimizer is already a DistributedOptimizer")
+    base = type(optimizer)
+    cls = type(f"Distributed{base.__name__}", (_Distributed, base), {})
+    distributed = cls.__new__(cls)
+    distributed.__dict__.update(optimizer.__dict__)  # the same param_groups, state and hooks
+    options = dict(backward_passes_per_step=backward_passes_per_step, compression=compression, algorithm=algorithm,
+                   first_bucket_bytes=first_bucket_bytes, bucket_bytes=bucket_bytes, progress_thread=progress_thread)
+    distributed._setup(None if named_parameters is None else list(named_parameters), comm, options)
+    return distributed
