@@ -1,0 +1,214 @@
+"""The PyTorch adapter (collectives.torch), serially and under mpiexec; skipped when torch
+is not installed.
+
+The reference is single-process PyTorch training on the whole global batch with the
+plain optimizer. DistributedOptimizer over the world must give the same parameters
+(float64, rtol 1e-9) and the same bits on every rank after every step.
+"""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+torch = pytest.importorskip("torch")
+
+import collectives.torch as cct  # noqa: E402
+from collectives.training import TrainingError, check_parameters  # noqa: E402
+from conftest import agree  # noqa: E402
+
+GLOBAL_BATCH = 840  # divisible by every world size 1..8
+STEPS = 3
+torch.set_num_threads(1)  # up to 8 ranks share 2 cores
+
+
+def make_model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5)).double()
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(GLOBAL_BATCH, 12, generator=g, dtype=torch.float64), torch.randint(0, 5, (GLOBAL_BATCH,), generator=g)
+
+
+def shard(comm, x, y, micro=1, index=0):
+    share = GLOBAL_BATCH // comm.size
+    start = comm.rank * share + index * share // micro
+    return x[start:start + share // micro], y[start:start + share // micro]
+
+
+def loss_fn(model, x, y):
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def single_process(optimizer_class, steps=STEPS, **options):
+    model = make_model(0)
+    optimizer = optimizer_class(model.parameters(), **options)
+    history = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss_fn(model, *batch(step)).backward()
+        optimizer.step()
+        history.append([p.detach().clone() for p in model.parameters()])
+    return history
+
+
+def numpy_params(model):
+    return {n: p.detach().numpy() for n, p in model.named_parameters()}
+
+
+def identical_everywhere(model):
+    blob = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+    return all(other == blob for other in MPI.COMM_WORLD.allgather(blob))
+
+
+def close(model, reference, rtol=1e-9):
+    return all(torch.allclose(p, q, rtol=rtol, atol=rtol) for p, q in zip(model.parameters(), reference))
+
+
+@pytest.mark.parametrize("optimizer_class, options, extra", [
+    (torch.optim.SGD, {"lr": 0.5, "momentum": 0.9}, {}),
+    (torch.optim.Adam, {"lr": 0.01}, {"first_bucket_bytes": 256, "bucket_bytes": 1024}),
+    (torch.optim.SGD, {"lr": 0.5}, {"progress_thread": True, "algorithm": "ring"}),
+])
+def test_distributed_optimizer_equals_single_process(comm, optimizer_class, options, extra):
+    want = single_process(optimizer_class, **options)
+    model = make_model(comm.rank * 7)  # rank 0 starts as the reference; the others differ until broadcast
+    cct.broadcast_parameters(model.state_dict(), comm=comm)
+    optimizer = cct.DistributedOptimizer(optimizer_class(model.parameters(), **options),
+                                         named_parameters=model.named_parameters(), comm=comm, **extra)
+    assert isinstance(optimizer, optimizer_class)
+    problems = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss_fn(model, *shard(comm, *batch(step))).backward()
+        optimizer.step()
+        if not close(model, want[step]):
+            problems.append(f"step {step}: differs from single-process training beyond rtol 1e-9")
+        if not identical_everywhere(model):
+            problems.append(f"step {step}: parameters differ between ranks")
+    optimizer.close()
+    agree(MPI.COMM_WORLD, problems)
+
+
+@pytest.mark.parametrize("how", ["backward_passes_per_step", "no_sync"])
+def test_gradient_accumulation_equals_single_process(comm, how):
+    micro = 2
+    want = single_process(torch.optim.SGD, lr=0.5)
+    model = make_model(0)
+    k = micro if how == "backward_passes_per_step" else 1
+    optimizer = cct.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                         named_parameters=model.named_parameters(), comm=comm,
+                                         backward_passes_per_step=k)
+    problems = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        x, y = batch(step)
+        for index in range(micro):
+            loss = loss_fn(model, *shard(comm, x, y, micro, index)) / micro  # a mean over the micro-batches
+            if how == "no_sync" and index < micro - 1:
+                with optimizer.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        optimizer.step()
+        if not close(model, want[step]):
+            problems.append(f"step {step}: differs from single-process training")
+        if not identical_everywhere(model):
+            problems.append(f"step {step}: parameters differ between ranks")
+    optimizer.close()
+    agree(MPI.COMM_WORLD, problems)
+
+
+def test_fp16_compression_trains_within_tolerance(comm):
+    want = single_process(torch.optim.SGD, lr=0.5)
+    model = make_model(0)
+    optimizer = cct.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                         named_parameters=model.named_parameters(), comm=comm, compression="fp16")
+    problems = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss_fn(model, *shard(comm, *batch(step))).backward()
+        optimizer.step()
+        if not close(model, want[step], rtol=1e-3):  # lr * gradient error of about 2**-11 per step
+            problems.append(f"step {step}: fp16 compression drifts beyond 1e-3")
+        if not identical_everywhere(model):
+            problems.append(f"step {step}: parameters differ between ranks")
+    optimizer.close()
+    agree(MPI.COMM_WORLD, problems)
+
+
+def test_broadcast_state_dict_with_buffers_and_optimizer_state(comm):
+    def build(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 2))
+        model(torch.randn(8, 4)).sum().backward()  # gives BatchNorm running stats and grads
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.001 * (seed + 1))
+        if seed == 0:
+            optimizer.step()  # only the root has optimizer state
+        return model, optimizer
+
+    model, optimizer = build(comm.rank)
+    want_model, want_optimizer = build(0)
+    cct.broadcast_parameters(model.state_dict(), comm=comm)
+    cct.broadcast_optimizer_state(optimizer, comm=comm)
+    problems = []
+    for (name, got), want in zip(model.state_dict().items(), want_model.state_dict().values()):
+        if not torch.equal(got, want):
+            problems.append(f"state_dict[{name!r}] differs from the root's")
+    got_state, want_state = optimizer.state_dict(), want_optimizer.state_dict()
+    if got_state["param_groups"] != want_state["param_groups"]:
+        problems.append("optimizer hyperparameters differ from the root's")
+    for index, state in want_state["state"].items():
+        for key, value in state.items():
+            if not torch.equal(got_state["state"].get(index, {}).get(key, torch.tensor(float("nan"))), value):
+                problems.append(f"optimizer state[{index}][{key!r}] differs from the root's")
+    agree(MPI.COMM_WORLD, problems)
+
+
+def test_lr_scheduler_and_manual_synchronize(comm):
+    """A scheduler accepts the wrapped optimizer; synchronize() before step() (to clip the
+    averaged gradients) makes step() not synchronize again."""
+    model = make_model(0)
+    optimizer = cct.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                         named_parameters=model.named_parameters(), comm=comm)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    for step in range(2):
+        optimizer.zero_grad()
+        loss_fn(model, *shard(comm, *batch(step))).backward()
+        optimizer.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        optimizer.step()
+        scheduler.step()
+    check_parameters(numpy_params(model), comm)
+    assert optimizer.param_groups[0]["lr"] == 0.25
+    optimizer.close()
+
+
+def test_unused_parameter_is_reported(comm):
+    model = make_model(0)
+    unused = torch.nn.Linear(3, 3).double()
+    params = list(model.named_parameters()) + [("unused." + n, p) for n, p in unused.named_parameters()]
+    optimizer = cct.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=0.1), named_parameters=params,
+                                         comm=comm)
+    loss_fn(model, *shard(comm, *batch(0))).backward()
+    with pytest.raises(TrainingError, match=r"'unused.weight', 'unused.bias'.*left out of the reducer's params"):
+        optimizer.step()
+    optimizer.close()
+
+
+def test_misuse(comm):
+    model = make_model(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="named_parameters leaves out 2 parameter"):
+        cct.DistributedOptimizer(optimizer, named_parameters=list(model.named_parameters())[:2], comm=comm)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        cct.DistributedOptimizer(object(), comm=comm)
+    with pytest.raises(TypeError, match=r"params\['w'\] must be a torch.Tensor"):
+        cct.broadcast_parameters({"w": np.zeros(3)}, comm=comm)
+    distributed = cct.DistributedOptimizer(optimizer, comm=comm)  # names made up from the parameter groups
+    with pytest.raises(ValueError, match="already a DistributedOptimizer"):
+        cct.DistributedOptimizer(distributed, comm=comm)
+    with pytest.raises(ValueError, match="closure"):
+        distributed.step(lambda: 0.0)
+    distributed.close()
