@@ -23,11 +23,13 @@ setup(
         # mpi4py's MPI runtime from PyPI: a fresh machine needs no system MPI.
         # On a cluster, leave this out and keep the site's MPI.
         "mpich": ["mpich"],
-        "test": ["pytest>=7", "pytest-mpi>=0.6", "hypothesis>=6"],
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "hypothesis>=6", "ml_dtypes>=0.2"],
         # collectives-bench: --plot and the progress bar.
         "bench": ["matplotlib>=3.5", "tqdm>=4.60"],
         # collectives-bench --peers gloo (torch.distributed on the CPU).
         "gloo": ["torch>=2.0"],
+        # bfloat16 arrays (and compression="bf16") through the library's own algorithms.
+        "bfloat16": ["ml_dtypes>=0.2"],
         # collectives.torch (DistributedOptimizer): post-accumulate-grad hooks need 2.1.
         "torch": ["torch>=2.1"],
         # examples/: the digits data set ships inside scikit-learn; progress bars.

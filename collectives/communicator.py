@@ -13,9 +13,9 @@ import numpy as np
 from mpi4py import MPI
 
 from . import ops
-from .algorithms import SEGMENTED, block_bounds, build, check_algorithm
+from .algorithms import NATIVE_BELOW, SEGMENTED, block_bounds, build, check_algorithm, cost_model_choice
 from .errors import TransportError
-from .arrays import as_array, check_out, flat_input, flat_view, overlaps, same_memory
+from .arrays import as_array, check_out, flat_input, flat_view, is_extra, overlaps, same_memory
 from .schedule import compile_plan
 from .transport.buffers import Buffers
 from .transport.mpi import PlanHandle, Progress, RequestHandle
@@ -169,7 +169,7 @@ class Communicator:
             check_out(out, x.shape, x.dtype)
         if segment_size is not None:
             _check_segment_size(segment_size)
-        algorithm = self._resolve("allreduce", algorithm, x.nbytes)
+        algorithm = self._resolve("allreduce", algorithm, x.nbytes, x.dtype)
         if algorithm == "native" and blocking:
             result = self._native_now("allreduce", x, out, x.shape, op)
             if result is not _NOT_HANDLED:
@@ -198,7 +198,7 @@ class Communicator:
         shape = (bounds[self.rank + 1] - bounds[self.rank],)
         if out is not None:
             check_out(out, shape, x.dtype)
-        algorithm = self._resolve("reduce_scatter", algorithm, x.nbytes)
+        algorithm = self._resolve("reduce_scatter", algorithm, x.nbytes, x.dtype)
         counts = [bounds[r + 1] - bounds[r] for r in range(self.size)]
         if algorithm == "native" and blocking:
             result = self._native_now("reduce_scatter", x, out, shape, op, counts=counts)
@@ -225,7 +225,7 @@ class Communicator:
         shape = (self.size,) + x.shape
         if out is not None:
             check_out(out, shape, x.dtype)
-        algorithm = self._resolve("allgather", algorithm, x.nbytes * self.size)
+        algorithm = self._resolve("allgather", algorithm, x.nbytes * self.size, x.dtype)
         if algorithm == "native" and blocking:
             result = self._native_now("allgather", x, out, shape)
             if result is not _NOT_HANDLED:
@@ -248,7 +248,7 @@ class Communicator:
             raise ValueError("x must be a writable array: broadcast fills it in place")
         if segment_size is not None:
             _check_segment_size(segment_size)
-        algorithm = self._resolve("broadcast", algorithm, x.nbytes)
+        algorithm = self._resolve("broadcast", algorithm, x.nbytes, x.dtype)
         if algorithm == "native" and blocking:
             result = self._native_now("broadcast", x, None, x.shape, root=root)
             if result is not _NOT_HANDLED:
@@ -271,7 +271,7 @@ class Communicator:
         algorithm = check_algorithm("reduce", algorithm)
         if out is not None:
             check_out(out, x.shape, x.dtype)
-        algorithm = self._resolve("reduce", algorithm, x.nbytes)
+        algorithm = self._resolve("reduce", algorithm, x.nbytes, x.dtype)
         if algorithm == "native" and blocking:
             result = self._native_now("reduce", x, out, x.shape, op, root)
             if result is not _NOT_HANDLED:
@@ -295,8 +295,14 @@ class Communicator:
     def _segment(self, segment_size, itemsize):
         return max(1, (self.segment_size if segment_size is None else segment_size) // itemsize)
 
-    def _resolve(self, collective, algorithm, nbytes):
-        return self._selector.choose(collective, nbytes) if algorithm == "auto" else algorithm
+    def _resolve(self, collective, algorithm, nbytes, dtype):
+        chosen = self._selector.choose(collective, nbytes) if algorithm == "auto" else algorithm
+        if chosen == "native" and is_extra(dtype):  # MPI has no type for it: our latency-optimal algorithm
+            if algorithm == "native":
+                raise ValueError(f"algorithm 'native' cannot move {dtype.name} (the MPI library has no type for it); "
+                                 "use one of the library's algorithms or 'auto'")
+            chosen = cost_model_choice(collective, max(nbytes, NATIVE_BELOW), self.size)
+        return chosen
 
     def _start(self, collective, algorithm, count, inp, out, inplace, op, root, segment_size, finish, blocking,
                counts=None):

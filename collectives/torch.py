@@ -23,11 +23,12 @@ import collections
 import torch
 
 from . import training
-from .training import TrainingError, default_communicator
+from .training import _BFLOAT16, TrainingError, default_communicator
 
 __all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "TrainingError"]
 
-# torch dtypes NumPy has no twin for: moved as same-sized integers (broadcast moves bytes)
+# torch dtypes NumPy has no twin for: viewed as same-sized integers (broadcast moves
+# bytes); bfloat16 as ml_dtypes' bfloat16 where installed, so its gradients can be averaged
 _BIT_TWINS = {torch.bfloat16: torch.int16, torch.bool: torch.uint8}
 
 
@@ -40,7 +41,8 @@ def _numpy(tensor, name, what):
                         "tensors only (the GPU path is not built yet); move the model to the CPU")
     tensor = tensor.detach()
     if tensor.dtype in _BIT_TWINS:
-        tensor = tensor.view(_BIT_TWINS[tensor.dtype])
+        array = tensor.view(_BIT_TWINS[tensor.dtype]).numpy()
+        return array.view(_BFLOAT16) if tensor.dtype == torch.bfloat16 and _BFLOAT16 is not None else array
     return tensor.numpy()
 
 

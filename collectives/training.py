@@ -43,13 +43,16 @@ import time
 import numpy as np
 
 from .algorithms import check_algorithm
+from .arrays import EXTRA_DTYPES
 from .communicator import Communicator, _check_root
 
 FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
 
-# compression -> the dtype on the wire (the gradients keep their own dtype)
-COMPRESSIONS = {None: None, "fp16": np.dtype(np.float16)}
+# compression -> the dtype on the wire (the gradients keep their own dtype); bf16 needs
+# ml_dtypes (the collectives then move bfloat16 with their own algorithms)
+_BFLOAT16 = next((d for d in EXTRA_DTYPES if d.name == "bfloat16"), None)
+COMPRESSIONS = {None: None, "fp16": np.dtype(np.float16), "bf16": _BFLOAT16}
 
 
 class TrainingError(RuntimeError):
@@ -271,9 +274,10 @@ class GradientReducer:
       ``k`` times per step; the first ``k-1`` calls only count (the caller accumulates,
       as PyTorch does in ``.grad``), the ``k``-th hands over the accumulated gradient.
       :meth:`no_sync` does the same for the backward passes inside it.
-    - ``compression="fp16"``: each bucket is divided by the world size first (so the
-      sum cannot overflow), sent and summed as float16, and cast back; the gradients
-      keep their dtype. ``None`` sends them as they are, summed then divided.
+    - ``compression="fp16"`` or ``"bf16"`` (needs ml_dtypes): each bucket is divided by
+      the world size first (so the sum cannot overflow), sent and summed as float16 or
+      bfloat16, and cast back; the gradients keep their dtype. ``None`` sends them as
+      they are, summed then divided.
     - ``algorithm``: the allreduce algorithm ("auto" picks per bucket size).
     - ``progress_thread=True``: a background thread advances the allreduces while the
       caller computes, on a private duplicate of ``comm``.
@@ -284,7 +288,7 @@ class GradientReducer:
                  poll_interval=50e-6):
         named = named_arrays(params)
         for name, array in named:
-            if array.dtype.kind not in "fc":
+            if array.dtype.kind not in "fc" and array.dtype not in EXTRA_DTYPES:
                 raise TypeError(f"params[{name!r}] has dtype {array.dtype.name}: gradients are averaged, so "
                                 "parameters must be floating or complex (leave integer state out of params)")
         _check_bytes(first_bucket_bytes, "first_bucket_bytes")
@@ -295,6 +299,8 @@ class GradientReducer:
         if not isinstance(compression, (str, type(None))) or compression not in COMPRESSIONS:
             names = ", ".join(repr(c) for c in COMPRESSIONS)
             raise ValueError(f"compression must be one of {names}; got {compression!r}")
+        if compression == "bf16" and _BFLOAT16 is None:
+            raise ValueError("compression='bf16' needs ml_dtypes for NumPy's bfloat16: pip install ml_dtypes")
         if compression is not None:
             complex_params = [name for name, array in named if array.dtype.kind == "c"]
             if complex_params:

@@ -268,3 +268,26 @@ def test_sub_communicators(mpi_comm, how):
     sub.free()
     mpi_sub.Free()
     agree(mpi_comm, problems)
+
+
+@pytest.mark.parametrize("collective", cc.COLLECTIVES)
+def test_bfloat16_with_the_library_algorithms(comm, mpi_comm, collective):
+    """bfloat16 (with ml_dtypes) through every algorithm but native, which MPI cannot do:
+    'auto' never picks it for bfloat16 and asking for it is a clear error."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")  # in the test extra: runs wherever make test installed
+    problems = []
+    for algorithm in cc.algorithms(collective):
+        for count in counts_for(comm.size):
+            xs = [rank_input(r, count, "float32") for r in range(comm.size)]  # small integers: exact in bfloat16
+            x = xs[comm.rank].astype(ml_dtypes.bfloat16)
+            if collective == "broadcast" and comm.rank != 0:
+                x[...] = 0
+            if algorithm == "native":
+                with pytest.raises(ValueError, match="'native' cannot move bfloat16"):
+                    call(comm, collective, x, algorithm)
+                continue
+            got = call(comm, collective, x, algorithm)
+            want = expected(collective, comm, xs, "sum", 0)
+            if want is not None and (got.dtype != x.dtype or not np.array_equal(got.astype(np.float32), want)):
+                problems.append(f"{collective}/{algorithm} n={count}: got {got.ravel()[:4]}, want {want.ravel()[:4]}")
+    agree(mpi_comm, problems)

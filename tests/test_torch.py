@@ -120,18 +120,22 @@ def test_gradient_accumulation_equals_single_process(comm, how):
     agree(MPI.COMM_WORLD, problems)
 
 
-def test_fp16_compression_trains_within_tolerance(comm):
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_compression_trains_within_tolerance(comm, compression):
+    if compression == "bf16":
+        pytest.importorskip("ml_dtypes")  # in the test extra: runs wherever make test installed
+    rtol = 1e-3 if compression == "fp16" else 1e-2  # lr * gradient error of about 2**-11 (2**-8) per step
     want = single_process(torch.optim.SGD, lr=0.5)
     model = make_model(0)
     optimizer = cct.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
-                                         named_parameters=model.named_parameters(), comm=comm, compression="fp16")
+                                         named_parameters=model.named_parameters(), comm=comm, compression=compression)
     problems = []
     for step in range(STEPS):
         optimizer.zero_grad()
         loss_fn(model, *shard(comm, *batch(step))).backward()
         optimizer.step()
-        if not close(model, want[step], rtol=1e-3):  # lr * gradient error of about 2**-11 per step
-            problems.append(f"step {step}: fp16 compression drifts beyond 1e-3")
+        if not close(model, want[step], rtol=rtol):
+            problems.append(f"step {step}: {compression} compression drifts beyond {rtol}")
         if not identical_everywhere(model):
             problems.append(f"step {step}: parameters differ between ranks")
     optimizer.close()
