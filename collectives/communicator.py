@@ -287,6 +287,15 @@ class Communicator:
 
         return self._start("reduce", algorithm, x.size, inp, result, inplace, op, root, None, finish, blocking)
 
+    def poll(self):
+        """Advance this communicator's calls in flight without blocking, as far as their
+        messages allow now (each finished message posts the next step's), and return how
+        many calls are still in flight. Call it between pieces of other work to overlap
+        async collectives with it: the library's messages move only when it is called
+        (or ``test``/``wait``)."""
+        self._progress.drain()
+        return len(self._progress.active)
+
     def barrier(self):
         """Block until every rank has called ``barrier`` (collectives in flight go on)."""
         RequestHandle(self._progress, "barrier", _nothing, self._comm.Ibarrier).start().wait()

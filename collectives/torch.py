@@ -165,7 +165,7 @@ class _Distributed:
 
 def DistributedOptimizer(optimizer, named_parameters=None, comm=None, *, backward_passes_per_step=1,
                          compression=None, algorithm="auto", first_bucket_bytes=training.FIRST_BUCKET_BYTES,
-                         bucket_bytes=training.BUCKET_BYTES, progress_thread=False):
+                         bucket_bytes=training.BUCKET_BYTES, progress_thread=False, poll_interval=50e-6):
     """Wrap ``optimizer`` so that ``step()`` applies the gradients averaged over ranks.
 
     Returns an optimizer of a subclass of ``optimizer``'s class sharing its parameter
@@ -185,6 +185,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, comm=None, *, backwar
     distributed = cls.__new__(cls)
     distributed.__dict__.update(optimizer.__dict__)  # the same param_groups, state and hooks
     options = dict(backward_passes_per_step=backward_passes_per_step, compression=compression, algorithm=algorithm,
-                   first_bucket_bytes=first_bucket_bytes, bucket_bytes=bucket_bytes, progress_thread=progress_thread)
+                   first_bucket_bytes=first_bucket_bytes, bucket_bytes=bucket_bytes, progress_thread=progress_thread,
+                   poll_interval=poll_interval)
     distributed._setup(None if named_parameters is None else list(named_parameters), comm, options)
     return distributed

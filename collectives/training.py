@@ -462,10 +462,9 @@ class GradientReducer:
             self._lock.notify_all()
 
     def _poll(self):
-        """Advance the allreduces in flight without blocking."""
-        for handle in self._handles:
-            if not handle.test():
-                return
+        """Advance the allreduces in flight without blocking, as far as they can go."""
+        if self._handles:
+            self._comm.poll()
 
     def _wait_started(self):
         with self._lock:
@@ -483,13 +482,13 @@ class GradientReducer:
         """The progress thread: poll the allreduces in flight until the reducer closes."""
         while True:
             with self._lock:
-                while not self._closed and all(h.test() for h in self._handles):
-                    self._lock.wait()
                 if self._closed:
                     return
                 try:
-                    self._poll()
+                    in_flight = self._comm.poll()  # this private communicator carries only our buckets
                 except Exception as exc:  # noqa: BLE001 - handed to the caller's thread
-                    self._error = exc
-                    self._handles = []
+                    self._error, self._handles, in_flight = exc, [], 0
+                if in_flight == 0:
+                    self._lock.wait()  # until a bucket starts or the reducer closes
+                    continue
             time.sleep(self._poll_interval)  # lets the caller's thread have the GIL

@@ -291,3 +291,27 @@ def test_bfloat16_with_the_library_algorithms(comm, mpi_comm, collective):
             if want is not None and (got.dtype != x.dtype or not np.array_equal(got.astype(np.float32), want)):
                 problems.append(f"{collective}/{algorithm} n={count}: got {got.ravel()[:4]}, want {want.ravel()[:4]}")
     agree(mpi_comm, problems)
+
+
+def test_poll_advances_calls_in_flight_until_done(comm, mpi_comm):
+    x = rank_input(comm.rank, 100_003, "float64")
+    handles = [comm.allreduce_async(x, algorithm="ring"), comm.allgather_async(x[:5], algorithm="bruck")]
+    while comm.poll():  # never blocks; every rank polls until its calls are done
+        pass
+    xs = [rank_input(r, 100_003, "float64") for r in range(comm.size)]
+    problems = [] if all(h.test() for h in handles) else ["poll() returned 0 with calls unfinished"]
+    if not same(handles[0].wait(), reference("sum", xs)):
+        problems.append("allreduce driven by poll() is wrong")
+    agree(mpi_comm, problems)
+
+
+def test_dup_and_broadcast_object(comm, mpi_comm):
+    other = comm.dup()
+    assert (other.size, other.rank, other.segment_size) == (comm.size, comm.rank, comm.segment_size)
+    root = comm.size - 1
+    got = other.broadcast_object({"lr": 0.1, "rank": comm.rank} if comm.rank == root else None, root=root)
+    problems = [] if got == {"lr": 0.1, "rank": root} else [f"broadcast_object gave {got}"]
+    with pytest.raises(ValueError, match="root must be a rank"):
+        other.broadcast_object(1, root=comm.size)
+    other.free()
+    agree(mpi_comm, problems)

@@ -45,7 +45,8 @@ class Progress:
         self._owners.append((handle, token))
 
     def advance(self, block):
-        """Complete what has finished; with ``block``, wait until something has."""
+        """Complete what has finished; with ``block``, wait until something has.
+        Returns True if some request completed."""
         while self._requests:
             try:
                 finished = MPI.Request.Testsome(self._requests)
@@ -58,10 +59,17 @@ class Progress:
                     self._compact()
                 for handle, token in done:  # may post new requests: appended to the lists
                     handle._request_done(token)
-                return
+                return True
             if not block:
-                return
+                return False
             _yield_cpu()
+        return False
+
+    def drain(self):
+        """Advance without blocking for as long as requests keep completing: a schedule
+        goes as many steps as its messages allow now, not one step per call."""
+        while self.advance(block=False):
+            pass
 
     def _compact(self):
         keep = [j for j, request in enumerate(self._requests) if request != MPI.REQUEST_NULL]
