@@ -25,7 +25,8 @@ import torch
 from . import training
 from .training import _BFLOAT16, TrainingError, default_communicator
 
-__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "TrainingError"]
+__all__ = ["DistributedOptimizer", "TrainingError", "broadcast_optimizer_state", "broadcast_parameters",
+           "check_parameters"]
 
 # torch dtypes NumPy has no twin for: viewed as same-sized integers (broadcast moves
 # bytes); bfloat16 as ml_dtypes' bfloat16 where installed, so its gradients can be averaged
@@ -63,7 +64,19 @@ def broadcast_parameters(params, root=0, comm=None):
     return params
 
 
+def check_parameters(params, comm=None):
+    """Raise :class:`TrainingError` on every rank unless every rank's ``params`` (a
+    ``state_dict()``, ``named_parameters()`` or a list of tensors) have the same names,
+    shapes, dtypes and bits; the message names the parameters and ranks that differ."""
+    training.check_parameters(_named(params, "params"), comm)
+
+
 _Placeholder = collections.namedtuple("_Placeholder", "index shape dtype")
+
+
+def _rebuild(value, items):
+    """``value``'s container type filled with ``items`` (namedtuples take them spread)."""
+    return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
 
 
 def broadcast_optimizer_state(optimizer, root=0, comm=None):
@@ -86,7 +99,7 @@ def broadcast_optimizer_state(optimizer, root=0, comm=None):
         if isinstance(value, dict):
             return {k: strip(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            return type(value)(strip(v) for v in value)
+            return _rebuild(value, [strip(v) for v in value])
         return value
 
     skeleton = strip(optimizer.state_dict()) if comm.rank == root else None
@@ -101,7 +114,7 @@ def broadcast_optimizer_state(optimizer, root=0, comm=None):
             if isinstance(value, dict):
                 return {k: fill(v) for k, v in value.items()}
             if isinstance(value, (list, tuple)):
-                return type(value)(fill(v) for v in value)
+                return _rebuild(value, [fill(v) for v in value])
             return value
 
         state = fill(skeleton)

@@ -13,7 +13,7 @@ from mpi4py import MPI
 torch = pytest.importorskip("torch")
 
 import collectives.torch as cct  # noqa: E402
-from collectives.training import TrainingError, check_parameters  # noqa: E402
+from collectives.training import TrainingError  # noqa: E402
 from conftest import agree  # noqa: E402
 
 GLOBAL_BATCH = 840  # divisible by every world size 1..8
@@ -51,10 +51,6 @@ def single_process(optimizer_class, steps=STEPS, **options):
         optimizer.step()
         history.append([p.detach().clone() for p in model.parameters()])
     return history
-
-
-def numpy_params(model):
-    return {n: p.detach().numpy() for n, p in model.named_parameters()}
 
 
 def identical_everywhere(model):
@@ -184,7 +180,7 @@ def test_lr_scheduler_and_manual_synchronize(comm):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
         optimizer.step()
         scheduler.step()
-    check_parameters(numpy_params(model), comm)
+    cct.check_parameters(model.named_parameters(), comm)
     assert optimizer.param_groups[0]["lr"] == 0.25
     optimizer.close()
 
@@ -216,3 +212,14 @@ def test_misuse(comm):
     with pytest.raises(ValueError, match="closure"):
         distributed.step(lambda: 0.0)
     distributed.close()
+
+
+def test_check_parameters_on_tensors(comm):
+    model = make_model(0)
+    cct.check_parameters(model.state_dict(), comm)
+    if comm.size == 1:
+        return
+    with torch.no_grad():
+        model[0].bias[0] += comm.rank
+    with pytest.raises(TrainingError, match=r"'0.bias' on rank\(s\) 1"):
+        cct.check_parameters(model.named_parameters(), comm)
