@@ -462,9 +462,9 @@ class GradientReducer:
             self._lock.notify_all()
 
     def _poll(self):
-        """Advance the allreduces in flight without blocking, as far as they can go."""
-        if self._handles:
-            self._comm.poll()
+        """Advance the allreduces in flight without blocking, as far as they can go;
+        returns how many are still in flight."""
+        return self._comm.poll() if self._handles else 0
 
     def _wait_started(self):
         with self._lock:
@@ -485,7 +485,7 @@ class GradientReducer:
                 if self._closed:
                     return
                 try:
-                    in_flight = self._comm.poll()  # this private communicator carries only our buckets
+                    in_flight = self._poll()  # this private communicator carries only our buckets
                 except Exception as exc:  # noqa: BLE001 - handed to the caller's thread
                     self._error, self._handles, in_flight = exc, [], 0
                 if in_flight == 0:
