@@ -32,10 +32,15 @@ def _plan(collective, algorithm, rank, size, count, root, segment, inplace):
     return compile_plan(schedule, inplace=inplace)
 
 
+def _check_nbytes(value, name):
+    """``value`` as an int if it is a positive number of bytes, else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive number of bytes; got {value!r}")
+    return int(value)
+
+
 def _check_segment_size(segment_size):
-    if isinstance(segment_size, bool) or not isinstance(segment_size, (int, np.integer)) or segment_size < 1:
-        raise ValueError(f"segment_size must be a positive number of bytes; got {segment_size!r}")
-    return int(segment_size)
+    return _check_nbytes(segment_size, "segment_size")
 
 
 def _check_root(root, size):

@@ -41,6 +41,9 @@ def _numpy(tensor, name, what):
         raise TypeError(f"{what}[{name!r}] is on {tensor.device}: this version of collectives works on CPU "
                         "tensors only (the GPU path is not built yet); move the model to the CPU")
     tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16 and _BFLOAT16 is None and what in ("named_parameters", "grad"):
+        raise TypeError(f"{what}[{name!r}] is bfloat16: averaging bfloat16 gradients needs ml_dtypes "
+                        "(pip install ml_dtypes)")
     if tensor.dtype in _BIT_TWINS:
         array = tensor.view(_BIT_TWINS[tensor.dtype]).numpy()
         return array.view(_BFLOAT16) if tensor.dtype == torch.bfloat16 and _BFLOAT16 is not None else array
@@ -72,6 +75,7 @@ def check_parameters(params, comm=None):
 
 
 _Placeholder = collections.namedtuple("_Placeholder", "index shape dtype")
+_Refused = collections.namedtuple("_Refused", "reason")
 
 
 def _rebuild(value, items):
@@ -102,8 +106,16 @@ def broadcast_optimizer_state(optimizer, root=0, comm=None):
             return _rebuild(value, [strip(v) for v in value])
         return value
 
-    skeleton = strip(optimizer.state_dict()) if comm.rank == root else None
+    skeleton = None
+    if comm.rank == root:
+        try:  # the root's tensors are checked before any message, and a refusal reaches every rank
+            skeleton = strip(optimizer.state_dict())
+            _named(list(enumerate(tensors)), "optimizer state")
+        except (TypeError, ValueError) as exc:
+            skeleton = _Refused(str(exc))
     skeleton = comm.broadcast_object(skeleton, root=root)
+    if isinstance(skeleton, _Refused):
+        raise TypeError(f"broadcast_optimizer_state: rank {root}'s state cannot be broadcast: {skeleton.reason}")
     if comm.rank != root:
         tensors = []
 
@@ -168,8 +180,12 @@ class _Distributed:
         """Backward passes inside accumulate into ``.grad`` without communicating."""
         return self._reducer.no_sync()
 
+    def add_param_group(self, param_group):
+        raise ValueError("add_param_group on a DistributedOptimizer: its gradients would never be averaged; add "
+                         "every parameter group to the optimizer before wrapping it")
+
     def close(self):
-        """Remove the gradient hooks and stop the reducer (its progress thread, if any)."""
+        """Remove the gradient hooks and free the reducer (collective)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -181,9 +197,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, comm=None, *, backwar
                          bucket_bytes=training.BUCKET_BYTES, progress_thread=False, poll_interval=50e-6):
     """Wrap ``optimizer`` so that ``step()`` applies the gradients averaged over ranks.
 
-    Returns an optimizer of a subclass of ``optimizer``'s class sharing its parameter
-    groups, state and hooks (so LR schedulers and ``state_dict()`` work as before);
-    use it instead of ``optimizer``. Every gradient is handed over by an autograd hook
+    Returns an optimizer of a subclass of ``optimizer``'s class sharing its attributes
+    (parameter groups, state, hooks: ``state_dict()``/``load_state_dict()`` work as
+    before); use it instead of ``optimizer``, and create LR schedulers on it. Every gradient is handed over by an autograd hook
     as soon as backward has accumulated it, and its bucket's allreduce starts when the
     bucket is full, overlapping the rest of backward. Options as in
     :class:`collectives.training.GradientReducer` (``backward_passes_per_step=k``:
@@ -191,12 +207,18 @@ def DistributedOptimizer(optimizer, named_parameters=None, comm=None, *, backwar
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
-    if isinstance(optimizer, _Distributed):
-        raise ValueError("optimizer is already a DistributedOptimizer")
+    if isinstance(optimizer, _Distributed) or "_reducer" in optimizer.__dict__:
+        raise ValueError("optimizer is already a DistributedOptimizer (or wrapped by one)")
+    if "step" in optimizer.__dict__:  # what an LR scheduler made before wrapping leaves behind
+        raise ValueError("optimizer.step was replaced on the instance (by an LR scheduler created before "
+                         "DistributedOptimizer?): its step would skip the gradient averaging; wrap the optimizer "
+                         "first, then create schedulers on the DistributedOptimizer")
     base = type(optimizer)
     cls = type(f"Distributed{base.__name__}", (_Distributed, base), {})
     distributed = cls.__new__(cls)
-    distributed.__dict__.update(optimizer.__dict__)  # the same param_groups, state and hooks
+    # One attribute dict for both objects: param_groups, state and hooks stay shared even
+    # when load_state_dict replaces them (it assigns new ones).
+    distributed.__dict__ = optimizer.__dict__
     options = dict(backward_passes_per_step=backward_passes_per_step, compression=compression, algorithm=algorithm,
                    first_bucket_bytes=first_bucket_bytes, bucket_bytes=bucket_bytes, progress_thread=progress_thread,
                    poll_interval=poll_interval)

@@ -41,10 +41,11 @@ import threading
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 from .algorithms import check_algorithm
-from .arrays import EXTRA_DTYPES
-from .communicator import Communicator, _check_root
+from .arrays import EXTRA_DTYPES, is_extra
+from .communicator import Communicator, _check_nbytes, _check_root
 
 FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
@@ -142,6 +143,7 @@ def plan_buckets(entries, first_bucket_bytes=FIRST_BUCKET_BYTES, bucket_bytes=BU
     cap gets a bucket of its own. Deterministic: the same entries give the same buckets
     on every rank. Buffers are not allocated here (``Bucket.allocate``).
     """
+    entries = list(entries)
     buckets = []
     filling = {}  # dtype -> the bucket being filled
     for name, shape, dtype in entries:
@@ -154,13 +156,14 @@ def plan_buckets(entries, first_bucket_bytes=FIRST_BUCKET_BYTES, bucket_bytes=BU
             buckets.append(bucket)
             filling[dtype] = bucket
         bucket.add(name, shape, size)
+    # A bucket is full when its last entry is ready; buckets of different dtypes fill
+    # in interleaved order, so number them by that (a dtype's first bucket may stay
+    # open long after later buckets of another dtype are full).
+    position = {name: i for i, (name, _, _) in enumerate(entries)}
+    buckets.sort(key=lambda b: position[b.names[-1]])
+    for index, bucket in enumerate(buckets):
+        bucket.index = index
     return buckets
-
-
-def _check_bytes(value, name):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive number of bytes; got {value!r}")
-    return int(value)
 
 
 # -- checks across ranks ---------------------------------------------------------------
@@ -172,7 +175,7 @@ def _digest_rows(comm, rows):
 
 
 def _layout(named):
-    return [(name, tuple(array.shape), array.dtype.str) for name, array in named]
+    return [(name, tuple(array.shape), str(array.dtype)) for name, array in named]  # str: 'bfloat16', '>f4'...
 
 
 def check_same_layout(named, comm, what="params"):
@@ -198,8 +201,8 @@ def check_same_layout(named, comm, what="params"):
 def _first_difference(reference, layout):
     for i, (want, got) in enumerate(zip(reference, layout)):
         if want != got:
-            return (f"entry {i} is {got[0]!r} shape {got[1]} dtype {np.dtype(got[2]).name}, rank 0 has "
-                    f"{want[0]!r} shape {want[1]} dtype {np.dtype(want[2]).name}")
+            return (f"entry {i} is {got[0]!r} shape {got[1]} dtype {got[2]}, rank 0 has "
+                    f"{want[0]!r} shape {want[1]} dtype {want[2]}")
     return f"{len(layout)} entries, rank 0 has {len(reference)}"
 
 
@@ -240,7 +243,10 @@ def broadcast_parameters(params, root=0, comm=None, bucket_bytes=BUCKET_BYTES):
     for name, array in named:
         if not array.flags.writeable:
             raise ValueError(f"params[{name!r}] must be writable: broadcast_parameters fills it in place")
-    _check_bytes(bucket_bytes, "bucket_bytes")
+        if array.dtype.hasobject:
+            raise TypeError(f"params[{name!r}] holds Python objects (dtype {array.dtype}): only arrays of numbers "
+                            "and other plain data can be broadcast")
+    _check_nbytes(bucket_bytes, "bucket_bytes")
     check_same_layout(named, comm)
     arrays = dict(named)
     entries = [(name, (array.nbytes,), np.uint8) for name, array in named]
@@ -280,7 +286,13 @@ class GradientReducer:
       they are, summed then divided.
     - ``algorithm``: the allreduce algorithm ("auto" picks per bucket size).
     - ``progress_thread=True``: a background thread advances the allreduces while the
-      caller computes, on a private duplicate of ``comm``.
+      caller computes (needs ``MPI_THREAD_MULTIPLE``, mpi4py's default).
+
+    The reducer works on a private duplicate of ``comm``; :meth:`close` frees it. If
+    starting or advancing an allreduce fails, the reducer is broken: every later call
+    raises that error (its buckets may be partly reduced, so no result is given).
+    Every rank must hand over every gradient: a rank that raises (e.g. a gradient
+    missing in :meth:`synchronize`) leaves the others waiting for its buckets.
     """
 
     def __init__(self, params, comm=None, *, first_bucket_bytes=FIRST_BUCKET_BYTES, bucket_bytes=BUCKET_BYTES,
@@ -291,8 +303,8 @@ class GradientReducer:
             if array.dtype.kind not in "fc" and array.dtype not in EXTRA_DTYPES:
                 raise TypeError(f"params[{name!r}] has dtype {array.dtype.name}: gradients are averaged, so "
                                 "parameters must be floating or complex (leave integer state out of params)")
-        _check_bytes(first_bucket_bytes, "first_bucket_bytes")
-        _check_bytes(bucket_bytes, "bucket_bytes")
+        _check_nbytes(first_bucket_bytes, "first_bucket_bytes")
+        _check_nbytes(bucket_bytes, "bucket_bytes")
         k = backward_passes_per_step
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"backward_passes_per_step must be a positive integer; got {k!r}")
@@ -301,14 +313,20 @@ class GradientReducer:
             raise ValueError(f"compression must be one of {names}; got {compression!r}")
         if compression == "bf16" and _BFLOAT16 is None:
             raise ValueError("compression='bf16' needs ml_dtypes for NumPy's bfloat16: pip install ml_dtypes")
-        if compression is not None:
-            complex_params = [name for name, array in named if array.dtype.kind == "c"]
-            if complex_params:
-                raise TypeError(f"compression={compression!r} is for real gradients; params[{complex_params[0]!r}] "
-                                "is complex")
+        wire = COMPRESSIONS[compression]
+        for name, array in named if wire is not None else ():
+            if array.dtype.kind != "f" or array.dtype.itemsize <= wire.itemsize:
+                raise TypeError(f"compression={compression!r} sends 16-bit floats, for float32 or float64 gradients; "
+                                f"params[{name!r}] is {array.dtype}: leave compression off")
         self.algorithm = check_algorithm("allreduce", algorithm)
+        if self.algorithm == "native" and ((wire is not None and is_extra(wire)) or any(is_extra(a.dtype) for _, a in named)):
+            raise ValueError("algorithm 'native' cannot reduce bfloat16 (the MPI library has no type for it); "
+                             "use one of the library's algorithms or 'auto'")
         if isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)) or not poll_interval >= 0:
             raise ValueError(f"poll_interval must be a non-negative number of seconds; got {poll_interval!r}")
+        if progress_thread and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise ValueError("progress_thread=True needs MPI initialised with MPI_THREAD_MULTIPLE (the thread calls "
+                             "MPI while yours may too); this MPI provides less: leave progress_thread off")
         comm = _communicator(comm)
         check_same_layout(named, comm)
 
@@ -319,15 +337,15 @@ class GradientReducer:
         entries = [(name, array.shape, array.dtype) for name, array in reversed(named)]
         self.buckets = [b.allocate() for b in plan_buckets(entries, first_bucket_bytes, bucket_bytes)]
         self._bucket_of = {name: b for b in self.buckets for name in b.names}
-        wire = COMPRESSIONS[compression]
         self._wire = [None if wire is None else np.empty(b.count, wire) for b in self.buckets]
-        self._comm = comm.dup() if progress_thread else comm
-        self._owns_comm = progress_thread
+        # A private communicator: the buckets' calls start when gradients arrive, which
+        # may interleave differently with the caller's own async calls on each rank.
+        self._comm = comm.dup()
         self._no_sync = False
         self._reset()
 
         self._lock = threading.Condition()
-        self._error = None  # an exception the progress thread met, raised by synchronize
+        self._error = None  # set when starting or advancing a bucket failed: every later call raises it
         self._closed = False
         self._thread = None
         if progress_thread:
@@ -349,7 +367,7 @@ class GradientReducer:
         if grad.shape != bucket.shapes[name] or grad.dtype != bucket.dtype:
             raise ValueError(f"grad for {name!r} must have shape {bucket.shapes[name]} and dtype {bucket.dtype.name} "
                              f"like the parameter; got shape {grad.shape}, dtype {grad.dtype.name}")
-        self._check_thread()
+        self._check_usable()
         if self._no_sync:
             return
         passes = self._passes[name] + 1
@@ -378,7 +396,7 @@ class GradientReducer:
         if self._no_sync:
             raise TrainingError("synchronize() inside no_sync(): leave the no_sync() block first, and run the "
                                 "backward pass that completes the step outside it")
-        self._check_thread()
+        self._check_usable()
         missing = [name for name in self.names if self._passes[name] < self.backward_passes_per_step]
         if missing:
             self._wait_started()  # every rank started these: finishing them keeps the ranks matched
@@ -391,6 +409,8 @@ class GradientReducer:
                 "that takes no part in the loss must be left out of the reducer's params."
             )
         self._wait_started()
+        if self._next < len(self.buckets):  # every gradient arrived, so every bucket must have started
+            raise TrainingError(f"bucket {self._next} never started its allreduce")
         averaged = {}
         for bucket, wire in zip(self.buckets, self._wire):
             if wire is not None:
@@ -417,18 +437,18 @@ class GradientReducer:
             self._no_sync = previous
 
     def close(self):
-        """Stop the progress thread and free the private communicator (collective if
-        ``progress_thread``). Unfinished allreduces are waited for first."""
+        """Stop the progress thread and free the private communicator (collective).
+        Unfinished allreduces are waited for first (unless the reducer is broken)."""
         if self._closed:
             return
-        self._wait_started()
+        if self._error is None:
+            self._wait_started()
         with self._lock:
             self._closed = True
             self._lock.notify_all()
         if self._thread is not None:
             self._thread.join()
-        if self._owns_comm:
-            self._comm.free()
+        self._comm.free()
 
     def __enter__(self):
         return self
@@ -450,13 +470,17 @@ class GradientReducer:
         with self._lock:
             while self._next < len(self.buckets) and self._waiting[self._next] == 0:
                 bucket, wire = self.buckets[self._next], self._wire[self._next]
-                if wire is None:
-                    handle = self._comm.allreduce_async(bucket.data, op="avg", algorithm=self.algorithm,
-                                                        out=bucket.data)
-                else:
-                    np.divide(bucket.data, self._comm.size, out=bucket.data)
-                    np.copyto(wire, bucket.data, casting="same_kind")
-                    handle = self._comm.allreduce_async(wire, op="sum", algorithm=self.algorithm, out=wire)
+                try:
+                    if wire is None:
+                        handle = self._comm.allreduce_async(bucket.data, op="avg", algorithm=self.algorithm,
+                                                            out=bucket.data)
+                    else:  # divide first: the sum of the ranks' shares cannot overflow 16 bits
+                        np.divide(bucket.data, self._comm.size, out=bucket.data)
+                        np.copyto(wire, bucket.data, casting="same_kind")
+                        handle = self._comm.allreduce_async(wire, op="sum", algorithm=self.algorithm, out=wire)
+                except Exception as exc:
+                    self._error = exc
+                    raise
                 self._handles.append(handle)
                 self._next += 1
             self._lock.notify_all()
@@ -464,19 +488,26 @@ class GradientReducer:
     def _poll(self):
         """Advance the allreduces in flight without blocking, as far as they can go;
         returns how many are still in flight."""
-        return self._comm.poll() if self._handles else 0
+        try:
+            return self._comm.poll() if self._handles else 0
+        except Exception as exc:
+            self._error = exc
+            raise
 
     def _wait_started(self):
         with self._lock:
-            for handle in self._handles:
-                handle.wait()
+            try:
+                for handle in self._handles:
+                    handle.wait()
+            except Exception as exc:
+                self._error = exc
+                raise
 
-    def _check_thread(self):
+    def _check_usable(self):
         if self._closed:
             raise TrainingError("the reducer is closed")
         if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+            raise TrainingError(f"the reducer is broken by an earlier error: {self._error}") from self._error
 
     def _progress_loop(self):
         """The progress thread: poll the allreduces in flight until the reducer closes."""
@@ -486,9 +517,9 @@ class GradientReducer:
                     return
                 try:
                     in_flight = self._poll()  # this private communicator carries only our buckets
-                except Exception as exc:  # noqa: BLE001 - handed to the caller's thread
-                    self._error, self._handles, in_flight = exc, [], 0
-                if in_flight == 0:
+                except Exception:  # noqa: BLE001 - _poll kept it: the caller's next call raises it
+                    in_flight = 0
+                if in_flight == 0 or self._error is not None:
                     self._lock.wait()  # until a bucket starts or the reducer closes
                     continue
             time.sleep(self._poll_interval)  # lets the caller's thread have the GIL

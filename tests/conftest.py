@@ -110,3 +110,23 @@ def mpi_comm():
 @pytest.fixture(scope="session")
 def comm():
     return cc.Communicator()
+
+
+# -- data-parallel training tests (test_training.py, test_torch.py) ----------------------
+GLOBAL_BATCH = 840  # divisible by every world size 1..8: equal shards
+
+
+def shard(comm, x, y, micro=1, index=0):
+    """Rank ``comm.rank``'s share of a global batch (NumPy arrays or tensors), and
+    micro-batch ``index`` of ``micro`` within it."""
+    share = GLOBAL_BATCH // comm.size
+    start = comm.rank * share + index * share // micro
+    stop = start + share // micro
+    return x[start:stop], y[start:stop]
+
+
+def identical_everywhere(arrays):
+    """True on every rank iff every rank's ``arrays`` (NumPy) have the same bits (mpi4py's
+    own allgather: independent of the library)."""
+    blob = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
+    return all(other == blob for other in MPI.COMM_WORLD.allgather(blob))

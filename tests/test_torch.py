@@ -14,9 +14,8 @@ torch = pytest.importorskip("torch")
 
 import collectives.torch as cct  # noqa: E402
 from collectives.training import TrainingError  # noqa: E402
-from conftest import agree  # noqa: E402
+from conftest import GLOBAL_BATCH, agree, identical_everywhere, shard  # noqa: E402
 
-GLOBAL_BATCH = 840  # divisible by every world size 1..8
 STEPS = 3
 torch.set_num_threads(1)  # up to 8 ranks share 2 cores
 
@@ -31,10 +30,9 @@ def batch(step):
     return torch.randn(GLOBAL_BATCH, 12, generator=g, dtype=torch.float64), torch.randint(0, 5, (GLOBAL_BATCH,), generator=g)
 
 
-def shard(comm, x, y, micro=1, index=0):
-    share = GLOBAL_BATCH // comm.size
-    start = comm.rank * share + index * share // micro
-    return x[start:start + share // micro], y[start:start + share // micro]
+from conftest import GLOBAL_BATCH, agree, identical_everywhere, shard  # noqa: E402
+
+STEPS = 3
 
 
 def loss_fn(model, x, y):
@@ -53,9 +51,9 @@ def single_process(optimizer_class, steps=STEPS, **options):
     return history
 
 
-def identical_everywhere(model):
-    blob = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
-    return all(other == blob for other in MPI.COMM_WORLD.allgather(blob))
+from conftest import GLOBAL_BATCH, agree, identical_everywhere, shard  # noqa: E402
+
+STEPS = 3
 
 
 def close(model, reference, rtol=1e-9):
@@ -81,7 +79,7 @@ def test_distributed_optimizer_equals_single_process(comm, optimizer_class, opti
         optimizer.step()
         if not close(model, want[step]):
             problems.append(f"step {step}: differs from single-process training beyond rtol 1e-9")
-        if not identical_everywhere(model):
+        if not identical_everywhere(p.detach().numpy() for p in model.parameters()):
             problems.append(f"step {step}: parameters differ between ranks")
     optimizer.close()
     agree(MPI.COMM_WORLD, problems)
@@ -110,7 +108,7 @@ def test_gradient_accumulation_equals_single_process(comm, how):
         optimizer.step()
         if not close(model, want[step]):
             problems.append(f"step {step}: differs from single-process training")
-        if not identical_everywhere(model):
+        if not identical_everywhere(p.detach().numpy() for p in model.parameters()):
             problems.append(f"step {step}: parameters differ between ranks")
     optimizer.close()
     agree(MPI.COMM_WORLD, problems)
@@ -132,7 +130,7 @@ def test_compression_trains_within_tolerance(comm, compression):
         optimizer.step()
         if not close(model, want[step], rtol=rtol):
             problems.append(f"step {step}: {compression} compression drifts beyond {rtol}")
-        if not identical_everywhere(model):
+        if not identical_everywhere(p.detach().numpy() for p in model.parameters()):
             problems.append(f"step {step}: parameters differ between ranks")
     optimizer.close()
     agree(MPI.COMM_WORLD, problems)
@@ -206,7 +204,13 @@ def test_misuse(comm):
         cct.DistributedOptimizer(object(), comm=comm)
     with pytest.raises(TypeError, match=r"params\['w'\] must be a torch.Tensor"):
         cct.broadcast_parameters({"w": np.zeros(3)}, comm=comm)
+    with pytest.raises(TypeError, match=r"params\['w'\] is on meta"):
+        cct.broadcast_parameters({"w": torch.zeros(3, device="meta")}, comm=comm)
+    with pytest.raises(ValueError, match="LR scheduler created before"):
+        cct.DistributedOptimizer(_with_scheduler(model), comm=comm)
     distributed = cct.DistributedOptimizer(optimizer, comm=comm)  # names made up from the parameter groups
+    with pytest.raises(ValueError, match="add every parameter group to the optimizer before wrapping"):
+        distributed.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
     with pytest.raises(ValueError, match="already a DistributedOptimizer"):
         cct.DistributedOptimizer(distributed, comm=comm)
     with pytest.raises(ValueError, match="closure"):
@@ -223,3 +227,22 @@ def test_check_parameters_on_tensors(comm):
         model[0].bias[0] += comm.rank
     with pytest.raises(TrainingError, match=r"'0.bias' on rank\(s\) 1"):
         cct.check_parameters(model.named_parameters(), comm)
+
+
+def _with_scheduler(model):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)  # patches optimizer.step
+    return optimizer
+
+
+def test_load_state_dict_keeps_the_wrapper_and_the_optimizer_in_step(comm):
+    """load_state_dict assigns new param_groups: the wrapped optimizer (which a user may
+    still hold, e.g. in a scheduler) must see them too."""
+    model = make_model(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    distributed = cct.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), comm=comm)
+    state = distributed.state_dict()
+    state["param_groups"][0]["lr"] = 0.05
+    distributed.load_state_dict(state)
+    assert optimizer.param_groups is distributed.param_groups and optimizer.param_groups[0]["lr"] == 0.05
+    distributed.close()

@@ -26,9 +26,8 @@ from collectives.training import (
     check_parameters,
     plan_buckets,
 )
-from conftest import agree
+from conftest import GLOBAL_BATCH, agree, identical_everywhere, shard
 
-GLOBAL_BATCH = 840  # divisible by every world size 1..8: equal shards
 STEPS = 3
 LR = 0.5
 
@@ -82,19 +81,9 @@ def single_process(steps, dtype=np.float64):
     return history
 
 
-def shard(comm, x, y, micro=1, index=0):
-    """This rank's share of the global batch, and micro-batch ``index`` of ``micro``."""
-    share = GLOBAL_BATCH // comm.size
-    start = comm.rank * share + index * share // micro
-    stop = start + share // micro
-    return x[start:stop], y[start:stop]
+from conftest import GLOBAL_BATCH, agree, identical_everywhere, shard
 
-
-def identical_everywhere(params):
-    """True on every rank iff every rank's parameters have the same bits (mpi4py's own
-    allgather, independent of the library)."""
-    blob = b"".join(np.ascontiguousarray(a).tobytes() for a in params.values())
-    return all(other == blob for other in MPI.COMM_WORLD.allgather(blob))
+STEPS = 3
 
 
 def close(a, b, rtol):
@@ -121,7 +110,7 @@ def test_data_parallel_sgd_equals_single_process(comm, options):
             sgd(params, reducer.synchronize())
             if not close(params, want[step], 1e-9):
                 problems.append(f"step {step}: differs from single-process training beyond rtol 1e-9")
-            if not identical_everywhere(params):
+            if not identical_everywhere(params.values()):
                 problems.append(f"step {step}: parameters differ between ranks")
     agree(MPI.COMM_WORLD, problems)
 
@@ -150,7 +139,7 @@ def test_gradient_accumulation_equals_single_process(comm, how):
         sgd(params, reducer.synchronize())
         if not close(params, want[step], 1e-9):
             problems.append(f"step {step}: differs from single-process training")
-        if not identical_everywhere(params):
+        if not identical_everywhere(params.values()):
             problems.append(f"step {step}: parameters differ between ranks")
     agree(MPI.COMM_WORLD, problems)
 
@@ -166,7 +155,7 @@ def test_float32_training_within_tolerance(comm):
         sgd(params, reducer.synchronize())
         if not close(params, want[step], 1e-5):
             problems.append(f"step {step}: float32 differs beyond rtol 1e-5")
-        if not identical_everywhere(params):
+        if not identical_everywhere(params.values()):
             problems.append(f"step {step}: parameters differ between ranks")
     agree(MPI.COMM_WORLD, problems)
 
@@ -175,12 +164,15 @@ def test_float32_training_within_tolerance(comm):
 def test_compression_within_its_tolerance(comm, compression, thread):
     """Each gradient averaged over ranks through float16 (bfloat16): within
     (p + 1) * 2**-10 (2**-7) of the largest magnitude of the exact mean, and
-    bit-identical on every rank."""
+    bit-identical on every rank; gradients near float16's limit do not overflow,
+    because each rank divides by the world size before the sum."""
     if compression == "bf16":
         pytest.importorskip("ml_dtypes")  # in the test extra: runs wherever make test installed
     epsilon = 2.0**-10 if compression == "fp16" else 2.0**-7
-    shapes = {"a": (1000,), "b": (33, 7), "c": ()}
-    grads_of = {r: {n: np.random.default_rng(r * 10 + i).uniform(-4, 4, s) for i, (n, s) in enumerate(shapes.items())}
+    shapes = {"a": (1000,), "b": (33, 7), "c": (), "large": (50,)}
+    scale = {"a": 4, "b": 4, "c": 4, "large": 40000}  # 'large': p * 40000 overflows float16 unless divided first
+    grads_of = {r: {n: np.random.default_rng(r * 10 + i).uniform(-scale[n], scale[n], s)
+                    for i, (n, s) in enumerate(shapes.items())}
                 for r in range(comm.size)}
     params = {n: np.zeros(s) for n, s in shapes.items()}
     problems = []
@@ -195,7 +187,7 @@ def test_compression_within_its_tolerance(comm, compression, thread):
         error = np.abs(got[name] - exact).max()
         if got[name].dtype != np.float64 or error > bound:
             problems.append(f"{name}: error {error:.3g} > bound {bound:.3g} (dtype {got[name].dtype})")
-    if not identical_everywhere(got):
+    if not identical_everywhere(got.values()):
         problems.append("compressed gradients differ between ranks")
     agree(MPI.COMM_WORLD, problems)
 
@@ -254,6 +246,12 @@ def test_bucket_layout():
     ]
     assert [b.cap for b in buckets] == [FIRST_BUCKET_BYTES, BUCKET_BYTES, FIRST_BUCKET_BYTES, BUCKET_BYTES]
     assert buckets[3].slices == {"big": (0, 6 * 1024 * kib), "first": (6 * 1024 * kib, 6 * 1024 * kib + 4)}
+    # buckets are numbered by when they fill: float32 norms between float16 weights
+    # share one bucket, which fills only with the last norm
+    mixed = plan_buckets([("n2", (4,), "float32"), ("w2", (1 << 20,), "float16"), ("n1", (4,), "float32"),
+                          ("w1", (1 << 20,), "float16"), ("n0", (4,), "float32")], 1 << 20, 1 << 20)
+    assert [b.names for b in mixed] == [["w2"], ["w1"], ["n2", "n1", "n0"]]
+    assert [b.index for b in mixed] == [0, 1, 2]
     # an array larger than the cap has a bucket of its own
     alone = plan_buckets([("a", (10,), "float64"), ("huge", (1000,), "float64"), ("b", (10,), "float64")], 100, 100)
     assert [b.names for b in alone] == [["a"], ["huge"], ["b"]]
@@ -263,7 +261,8 @@ def test_bucket_layout():
 def test_reducer_lays_out_parameters_in_reverse_order(comm):
     params = {"first": np.zeros(3, np.float32), "second": np.zeros(2), "third": np.zeros(4, np.float32)}
     reducer = GradientReducer(params, comm)
-    assert [b.names for b in reducer.buckets] == [["third", "first"], ["second"]]
+    # float64's bucket fills (with 'second') before float32's (with 'first'): it goes first
+    assert [b.names for b in reducer.buckets] == [["second"], ["third", "first"]]
 
 
 # -- broadcast and checks -----------------------------------------------------------------------
@@ -366,8 +365,10 @@ def test_bad_arguments(comm):
         GradientReducer({"n": np.zeros(2, np.int64)}, comm)
     with pytest.raises(ValueError, match="compression must be one of"):
         GradientReducer(params, comm, compression="int8")
-    with pytest.raises(TypeError, match="is for real gradients"):
+    with pytest.raises(TypeError, match=r"sends 16-bit floats.*params\['z'\] is complex128"):
         GradientReducer({"z": np.zeros(2, complex)}, comm, compression="fp16")
+    with pytest.raises(TypeError, match=r"params\['h'\] is float16: leave compression off"):
+        GradientReducer({"h": np.zeros(2, np.float16)}, comm, compression="fp16")
     with pytest.raises(ValueError, match="backward_passes_per_step must be a positive integer"):
         GradientReducer(params, comm, backward_passes_per_step=0)
     with pytest.raises(ValueError, match="bucket_bytes must be a positive number of bytes"):
@@ -379,3 +380,29 @@ def test_bad_arguments(comm):
     reducer.close()
     with pytest.raises(TrainingError, match="closed"):
         reducer.gradient_ready("w", np.zeros((2, 3)))
+
+
+def test_native_cannot_reduce_bfloat16(comm):
+    ml_dtypes = pytest.importorskip("ml_dtypes")  # in the test extra: runs wherever make test installed
+    with pytest.raises(ValueError, match="'native' cannot reduce bfloat16"):
+        GradientReducer({"w": np.zeros(3, ml_dtypes.bfloat16)}, comm, algorithm="native")
+    with pytest.raises(ValueError, match="'native' cannot reduce bfloat16"):
+        GradientReducer({"w": np.zeros(3, np.float32)}, comm, algorithm="native", compression="bf16")
+
+
+def test_a_failed_allreduce_breaks_the_reducer(comm, monkeypatch):
+    """If starting a bucket fails (as when MPI refuses), no later call returns gradients
+    that were never reduced: every call raises, naming the first error."""
+    reducer = GradientReducer({"w": np.zeros(3)}, comm)
+
+    def refuse(*args, **kwargs):
+        raise cc.TransportError("the MPI library refused the call")
+
+    monkeypatch.setattr(reducer._comm, "allreduce_async", refuse)
+    with pytest.raises(cc.TransportError, match="refused"):
+        reducer.gradient_ready("w", np.ones(3))
+    with pytest.raises(TrainingError, match="broken by an earlier error: the MPI library refused"):
+        reducer.synchronize()
+    with pytest.raises(TrainingError, match="broken"):
+        reducer.gradient_ready("w", np.ones(3))
+    reducer.close()
