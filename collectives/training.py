@@ -358,7 +358,8 @@ class GradientReducer:
         """Hand over ``name``'s gradient (an array shaped and typed like the parameter),
         complete for this backward pass. On the pass that completes a step, it is copied
         into its bucket, and every bucket that is now full starts its allreduce (in
-        bucket order). ``grad`` receives the averaged gradient in :meth:`synchronize`."""
+        bucket order). ``grad`` receives the averaged gradient once its bucket has
+        finished (at the latest in :meth:`synchronize`): leave it alone until then."""
         bucket = self._bucket_of.get(name)
         if bucket is None:
             raise ValueError(f"name {name!r} is not one of the reducer's parameters")
@@ -390,7 +391,8 @@ class GradientReducer:
 
     def synchronize(self):
         """Wait for every bucket's allreduce and write the averaged gradients into the
-        arrays given to :meth:`gradient_ready` (a read-only one gets a copy). Returns
+        arrays given to :meth:`gradient_ready` (a read-only one gets a copy; buckets
+        that finished while backward ran were written back already). Returns
         ``{name: averaged gradient}`` in parameter order. Raises :class:`TrainingError`
         if some gradient has not arrived ``backward_passes_per_step`` times."""
         if self._no_sync:
@@ -408,20 +410,10 @@ class GradientReducer:
                 "backward pass(es) and call gradient_ready for every parameter before stepping; a parameter "
                 "that takes no part in the loss must be left out of the reducer's params."
             )
-        self._wait_started()
         if self._next < len(self.buckets):  # every gradient arrived, so every bucket must have started
             raise TrainingError(f"bucket {self._next} never started its allreduce")
-        averaged = {}
-        for bucket, wire in zip(self.buckets, self._wire):
-            if wire is not None:
-                np.copyto(bucket.data, wire)
-            for name in bucket.names:
-                grad = self._grads[name]
-                if grad.flags.writeable:
-                    np.copyto(grad, bucket.view(name))
-                else:
-                    grad = bucket.view(name).copy()
-                averaged[name] = grad
+        self._unpack_finished(wait=True)
+        averaged = self._averaged
         self._reset()
         return {name: averaged[name] for name in self.names}
 
@@ -463,6 +455,8 @@ class GradientReducer:
         self._waiting = [len(b.names) for b in self.buckets]
         self._handles = []  # started allreduces, in bucket order
         self._next = 0  # the next bucket to start
+        self._unpacked = 0  # buckets whose averages are written back
+        self._averaged = {}  # name -> the array holding its averaged gradient
 
     def _start_full_buckets(self):
         """Start the allreduce of every full bucket whose predecessors have started: the
@@ -486,13 +480,45 @@ class GradientReducer:
             self._lock.notify_all()
 
     def _poll(self):
-        """Advance the allreduces in flight without blocking, as far as they can go;
-        returns how many are still in flight."""
+        """Advance the allreduces in flight without blocking, as far as they can go, and
+        write back the buckets that have finished; returns how many are still in flight."""
+        if not self._handles:
+            return 0
         try:
-            return self._comm.poll() if self._handles else 0
+            in_flight = self._comm.poll()
         except Exception as exc:
             self._error = exc
             raise
+        self._unpack_finished()
+        return in_flight
+
+    def _unpack_finished(self, wait=False):
+        """Write back the averages of the started buckets that have finished, in bucket
+        order (while backward still runs, where polled); with ``wait``, of all of them."""
+        with self._lock:
+            while self._unpacked < len(self._handles):
+                handle = self._handles[self._unpacked]
+                try:
+                    if wait:
+                        handle.wait()
+                    elif not handle.test():
+                        return
+                except Exception as exc:
+                    self._error = exc
+                    raise
+                self._unpack(self.buckets[self._unpacked], self._wire[self._unpacked])
+                self._unpacked += 1
+
+    def _unpack(self, bucket, wire):
+        if wire is not None:
+            np.copyto(bucket.data, wire)
+        for name in bucket.names:
+            grad = self._grads[name]
+            if grad.flags.writeable:
+                np.copyto(grad, bucket.view(name))
+            else:
+                grad = bucket.view(name).copy()
+            self._averaged[name] = grad
 
     def _wait_started(self):
         with self._lock:
