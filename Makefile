@@ -23,7 +23,13 @@ TUNING        ?= collectives-tuning.json
 # make project: extra options for python -m collectives.sim (e.g. --fit results.json).
 SIM_ARGS      ?=
 
-.PHONY: install test test-serial test-mpi demo bench tune project clean
+# make examples: ranks of the distributed runs (each is compared with a serial run).
+EXAMPLE_RANKS ?= 4
+EXAMPLE_ARGS  ?=
+# make bench-training: options for python -m collectives.bench.training.
+TRAINING_ARGS ?= --bucket-mib 25,5 --compression none,fp16
+
+.PHONY: install test test-serial test-mpi demo bench bench-training examples tune project clean
 
 install: $(VENV)/.installed
 
@@ -56,6 +62,26 @@ bench: install
 	$(MPIEXEC) $(MPIEXEC_FLAGS) -n $(BENCH_RANKS) $(VENV)/bin/collectives-bench --check $(BENCH_ARGS) \
 	  --json $(RESULTS)/latest-n$(BENCH_RANKS).json --plot $(RESULTS)/latest-n$(BENCH_RANKS).png
 	@echo "plot: $(RESULTS)/latest-n$(BENCH_RANKS).png"
+
+# Both training examples (the PyTorch one unless TORCH= left torch out), once serially
+# and once under mpiexec: the final test accuracies must agree (same_accuracy.py).
+examples: install
+	mkdir -p $(RESULTS)
+	@for ex in numpy $(if $(TORCH),torch); do \
+	  timeout $(RUN_TIMEOUT) $(PYTHON) examples/train_$$ex.py --no-progress $(EXAMPLE_ARGS) \
+	    --json $(RESULTS)/latest-train-$$ex-n1.json || exit 1; \
+	  timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $(EXAMPLE_RANKS) $(PYTHON) examples/train_$$ex.py \
+	    --no-progress $(EXAMPLE_ARGS) --json $(RESULTS)/latest-train-$$ex-n$(EXAMPLE_RANKS).json || exit 1; \
+	  $(PYTHON) examples/same_accuracy.py $(RESULTS)/latest-train-$$ex-n1.json \
+	    $(RESULTS)/latest-train-$$ex-n$(EXAMPLE_RANKS).json || exit 1; \
+	done
+
+# Step time of data-parallel training with the gradient allreduce overlapped with
+# backward against the same after backward (a 20 MiB NumPy MLP at BENCH_RANKS ranks).
+bench-training: install
+	mkdir -p $(RESULTS)
+	timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $(BENCH_RANKS) $(PYTHON) -m collectives.bench.training $(TRAINING_ARGS) \
+	  --json $(RESULTS)/latest-training-n$(BENCH_RANKS).json
 
 # Measure every algorithm at each world size in TUNE_SIZES into $(TUNING); then
 # COLLECTIVES_TUNING=$(TUNING) makes auto use it.
