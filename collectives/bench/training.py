@@ -323,6 +323,16 @@ def _group_key(compression, algorithm, bucket_mib):
     return (compression or "none", algorithm, bucket_mib)
 
 
+def reducer_settings(args):
+    """``(group, reducer keywords)`` for every compression x algorithm x bucket size."""
+    for compression in args.compression:
+        for algorithm in args.algorithms:
+            for bucket_mib in args.bucket_mib:
+                kw = dict(compression=compression, algorithm=algorithm, bucket_bytes=int(bucket_mib * MiB),
+                          first_bucket_bytes=int(args.first_bucket_kib * 1024))
+                yield _group_key(compression, algorithm, bucket_mib), kw
+
+
 def build_numpy_variants(args, model, comm, world, failures):
     """name -> (step callable taking a Stats, info dict); also the bucket layouts."""
     named = model.params
@@ -331,55 +341,50 @@ def build_numpy_variants(args, model, comm, world, failures):
     variants = {"compute": (lambda st: model.step(), {"variant": "compute"})}
     layouts = {}
     reducers = []
-    for compression in args.compression:
-        for algorithm in args.algorithms:
-            for bucket_mib in args.bucket_mib:
-                kw = dict(compression=compression, algorithm=algorithm, bucket_bytes=int(bucket_mib * MiB),
-                          first_bucket_bytes=int(args.first_bucket_kib * 1024))
-                group = _group_key(compression, algorithm, bucket_mib)
-                plain = MeasuredReducer(named, comm, **kw)
-                threaded = [(pi, MeasuredReducer(named, comm, progress_thread=True, poll_interval=pi, **kw))
-                            for pi in args.poll_interval]
-                reducers += [plain] + [r for _, r in threaded]
-                layouts["/".join(map(str, group))] = bucket_layout(plain)
-                for label, r in [("plain", plain)] + [(f"thread {pi}", r) for pi, r in threaded]:
-                    bad = check_known_inputs(r, named, comm.rank, comm.size, compression)
-                    bad += check_training_step(model, r, world, compression)
-                    if bad:
-                        failures.append(f"{group} {label}: wrong averaged gradients for {bad[:5]}")
-                info = dict(zip(("compression", "algorithm", "bucket_mib"), group))
+    for group, kw in reducer_settings(args):
+        plain = MeasuredReducer(named, comm, **kw)
+        threaded = [(pi, MeasuredReducer(named, comm, progress_thread=True, poll_interval=pi, **kw))
+                    for pi in args.poll_interval]
+        reducers += [plain] + [r for _, r in threaded]
+        layouts["/".join(map(str, group))] = bucket_layout(plain)
+        for label, r in [("plain", plain)] + [(f"thread {pi}", r) for pi, r in threaded]:
+            bad = check_known_inputs(r, named, comm.rank, comm.size, kw["compression"])
+            bad += check_training_step(model, r, world, kw["compression"])
+            if bad:
+                failures.append(f"{group} {label}: wrong averaged gradients for {bad[:5]}")
+        info = dict(zip(("compression", "algorithm", "bucket_mib"), group))
 
-                def comm_only(st, r=plain):
-                    for name in order:
-                        r.gradient_ready(name, grads[name])
-                    r.synchronize()
+        def comm_only(st, r=plain):
+            for name in order:
+                r.gradient_ready(name, grads[name])
+            r.synchronize()
 
-                def after(st, r=plain):
-                    model.step()
-                    for name in order:
-                        r.gradient_ready(name, grads[name])
-                    r.synchronize()
+        def after(st, r=plain):
+            model.step()
+            for name in order:
+                r.gradient_ready(name, grads[name])
+            r.synchronize()
 
-                def overlap(st, r=plain, chunks=1):
-                    p0 = r.polls
-                    model.step(r.gradient_ready, r._poll, chunks)
-                    st.polls.append(r.polls - p0)
-                    st.done.append(r.done_fraction())
-                    t = time.perf_counter()
-                    r.synchronize()
-                    st.sync.append(time.perf_counter() - t)
+        def overlap(st, r=plain, chunks=1):
+            p0 = r.polls
+            model.step(r.gradient_ready, r._poll, chunks)
+            st.polls.append(r.polls - p0)
+            st.done.append(r.done_fraction())
+            t = time.perf_counter()
+            r.synchronize()
+            st.sync.append(time.perf_counter() - t)
 
-                variants[("comm",) + group] = (comm_only, dict(info, variant="comm"))
-                variants[("after",) + group] = (after, dict(info, variant="after"))
-                variants[("overlap",) + group] = (overlap, dict(info, variant="overlap"))
-                if args.chunks > 1:
-                    label = f"overlap+polls/{args.chunks}"
-                    variants[(label,) + group] = (lambda st, f=overlap: f(st, chunks=args.chunks),
-                                                  dict(info, variant=label, chunks=args.chunks))
-                for pi, r in threaded:
-                    label = "overlap+thread" if len(args.poll_interval) == 1 else f"overlap+thread@{pi * 1e6:g}us"
-                    variants[(label,) + group] = (
-                        lambda st, r=r, f=overlap: f(st, r), dict(info, variant=label, poll_interval_s=pi))
+        variants[("comm",) + group] = (comm_only, dict(info, variant="comm"))
+        variants[("after",) + group] = (after, dict(info, variant="after"))
+        variants[("overlap",) + group] = (overlap, dict(info, variant="overlap"))
+        if args.chunks > 1:
+            label = f"overlap+polls/{args.chunks}"
+            variants[(label,) + group] = (lambda st, f=overlap: f(st, chunks=args.chunks),
+                                          dict(info, variant=label, chunks=args.chunks))
+        for pi, r in threaded:
+            label = "overlap+thread" if len(args.poll_interval) == 1 else f"overlap+thread@{pi * 1e6:g}us"
+            variants[(label,) + group] = (
+                lambda st, r=r, f=overlap: f(st, r), dict(info, variant=label, poll_interval_s=pi))
     return variants, layouts, reducers
 
 
@@ -396,41 +401,36 @@ def build_torch_variants(args, model, comm, world, failures):
     params = list(model.model.named_parameters())
     model.step()  # .grad exists: the GradientReducer of "after" and "comm" works on its arrays
     grad_np = lambda: [(n, p.grad.numpy()) for n, p in params]  # noqa: E731
-    for compression in args.compression:
-        for algorithm in args.algorithms:
-            for bucket_mib in args.bucket_mib:
-                kw = dict(compression=compression, algorithm=algorithm, bucket_bytes=int(bucket_mib * MiB),
-                          first_bucket_bytes=int(args.first_bucket_kib * 1024))
-                group = _group_key(compression, algorithm, bucket_mib)
-                info = dict(zip(("compression", "algorithm", "bucket_mib"), group))
-                plain = MeasuredReducer([(n, p.detach().numpy()) for n, p in params], comm, **kw)
-                closers.append(plain)
-                layouts["/".join(map(str, group))] = bucket_layout(plain)
-                bad = check_known_inputs(plain, [(n, p.detach().numpy()) for n, p in params], comm.rank, comm.size,
-                                         compression)
-                if bad:
-                    failures.append(f"{group} torch reducer: wrong averaged gradients for {bad[:5]}")
+    for group, kw in reducer_settings(args):
+        info = dict(zip(("compression", "algorithm", "bucket_mib"), group))
+        plain = MeasuredReducer([(n, p.detach().numpy()) for n, p in params], comm, **kw)
+        closers.append(plain)
+        layouts["/".join(map(str, group))] = bucket_layout(plain)
+        bad = check_known_inputs(plain, [(n, p.detach().numpy()) for n, p in params], comm.rank, comm.size,
+                                 kw["compression"])
+        if bad:
+            failures.append(f"{group} torch reducer: wrong averaged gradients for {bad[:5]}")
 
-                def comm_only(st, r=plain):
-                    for name, g in reversed(grad_np()):
-                        r.gradient_ready(name, g)
-                    r.synchronize()
+        def comm_only(st, r=plain):
+            for name, g in reversed(grad_np()):
+                r.gradient_ready(name, g)
+            r.synchronize()
 
-                def after(st, r=plain):
-                    model.step()
-                    for name, g in reversed(grad_np()):
-                        r.gradient_ready(name, g)
-                    r.synchronize()
+        def after(st, r=plain):
+            model.step()
+            for name, g in reversed(grad_np()):
+                r.gradient_ready(name, g)
+            r.synchronize()
 
-                variants[("comm",) + group] = (comm_only, dict(info, variant="comm"))
-                variants[("after",) + group] = (after, dict(info, variant="after"))
-                for thread in (False, True):
-                    bad = check_torch_optimizer(model, comm, world, thread, kw)
-                    if bad:
-                        failures.append(f"{group} DistributedOptimizer(progress_thread={thread}): wrong averaged "
-                                        f"gradients for {bad[:5]}")
-                    label = "overlap+thread" if thread else "overlap"
-                    variants[(label,) + group] = (None, dict(info, variant=label, _torch_opt=(thread, kw)))
+        variants[("comm",) + group] = (comm_only, dict(info, variant="comm"))
+        variants[("after",) + group] = (after, dict(info, variant="after"))
+        for thread in (False, True):
+            bad = check_torch_optimizer(model, comm, world, thread, kw)
+            if bad:
+                failures.append(f"{group} DistributedOptimizer(progress_thread={thread}): wrong averaged "
+                                f"gradients for {bad[:5]}")
+            label = "overlap+thread" if thread else "overlap"
+            variants[(label,) + group] = (None, dict(info, variant=label, _torch_opt=(thread, kw)))
     # DistributedOptimizer hooks the shared parameters: live ones of every variant would
     # all fire, so each overlap variant makes its optimizer for its batch of steps.
     return variants, layouts, closers
