@@ -113,13 +113,14 @@ def comm():
 
 
 # -- data-parallel training tests (test_training.py, test_torch.py) ----------------------
-GLOBAL_BATCH = 840  # divisible by every world size 1..8: equal shards
+GLOBAL_BATCH = 1680  # divisible by 2 x every world size 1..8: equal shards and equal halves of them
 
 
 def shard(comm, x, y, micro=1, index=0):
     """Rank ``comm.rank``'s share of a global batch (NumPy arrays or tensors), and
     micro-batch ``index`` of ``micro`` within it."""
     share = GLOBAL_BATCH // comm.size
+    assert share * comm.size == GLOBAL_BATCH and share % micro == 0, "unequal shards would weight samples unequally"
     start = comm.rank * share + index * share // micro
     stop = start + share // micro
     return x[start:stop], y[start:stop]
