@@ -260,6 +260,7 @@ def broadcast_parameters(params, root=0, comm=None, bucket_bytes=BUCKET_BYTES):
             for name in bucket.names:
                 array = arrays[name]
                 array[...] = bucket.view(name).view(array.dtype).reshape(array.shape)
+        bucket.data = None  # one bucket's buffer at a time, not a second copy of the model
     return params
 
 
