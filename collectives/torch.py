@@ -74,7 +74,7 @@ def check_parameters(params, comm=None):
     training.check_parameters(_named(params, "params"), comm)
 
 
-_Placeholder = collections.namedtuple("_Placeholder", "index shape dtype")
+_Placeholder = collections.namedtuple("_Placeholder", "shape dtype")  # a tensor, in traversal order
 _Refused = collections.namedtuple("_Refused", "reason")
 
 
@@ -99,18 +99,21 @@ def broadcast_optimizer_state(optimizer, root=0, comm=None):
     def strip(value):  # tensors -> placeholders, on root
         if isinstance(value, torch.Tensor):
             tensors.append(value)
-            return _Placeholder(len(tensors) - 1, tuple(value.shape), str(value.dtype).replace("torch.", ""))
+            return _Placeholder(tuple(value.shape), str(value.dtype).replace("torch.", ""))
         if isinstance(value, dict):
             return {k: strip(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             return _rebuild(value, [strip(v) for v in value])
         return value
 
+    def as_arrays(tensors):
+        return _named([(f"state.{i}", t) for i, t in enumerate(tensors)], "optimizer state")
+
     skeleton = None
     if comm.rank == root:
         try:  # the root's tensors are checked before any message, and a refusal reaches every rank
             skeleton = strip(optimizer.state_dict())
-            _named(list(enumerate(tensors)), "optimizer state")
+            arrays = as_arrays(tensors)
         except (TypeError, ValueError) as exc:
             skeleton = _Refused(str(exc))
     skeleton = comm.broadcast_object(skeleton, root=root)
@@ -130,7 +133,8 @@ def broadcast_optimizer_state(optimizer, root=0, comm=None):
             return value
 
         state = fill(skeleton)
-    broadcast_parameters([(f"state.{i}", t) for i, t in enumerate(tensors)], root=root, comm=comm)
+        arrays = as_arrays(tensors)
+    training.broadcast_parameters(arrays, root=root, comm=comm)
     if comm.rank != root:
         optimizer.load_state_dict(state)
 
