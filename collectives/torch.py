@@ -51,12 +51,8 @@ def _numpy(tensor, name, what):
 
 
 def _named(params, what):
-    items = params.items() if hasattr(params, "items") else params
-    named = []
-    for i, item in enumerate(items):
-        name, tensor = item if isinstance(item, tuple) and len(item) == 2 else (str(i), item)
-        named.append((name, _numpy(tensor, name, what)))
-    return named
+    """``(name, NumPy view)`` pairs, named and checked as ``training.named_arrays`` does."""
+    return training.named_arrays(params, what, convert=lambda name, tensor: _numpy(tensor, name, what))
 
 
 def broadcast_parameters(params, root=0, comm=None):

@@ -61,9 +61,11 @@ class TrainingError(RuntimeError):
     (the message says how to fix it), or the ranks' parameters disagree."""
 
 
-def named_arrays(params, what="params"):
+def named_arrays(params, what="params", convert=None):
     """``params`` as a list of ``(name, ndarray)``: a mapping, a sequence of
-    ``(name, array)`` pairs, or a sequence of arrays (named "0", "1", ...)."""
+    ``(name, array)`` pairs, or a sequence of arrays (named "0", "1", ...).
+    ``convert(name, value)``, if given, turns each value into its array first (the
+    PyTorch adapter's tensors)."""
     items = list(params.items()) if hasattr(params, "items") else list(params)
     named = []
     for i, item in enumerate(items):
@@ -71,6 +73,8 @@ def named_arrays(params, what="params"):
             name, array = item
         else:
             name, array = str(i), item
+        if convert is not None:
+            array = convert(name, array)
         if not isinstance(array, np.ndarray):
             raise TypeError(f"{what}[{name!r}] must be a numpy.ndarray; got {type(array).__name__}")
         named.append((name, array))
