@@ -105,21 +105,23 @@ class ParameterServer:
     """
 
     def __init__(self, params, comm=None, *, servers=1, mode="sync", max_staleness=None, update=None, lr=0.01):
+        # Every argument is checked before the first message (the settings themselves
+        # first, so that a world of one rank reports a bad mode as such).
         mpi_comm = _mpi_comm(comm)
         rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
-        self.servers = _check_servers(servers, size)
-        self.workers = tuple(r for r in range(size) if r not in self.servers)
         self.mode = _check_mode(mode)
         self.max_staleness = _check_staleness(max_staleness, self.mode)
         self.update = SGD(lr) if update is None else update
         if not callable(self.update):
             raise TypeError(f"update must be a callable update(param, grad); got {type(update).__name__}")
-        self.rank, self.size = rank, size
-        self.is_server = rank in self.servers
-        self.is_worker = not self.is_server
         self._named = _check_params(params, writable=True)
         self.dtype = self._named[0][1].dtype
         self._slices, self.count = _flat_layout(self._named)
+        self.servers = _check_servers(servers, size)
+        self.workers = tuple(r for r in range(size) if r not in self.servers)
+        self.rank, self.size = rank, size
+        self.is_server = rank in self.servers
+        self.is_worker = not self.is_server
         if self.count < len(self.servers):
             raise ValueError(f"params hold {self.count} elements: too few for {len(self.servers)} servers "
                              "(each server needs a shard of at least one element)")
@@ -127,7 +129,11 @@ class ParameterServer:
 
         # The first message: every rank compares its settings and layout with rank 0's.
         self._comm = mpi_comm.Dup()
-        _check_same_everywhere(self._comm, self._settings())
+        try:
+            _check_same_everywhere(self._comm, self._settings())
+        except ValueError:
+            self._comm.Free()  # every rank raised: every rank frees it
+            raise
 
         self._flat = np.empty(self.count, self.dtype)  # workers: the parameters as last pulled
         if rank == self.servers[0]:
