@@ -9,7 +9,8 @@ MPI point-to-point messages, each in several algorithms.
 from .algorithms import COLLECTIVES, algorithms
 from .arrays import SUPPORTED_DTYPES
 from .communicator import Communicator
-from .errors import CollectiveError, TransportError
+from .errors import (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, MessageSizeError,
+                     TransportError)
 from .ops import OPS
 from .transport.mpi import Handle
 from . import sim  # noqa: E402 (the simulator: cc.sim.run)
@@ -22,8 +23,11 @@ __all__ = [
     "OPS",
     "SUPPORTED_DTYPES",
     "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "Communicator",
     "Handle",
+    "MessageSizeError",
     "TransportError",
     "algorithms",
     "sim",

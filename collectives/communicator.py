@@ -6,19 +6,23 @@ compiled plan for this rank (cached), and hands it to the MPI transport. The blo
 calls are the ``*_async`` calls followed by ``wait()``.
 """
 
+import math
 import os
+import pickle
 from functools import lru_cache
 
 import numpy as np
 from mpi4py import MPI
 
+from . import check as check_mode
 from . import ops
 from .algorithms import NATIVE_BELOW, SEGMENTED, block_bounds, build, check_algorithm, cost_model_choice
-from .errors import TransportError
+from .errors import CollectiveError, TransportError
 from .arrays import as_array, check_out, flat_input, flat_view, is_extra, overlaps, same_memory
 from .schedule import compile_plan
 from .transport.buffers import Buffers
-from .transport.mpi import PlanHandle, Progress, RequestHandle
+from .transport.liveness import Liveness
+from .transport.mpi import PlanHandle, Progress, RequestHandle, check_timeout
 from .tuning import Selector
 
 DEFAULT_SEGMENT_SIZE = 256 * 1024  # bytes; COLLECTIVES_SEGMENT_SIZE overrides
@@ -47,6 +51,26 @@ def _check_root(root, size):
     if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:
         raise ValueError(f"root must be a rank in 0..{size - 1}; got {root!r}")
     return int(root)
+
+
+def _env_seconds(name):
+    """Seconds from environment variable ``name`` (None when unset, empty or 0)."""
+    text = os.environ.get(name, "").strip()
+    if text in ("", "0"):
+        return None
+    try:
+        return check_timeout(float(text), name)
+    except ValueError:
+        raise ValueError(f"{name} must be a positive number of seconds; got {text!r}") from None
+
+
+def _env_flag(name):
+    text = os.environ.get(name, "").strip().lower()
+    if text in ("", "0", "false", "no", "off"):
+        return False
+    if text in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name} must be 1 or 0; got {text!r}")
 
 
 _NO_WORKSPACE = np.empty(0, np.uint8)  # sliced only to length 0 by plans with tmp == 0
@@ -96,10 +120,23 @@ class Communicator:
     size and the world size: see :mod:`collectives.tuning` for the measured table and
     the ``COLLECTIVES_<COLLECTIVE>_ALGORITHM`` overrides.
 
-    Every rank must call the same collectives in the same order, as with MPI.
+    Every rank must call the same collectives in the same order, as with MPI. What
+    protects against the ways that goes wrong (see the README's "When things go wrong"):
+
+    - ``check=True`` (``COLLECTIVES_CHECK=1``): before each call the ranks compare what
+      they are calling (one 136-byte allgather) and all raise
+      :class:`~collectives.CollectiveMismatchError` if it differs. Set it on every rank.
+    - ``timeout`` seconds (``COLLECTIVES_TIMEOUT``; each call's ``timeout=`` overrides):
+      a call that has not finished by then raises
+      :class:`~collectives.CollectiveTimeoutError` naming the peers it waits for and the
+      ranks that did not answer; the communicator is then broken (every later call
+      raises). Give every rank the same timeout: with one, a blocking call that
+      resolves to ``native`` uses MPI's non-blocking collective so that it can stop.
+    - ``stall_warn`` seconds (``COLLECTIVES_STALL_WARN``): while a call waits, log a
+      warning (logger ``collectives``) naming the peers every ``stall_warn`` seconds.
     """
 
-    def __init__(self, mpi_comm=None, *, segment_size=None):
+    def __init__(self, mpi_comm=None, *, segment_size=None, check=None, timeout=None, stall_warn=None):
         if mpi_comm is None:
             mpi_comm = MPI.COMM_WORLD
         if not isinstance(mpi_comm, MPI.Intracomm) or mpi_comm == MPI.COMM_NULL:
@@ -107,13 +144,21 @@ class Communicator:
         if segment_size is None:
             segment_size = int(os.environ.get("COLLECTIVES_SEGMENT_SIZE", DEFAULT_SEGMENT_SIZE))
         self.segment_size = _check_segment_size(segment_size)
+        if check is None:
+            check = _env_flag("COLLECTIVES_CHECK")
+        if not isinstance(check, bool):
+            raise TypeError(f"check must be True or False; got {check!r}")
+        self.check = check
+        self.timeout = _env_seconds("COLLECTIVES_TIMEOUT") if timeout is None else check_timeout(timeout)
+        self.stall_warn = (_env_seconds("COLLECTIVES_STALL_WARN") if stall_warn is None
+                           else check_timeout(stall_warn, "stall_warn"))
         self._selector = Selector.from_environment(mpi_comm.Get_size())
         self._comm = mpi_comm.Dup()
         self.rank = self._comm.Get_rank()
         self.size = self._comm.Get_size()
         self._tag_limit = self._comm.Get_attr(MPI.TAG_UB) + 1
         self._sequence = 0
-        self._progress = Progress()
+        self._progress = Progress(Liveness(mpi_comm.Dup()), self.stall_warn)
         self._workspace = _Workspace()
 
     def __repr__(self):
@@ -136,37 +181,47 @@ class Communicator:
         communicator (collective), e.g. for a thread that must not share this one's
         calls in flight. It keeps this one's ``segment_size``."""
         self._finish_in_flight()
-        return Communicator(self._comm, segment_size=self.segment_size)
+        return Communicator(self._comm, segment_size=self.segment_size, check=self.check,
+                            timeout=self.timeout or math.inf, stall_warn=self.stall_warn or math.inf)
 
-    def broadcast_object(self, obj, root=0):
+    def broadcast_object(self, obj, root=0, *, timeout=None):
         """``obj`` from ``root`` on every rank: a small picklable Python object (metadata
         such as names, shapes and hyperparameters), never array data — arrays go through
         :meth:`broadcast`. Collective; finishes this rank's calls in flight first."""
         root = _check_root(root, self.size)
+        timeout = self._timeout_for(timeout)
+        payload = pickle.dumps(obj) if self.rank == root else b""
+        self._gate("broadcast_object", timeout, root=root)
         self._finish_in_flight()
-        try:
-            return self._comm.bcast(obj if self.rank == root else None, root)
-        except MPI.Exception as exc:
-            raise TransportError(f"broadcast_object: the MPI library failed: {exc}") from exc
+        length = np.array([len(payload)], np.int64)
+        self._request("broadcast_object", lambda: self._comm.Ibcast(length, root), timeout, length.nbytes)
+        data = np.frombuffer(payload, np.uint8) if self.rank == root else np.empty(int(length[0]), np.uint8)
+        self._request("broadcast_object", lambda: self._comm.Ibcast([data, MPI.BYTE], root), timeout, data.nbytes)
+        return obj if self.rank == root else pickle.loads(data.tobytes())
 
     def free(self):
-        """Release the private MPI communicator (collective). The object is unusable after."""
+        """Release the private MPI communicators (collective). The object is unusable after."""
         if self._comm != MPI.COMM_NULL:
             self._comm.Free()
+            self._progress.liveness.free()
 
     # -- collectives ------------------------------------------------------------
     # Each blocking call is its *_async call followed by wait(), except that a call
     # that resolves to ``native`` calls MPI's blocking collective (the cheapest path
     # for tiny buffers), after finishing the calls this rank has in flight.
-    def allreduce(self, x, op="sum", algorithm="auto", out=None, *, segment_size=None):
+    def allreduce(self, x, op="sum", algorithm="auto", out=None, *, segment_size=None, timeout=None):
         """Reduce ``x`` elementwise over all ranks; every rank gets the result (shaped like
-        ``x``; ``out=x`` works in place). Every rank's result has the same bits."""
-        return self._allreduce(x, op, algorithm, out, segment_size, True)
+        ``x``; ``out=x`` works in place). Every rank's result has the same bits.
+        ``timeout``: seconds (see :class:`Communicator`); every collective takes it."""
+        return self._allreduce(x, op, algorithm, out, segment_size, timeout, True)
 
-    def allreduce_async(self, x, op="sum", algorithm="auto", out=None, *, segment_size=None):
-        return self._allreduce(x, op, algorithm, out, segment_size, False)
+    def allreduce_async(self, x, op="sum", algorithm="auto", out=None, *, segment_size=None, timeout=None):
+        """Start :meth:`allreduce`; returns a :class:`~collectives.Handle` whose ``wait()``
+        returns the result (``timeout`` becomes the default of ``wait``). So do all
+        ``*_async`` calls."""
+        return self._allreduce(x, op, algorithm, out, segment_size, timeout, False)
 
-    def _allreduce(self, x, op, algorithm, out, segment_size, blocking):
+    def _allreduce(self, x, op, algorithm, out, segment_size, timeout, blocking):
         x = as_array(x, "x")
         ops.check_op(op, x.dtype)
         algorithm = check_algorithm("allreduce", algorithm)
@@ -174,8 +229,10 @@ class Communicator:
             check_out(out, x.shape, x.dtype)
         if segment_size is not None:
             _check_segment_size(segment_size)
+        timeout = self._timeout_for(timeout)
         algorithm = self._resolve("allreduce", algorithm, x.nbytes, x.dtype)
-        if algorithm == "native" and blocking:
+        self._gate("allreduce", timeout, algorithm, op, x.dtype, x.shape, blocking=blocking)
+        if algorithm == "native" and blocking and timeout is None:
             result = self._native_now("allreduce", x, out, x.shape, op)
             if result is not _NOT_HANDLED:
                 return result
@@ -185,17 +242,18 @@ class Communicator:
             ops.finish(op, result, self.size)
             return unpack()
 
-        return self._start("allreduce", algorithm, x.size, inp, result, inplace, op, 0, segment_size, finish, blocking)
+        return self._start("allreduce", algorithm, x.size, inp, result, inplace, op, 0, segment_size, finish, blocking,
+                           timeout)
 
-    def reduce_scatter(self, x, op="sum", algorithm="auto", out=None):
+    def reduce_scatter(self, x, op="sum", algorithm="auto", out=None, *, timeout=None):
         """Reduce ``x`` over all ranks and return block ``rank`` of the result, the blocks
         cut from ``x.ravel()`` as ``numpy.array_split(x.ravel(), size)`` cuts them."""
-        return self._reduce_scatter(x, op, algorithm, out, True)
+        return self._reduce_scatter(x, op, algorithm, out, timeout, True)
 
-    def reduce_scatter_async(self, x, op="sum", algorithm="auto", out=None):
-        return self._reduce_scatter(x, op, algorithm, out, False)
+    def reduce_scatter_async(self, x, op="sum", algorithm="auto", out=None, *, timeout=None):
+        return self._reduce_scatter(x, op, algorithm, out, timeout, False)
 
-    def _reduce_scatter(self, x, op, algorithm, out, blocking):
+    def _reduce_scatter(self, x, op, algorithm, out, timeout, blocking):
         x = as_array(x, "x")
         ops.check_op(op, x.dtype)
         algorithm = check_algorithm("reduce_scatter", algorithm)
@@ -203,9 +261,11 @@ class Communicator:
         shape = (bounds[self.rank + 1] - bounds[self.rank],)
         if out is not None:
             check_out(out, shape, x.dtype)
+        timeout = self._timeout_for(timeout)
         algorithm = self._resolve("reduce_scatter", algorithm, x.nbytes, x.dtype)
+        self._gate("reduce_scatter", timeout, algorithm, op, x.dtype, x.shape, blocking=blocking)
         counts = [bounds[r + 1] - bounds[r] for r in range(self.size)]
-        if algorithm == "native" and blocking:
+        if algorithm == "native" and blocking and timeout is None:
             result = self._native_now("reduce_scatter", x, out, shape, op, counts=counts)
             if result is not _NOT_HANDLED:
                 return result
@@ -215,37 +275,41 @@ class Communicator:
             ops.finish(op, result, self.size)
             return unpack()
 
-        return self._start("reduce_scatter", algorithm, x.size, inp, result, False, op, 0, None, finish, blocking, counts)
+        return self._start("reduce_scatter", algorithm, x.size, inp, result, False, op, 0, None, finish, blocking,
+                           timeout, counts)
 
-    def allgather(self, x, algorithm="auto", out=None):
+    def allgather(self, x, algorithm="auto", out=None, *, timeout=None):
         """Gather ``x`` from every rank: returns shape ``(size, *x.shape)``, row r from rank r."""
-        return self._allgather(x, algorithm, out, True)
+        return self._allgather(x, algorithm, out, timeout, True)
 
-    def allgather_async(self, x, algorithm="auto", out=None):
-        return self._allgather(x, algorithm, out, False)
+    def allgather_async(self, x, algorithm="auto", out=None, *, timeout=None):
+        return self._allgather(x, algorithm, out, timeout, False)
 
-    def _allgather(self, x, algorithm, out, blocking):
+    def _allgather(self, x, algorithm, out, timeout, blocking):
         x = as_array(x, "x")
         algorithm = check_algorithm("allgather", algorithm)
         shape = (self.size,) + x.shape
         if out is not None:
             check_out(out, shape, x.dtype)
+        timeout = self._timeout_for(timeout)
         algorithm = self._resolve("allgather", algorithm, x.nbytes * self.size, x.dtype)
-        if algorithm == "native" and blocking:
+        self._gate("allgather", timeout, algorithm, "-", x.dtype, x.shape, blocking=blocking)
+        if algorithm == "native" and blocking and timeout is None:
             result = self._native_now("allgather", x, out, shape)
             if result is not _NOT_HANDLED:
                 return result
         inp, result, _, unpack = _prepare(x, out, shape, allow_inplace=False)
-        return self._start("allgather", algorithm, x.size, inp, result, False, "sum", 0, None, unpack, blocking)
+        return self._start("allgather", algorithm, x.size, inp, result, False, "sum", 0, None, unpack, blocking,
+                           timeout)
 
-    def broadcast(self, x, root=0, algorithm="auto", *, segment_size=None):
+    def broadcast(self, x, root=0, algorithm="auto", *, segment_size=None, timeout=None):
         """Fill ``x`` on every rank with ``x`` from ``root``, in place; returns ``x``."""
-        return self._broadcast(x, root, algorithm, segment_size, True)
+        return self._broadcast(x, root, algorithm, segment_size, timeout, True)
 
-    def broadcast_async(self, x, root=0, algorithm="auto", *, segment_size=None):
-        return self._broadcast(x, root, algorithm, segment_size, False)
+    def broadcast_async(self, x, root=0, algorithm="auto", *, segment_size=None, timeout=None):
+        return self._broadcast(x, root, algorithm, segment_size, timeout, False)
 
-    def _broadcast(self, x, root, algorithm, segment_size, blocking):
+    def _broadcast(self, x, root, algorithm, segment_size, timeout, blocking):
         x = as_array(x, "x")
         root = _check_root(root, self.size)
         algorithm = check_algorithm("broadcast", algorithm)
@@ -253,44 +317,51 @@ class Communicator:
             raise ValueError("x must be a writable array: broadcast fills it in place")
         if segment_size is not None:
             _check_segment_size(segment_size)
+        timeout = self._timeout_for(timeout)
         algorithm = self._resolve("broadcast", algorithm, x.nbytes, x.dtype)
-        if algorithm == "native" and blocking:
+        self._gate("broadcast", timeout, algorithm, "-", x.dtype, x.shape, root, blocking)
+        if algorithm == "native" and blocking and timeout is None:
             result = self._native_now("broadcast", x, None, x.shape, root=root)
             if result is not _NOT_HANDLED:
                 return result
         _, result, _, unpack = _prepare(x, x, x.shape)
-        return self._start("broadcast", algorithm, x.size, result, result, True, "sum", root, segment_size, unpack, blocking)
+        return self._start("broadcast", algorithm, x.size, result, result, True, "sum", root, segment_size, unpack,
+                           blocking, timeout)
 
-    def reduce(self, x, root=0, op="sum", algorithm="auto", out=None):
+    def reduce(self, x, root=0, op="sum", algorithm="auto", out=None, *, timeout=None):
         """Reduce ``x`` over all ranks onto ``root``: the result on root (``out=x`` works
         in place there), ``None`` on the other ranks (whose ``out`` is left alone)."""
-        return self._reduce(x, root, op, algorithm, out, True)
+        return self._reduce(x, root, op, algorithm, out, timeout, True)
 
-    def reduce_async(self, x, root=0, op="sum", algorithm="auto", out=None):
-        return self._reduce(x, root, op, algorithm, out, False)
+    def reduce_async(self, x, root=0, op="sum", algorithm="auto", out=None, *, timeout=None):
+        return self._reduce(x, root, op, algorithm, out, timeout, False)
 
-    def _reduce(self, x, root, op, algorithm, out, blocking):
+    def _reduce(self, x, root, op, algorithm, out, timeout, blocking):
         x = as_array(x, "x")
         root = _check_root(root, self.size)
         ops.check_op(op, x.dtype)
         algorithm = check_algorithm("reduce", algorithm)
         if out is not None:
             check_out(out, x.shape, x.dtype)
+        timeout = self._timeout_for(timeout)
         algorithm = self._resolve("reduce", algorithm, x.nbytes, x.dtype)
-        if algorithm == "native" and blocking:
+        self._gate("reduce", timeout, algorithm, op, x.dtype, x.shape, root, blocking)
+        if algorithm == "native" and blocking and timeout is None:
             result = self._native_now("reduce", x, out, x.shape, op, root)
             if result is not _NOT_HANDLED:
                 return result
         if self.rank != root:
             inp = flat_input(x)
-            return self._start("reduce", algorithm, x.size, inp, inp[:0], False, op, root, None, _nothing, blocking)
+            return self._start("reduce", algorithm, x.size, inp, inp[:0], False, op, root, None, _nothing, blocking,
+                               timeout)
         inp, result, inplace, unpack = _prepare(x, out, x.shape)
 
         def finish():
             ops.finish(op, result, self.size)
             return unpack()
 
-        return self._start("reduce", algorithm, x.size, inp, result, inplace, op, root, None, finish, blocking)
+        return self._start("reduce", algorithm, x.size, inp, result, inplace, op, root, None, finish, blocking,
+                           timeout)
 
     def poll(self):
         """Advance this communicator's calls in flight without blocking, as far as their
@@ -301,11 +372,41 @@ class Communicator:
         self._progress.drain()
         return len(self._progress.active)
 
-    def barrier(self):
+    def barrier(self, *, timeout=None):
         """Block until every rank has called ``barrier`` (collectives in flight go on)."""
-        RequestHandle(self._progress, "barrier", _nothing, self._comm.Ibarrier).start().wait()
+        timeout = self._timeout_for(timeout)
+        self._gate("barrier", timeout)
+        self._request("barrier", self._comm.Ibarrier, timeout)
 
     # -- machinery ----------------------------------------------------------------
+    def _timeout_for(self, timeout):
+        """A call's timeout in seconds (None: none): its own, else the communicator's."""
+        return self.timeout if timeout is None else check_timeout(timeout)
+
+    def _gate(self, collective, timeout, algorithm="-", op="-", dtype=None, shape=(), root=-1, blocking=True):
+        """Every call passes here once, after its arguments are checked and before any
+        message: it gets its sequence number; a broken communicator refuses it; in check
+        mode the ranks compare fingerprints and all raise if they differ."""
+        if self._progress.broken is not None:
+            raise CollectiveError(f"{collective}: this communicator is broken by an earlier failure "
+                                  f"({self._progress.broken}); make a new Communicator, though after a timeout "
+                                  "the job usually has to stop")
+        self._sequence = (self._sequence + 1) % self._tag_limit  # also the tag of the call's messages
+        self._progress.call = self._sequence
+        if self.check:
+            native = "-" if algorithm != "native" else "MPI blocking" if blocking and timeout is None \
+                else "MPI non-blocking"
+            record = check_mode.fingerprint(self._sequence, collective, algorithm, op, dtype, shape, root, native)
+            gathered = np.empty((self.size, record.size), record.dtype)
+            self._request(f"the check-mode exchange before {collective}", lambda: self._comm.Iallgather(record, gathered),
+                          timeout, gathered.nbytes)
+            check_mode.compare(gathered)
+
+    def _request(self, what, start, timeout, nbytes=0):
+        """Run one MPI non-blocking call to completion, bounded by ``timeout``."""
+        describe = f"{what} call #{self._sequence}"
+        RequestHandle(self._progress, describe, _nothing, start, timeout, self._sequence, nbytes).start().wait()
+
     def _segment(self, segment_size, itemsize):
         return max(1, (self.segment_size if segment_size is None else segment_size) // itemsize)
 
@@ -319,17 +420,20 @@ class Communicator:
         return chosen
 
     def _start(self, collective, algorithm, count, inp, out, inplace, op, root, segment_size, finish, blocking,
-               counts=None):
+               timeout, counts=None):
         """Run the call: returns its result if ``blocking``, else its :class:`Handle`.
         ``segment_size`` (bytes, None for the communicator's) matters to segmented
-        algorithms only."""
-        self._sequence = (self._sequence + 1) % self._tag_limit
+        algorithms only. A blocking ``native`` call without a timeout is MPI's blocking
+        collective; with one, MPI's non-blocking collective, waited for up to it."""
+        describe = f"{collective}(algorithm={algorithm!r}) call #{self._sequence}"
         if algorithm == "native":
-            if blocking:
+            if blocking and timeout is None:
                 self._native_blocking(collective, inp, out, inplace, op, root, counts)
                 return finish()
             start = lambda: self._native(collective, inp, out, inplace, op, root, counts)  # noqa: E731
-            return RequestHandle(self._progress, f"{collective}(algorithm='native')", finish, start).start()
+            handle = RequestHandle(self._progress, describe, finish, start, timeout, self._sequence, inp.nbytes)
+            handle.start()
+            return handle.wait() if blocking else handle
         segment = self._segment(segment_size, out.itemsize) if (collective, algorithm) in SEGMENTED else 1
         plan = _plan(collective, algorithm, self.rank, self.size, count, root, segment, inplace)
         raw, tmp = self._workspace.take(plan.tmp, out.dtype)
@@ -339,8 +443,8 @@ class Communicator:
             return finish()
 
         buffers = Buffers(inp, out, tmp)
-        describe = f"{collective}(algorithm={algorithm!r})"
-        handle = PlanHandle(self._progress, describe, done, self._comm, self._sequence, plan, buffers, op).start()
+        handle = PlanHandle(self._progress, describe, done, self._comm, self._sequence, plan, buffers, op,
+                            timeout, self._sequence).start()
         return handle.wait() if blocking else handle
 
     def _native_now(self, collective, x, out, shape, op="sum", root=0, counts=None):
@@ -360,7 +464,6 @@ class Communicator:
             out = np.empty(shape, x.dtype)
         elif not inplace and (not out.flags.c_contiguous or overlaps(x, out)):
             return _NOT_HANDLED
-        self._sequence = (self._sequence + 1) % self._tag_limit  # every rank counts every call
         self._native_blocking(collective, x, out, inplace, op, root, counts)
         if out is not None:
             ops.finish(op, out, self.size)
@@ -385,8 +488,8 @@ class Communicator:
     def _finish_in_flight(self):
         """Finish this rank's calls in flight (before a blocking MPI call, during which
         this rank's Python cannot progress them)."""
-        while self._progress.active:
-            self._progress.advance(block=True)
+        while self._progress.active:  # each waited for up to its own timeout
+            self._progress.active[0].wait()
 
     def _native(self, collective, inp, out, inplace, op, root, counts, blocking=False):
         """Start MPI's own non-blocking collective (return its request), or with

@@ -3,6 +3,13 @@
 Bad arguments raise the built-in ``ValueError`` / ``TypeError`` (naming the argument)
 before any message is sent. Failures of the library itself while a collective runs
 derive from :class:`CollectiveError`, so ``except cc.CollectiveError`` catches them all.
+
+After a :class:`CollectiveTimeoutError`, a :class:`MessageSizeError` or a
+:class:`TransportError` raised while messages were in flight, the communicator is
+*broken*: its other calls in flight were cancelled and fail, and every later call on it
+raises :class:`CollectiveError` at once (the ranks no longer agree on which messages
+belong to which call). A :class:`CollectiveMismatchError` leaves it usable: it is
+raised on every rank before any message of the call is sent.
 """
 
 
@@ -12,3 +19,19 @@ class CollectiveError(RuntimeError):
 
 class TransportError(CollectiveError):
     """The MPI library reported an error while a collective's messages were in flight."""
+
+
+class MessageSizeError(TransportError):
+    """A message was longer (MPI's truncation error) or shorter than the schedule
+    expects: the ranks called the collective with buffers of different sizes."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Check mode: the ranks called different collectives, or the same one with a
+    different dtype, shape, op, root or algorithm. Raised on every rank alike."""
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """A collective did not finish within its ``timeout``. The message names the call,
+    its algorithm and step, the peers whose messages are outstanding, the bytes still
+    pending, and which ranks did not answer a liveness check."""

@@ -8,15 +8,28 @@ other's. ``native`` calls the MPI library's own non-blocking collective instead.
 Every handle of a communicator is driven by one :class:`Progress` engine: waiting on
 one handle also advances the others, so ranks that wait on their handles in
 different orders cannot deadlock.
+
+When something goes wrong while messages are in flight (a timeout, a message of the
+wrong size, an MPI error) the engine *breaks*: it cancels the receives in flight,
+fails every handle, and refuses later calls. The ranks no longer agree on which
+message belongs to which call, so going on could only hang or mix up data.
 """
 
+import logging
+import math
 import os
+import time
 
 from mpi4py import MPI
 
-from ..errors import TransportError
-from ..schedule import Send
+from ..errors import CollectiveError, CollectiveTimeoutError, MessageSizeError, TransportError
+from ..schedule import Recv, Send
 from .engine import Execution
+from .liveness import DEFAULT_GRACE, describe as describe_liveness, ranks
+
+log = logging.getLogger("collectives")
+
+_CHECK_EVERY = 0.02  # seconds between looks at the clock, probes and stall warnings while waiting
 
 
 class Progress:
@@ -34,11 +47,17 @@ class Progress:
     flight costs O(1) Python work per completed request, not a rebuild per completion.
     """
 
-    def __init__(self):
+    def __init__(self, liveness=None, stall_warn=None):
         self.active = []
+        self.broken = None  # the error that broke the engine, once one has
+        self.liveness = liveness  # asked which ranks are alive when a wait times out
+        self.stall_warn = stall_warn  # seconds of waiting between stall warnings, or None
+        self.call = 0  # the sequence number of the newest call, for liveness replies
         self._requests = []  # requests posted and not yet compacted away
         self._owners = []  # (handle, token) for each entry of _requests
+        self._statuses = []  # filled by Testsome: entry k is for the k-th finished request
         self._completed = 0  # entries of _requests that are REQUEST_NULL
+        self._abandoned = []  # requests given up on: MPI may still use their buffers
 
     def add(self, handle, token, request):
         self._requests.append(request)
@@ -49,16 +68,21 @@ class Progress:
         Returns True if some request completed."""
         while self._requests:
             try:
-                finished = MPI.Request.Testsome(self._requests)
+                finished = MPI.Request.Testsome(self._requests, self._statuses)
             except MPI.Exception as exc:
-                raise TransportError(f"MPI failed while waiting for messages: {exc}") from exc
+                self._fail_in_status(exc)
             if finished:
-                done = [self._owners[j] for j in finished]
+                statuses = self._statuses
+                done = [(self._owners[j], statuses[k]) for k, j in enumerate(finished)]
                 self._completed += len(done)
                 if 2 * self._completed >= len(self._requests):
                     self._compact()
-                for handle, token in done:  # may post new requests: appended to the lists
-                    handle._request_done(token)
+                for (handle, token), status in done:  # may post new requests: appended to the lists
+                    try:
+                        handle._request_done(token, status)
+                    except Exception as exc:
+                        self.fail(exc, culprit=handle)
+                        raise
                 return True
             if not block:
                 return False
@@ -71,6 +95,88 @@ class Progress:
         while self.advance(block=False):
             pass
 
+    def wait_for(self, handle, timeout):
+        """Advance until ``handle`` has finished or failed. After ``timeout`` seconds
+        (None: never) the engine breaks with a :class:`CollectiveTimeoutError`. While
+        waiting, answers liveness probes and logs a stall warning every
+        ``stall_warn`` seconds."""
+        start = time.monotonic()
+        next_look = start + _CHECK_EVERY
+        next_warning = start + self.stall_warn if self.stall_warn else math.inf
+        deadline = start + timeout if timeout is not None else math.inf
+        while not handle._finished and handle._error is None:
+            if self.advance(block=False):
+                continue
+            if not self._requests:
+                raise AssertionError(f"{handle._describe} is unfinished with no message in flight")
+            _yield_cpu()
+            now = time.monotonic()
+            if now < next_look:
+                continue
+            next_look = now + _CHECK_EVERY
+            if self.liveness is not None:
+                self.liveness.answer(self.call)
+            if now >= deadline:
+                self._time_out(handle, now - start)
+            if now >= next_warning:
+                next_warning = now + self.stall_warn
+                log.warning("rank %s: %s has waited %.1f s %s", _rank(self), handle._describe, now - start,
+                            handle._outstanding())
+
+    def fail(self, error, culprit=None):
+        """Break the engine: every active handle fails (``culprit`` with ``error``, the
+        others as cancelled), receives in flight are cancelled, later calls refused."""
+        if self.broken is None:
+            self.broken = error
+        for handle in list(self.active):
+            if handle is culprit:
+                handle._error = error
+            else:
+                handle._error = CollectiveError(f"{handle._describe} was cancelled: another call on this "
+                                                f"communicator failed: {error}")
+        if culprit is not None and culprit._error is None:
+            culprit._error = error
+        self.active.clear()
+        for request, (handle, token) in zip(self._requests, self._owners):
+            if request != MPI.REQUEST_NULL:
+                handle._cancel(request, token)
+                self._abandoned.append(request)  # holds the buffer: the cancel may not have taken
+        self._requests, self._owners, self._completed = [], [], 0
+
+    def _time_out(self, handle, waited):
+        outstanding = handle._outstanding()
+        alive = ""
+        if self.liveness is not None and self.liveness.size > 1:
+            alive = ". Liveness: " + describe_liveness(*self.liveness.check(handle._call), DEFAULT_GRACE)
+        error = CollectiveTimeoutError(f"rank {_rank(self)}: {handle._describe} timed out after {waited:.1f} s "
+                                       f"{outstanding}{alive}")
+        self.fail(error, culprit=handle)
+        raise error
+
+    def _fail_in_status(self, exc):
+        """``Testsome`` raised: find the message that failed (its status says which
+        peer sent it, and its tag which call), break the engine and raise."""
+        error = TransportError(f"MPI failed while waiting for messages: {exc}")
+        culprit = None
+        if exc.Get_error_class() == MPI.ERR_IN_STATUS:
+            for status in self._statuses:
+                code = status.Get_error()
+                if code in (MPI.SUCCESS, MPI.ERR_PENDING):
+                    continue
+                culprit = self._owner_of(status)
+                error = culprit._message_error(status, code) if culprit else TransportError(
+                    f"MPI failed on a message from rank {status.Get_source()}: {MPI.Get_error_string(code)}")
+                break
+        self.fail(error, culprit)
+        raise error
+
+    def _owner_of(self, status):
+        tag = status.Get_tag()
+        for handle in self.active:
+            if getattr(handle, "_tag", None) == tag:
+                return handle
+        return None
+
     def _compact(self):
         keep = [j for j, request in enumerate(self._requests) if request != MPI.REQUEST_NULL]
         self._requests = [self._requests[j] for j in keep]
@@ -78,29 +184,69 @@ class Progress:
         self._completed = 0
 
 
+def _rank(progress):
+    return progress.liveness.rank if progress.liveness is not None else "?"
+
+
 _yield_cpu = getattr(os, "sched_yield", lambda: None)
+
+_DEFAULT = object()  # wait(): the call's own timeout
+
+
+def check_timeout(timeout, name="timeout"):
+    """``timeout`` as seconds (None: no limit); a ValueError naming ``name`` unless it
+    is None, a positive number, or infinity (no limit)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"{name} must be a positive number of seconds (or None, or math.inf for none); "
+                         f"got {timeout!r}")
+    return None if math.isinf(timeout) else float(timeout)
 
 
 class Handle:
     """A collective in flight. ``test()`` says whether it has finished (and advances
     it); ``wait()`` blocks until it has and returns the result."""
 
-    def __init__(self, progress, describe, finish):
+    def __init__(self, progress, describe, finish, timeout=None, call=0):
         self._progress = progress
-        self._describe = describe  # for error messages: "allreduce(ring)" etc.
+        self._describe = describe  # for error messages: "allreduce(ring) call #3" etc.
         self._finish = finish
         self._finished = False
         self._result = None
+        self._error = None  # set when the call failed or was cancelled
+        self._timeout = timeout  # seconds, the default of wait(); None: no limit
+        self._call = call
 
     def test(self):
-        if not self._finished:
-            self._progress.advance(block=False)
+        """True once the call has finished; raises its error if it failed."""
+        if not self._finished and self._error is None:
+            self._advance(lambda: self._progress.advance(block=False))
+        if self._error is not None:
+            raise self._error
         return self._finished
 
-    def wait(self):
-        while not self._finished:
-            self._progress.advance(block=True)
+    def wait(self, timeout=_DEFAULT):
+        """The call's result, once it has finished. ``timeout`` (seconds; default: the
+        ``timeout`` the call was made with, else ``COLLECTIVES_TIMEOUT``, else none)
+        bounds this wait: when it expires, :class:`~collectives.CollectiveTimeoutError`
+        names the step, the peers whose messages are outstanding and the ranks that
+        did not answer, and the communicator is broken (see ``collectives.errors``)."""
+        timeout = self._timeout if timeout is _DEFAULT else check_timeout(timeout)
+        if not self._finished and self._error is None:
+            self._advance(lambda: self._progress.wait_for(self, timeout))
+        if self._error is not None:
+            raise self._error
         return self._result
+
+    def _advance(self, step):
+        """Run ``step``; if it broke the engine, this handle raises its own error (which
+        names the failure) rather than another call's."""
+        try:
+            step()
+        except CollectiveError:
+            if self._error is None:
+                raise
 
     # -- for transports -------------------------------------------------------
     def _begin(self):
@@ -110,8 +256,8 @@ class Handle:
     def _add_request(self, request, token):
         self._progress.add(self, token, request)
 
-    def _request_done(self, token):
-        self._on_request_done(token)
+    def _request_done(self, token, status):
+        self._on_request_done(token, status)
         self._check_done()
 
     def _check_done(self):
@@ -121,7 +267,19 @@ class Handle:
             self._result = self._finish()
             self._finished = True
 
-    def _on_request_done(self, token):
+    def _cancel(self, request, token):
+        """Take back a request in flight when the engine breaks (receives only: a send's
+        cancel needs the peer, which may be gone; its buffer stays referenced)."""
+
+    def _outstanding(self):
+        """What this call is waiting for, for timeout and stall messages."""
+        raise NotImplementedError
+
+    def _message_error(self, status, code):
+        return TransportError(f"{self._describe}: MPI failed on a message from rank {status.Get_source()}: "
+                              f"{MPI.Get_error_string(code)}")
+
+    def _on_request_done(self, token, status):
         raise NotImplementedError
 
     def _is_done(self):
@@ -131,10 +289,12 @@ class Handle:
 class PlanHandle(Handle):
     """Runs a compiled plan over MPI point-to-point messages."""
 
-    def __init__(self, progress, describe, finish, comm, tag, plan, buffers, op):
-        super().__init__(progress, describe, finish)
+    def __init__(self, progress, describe, finish, comm, tag, plan, buffers, op, timeout=None, call=0):
+        super().__init__(progress, describe, finish, timeout, call)
         self._comm, self._tag, self._buffers, self._op = comm, tag, buffers, op
         self._execution = Execution(plan, self._run_local, self._post)
+        self._in_flight = {}  # op index -> bytes, for the messages posted and not finished
+        self._bytes_done = 0
 
     def start(self):
         try:
@@ -150,14 +310,24 @@ class PlanHandle(Handle):
     def _post(self, i):
         op = self._execution.plan.ops[i]
         if isinstance(op, Send):
-            message = [self._buffers.view(op.src), MPI.BYTE]
-            request = self._comm.Isend(message, op.peer, self._tag)
+            view = self._buffers.view(op.src)
+            request = self._comm.Isend([view, MPI.BYTE], op.peer, self._tag)
         else:
-            message = [self._buffers.view(op.dst), MPI.BYTE]
-            request = self._comm.Irecv(message, op.peer, self._tag)
+            view = self._buffers.view(op.dst)
+            request = self._comm.Irecv([view, MPI.BYTE], op.peer, self._tag)
+        self._in_flight[i] = view.nbytes
         self._add_request(request, i)
 
-    def _on_request_done(self, i):
+    def _on_request_done(self, i, status):
+        expected = self._in_flight.pop(i)
+        self._bytes_done += expected
+        op = self._execution.plan.ops[i]
+        if isinstance(op, Recv):
+            got = status.Get_count(MPI.BYTE)
+            if got != expected:  # shorter (MPI allows it, we don't): the ranks' buffers differ
+                raise MessageSizeError(f"{self._describe}: step {self._step(i)}: received {got} B from rank "
+                                       f"{op.peer} where the schedule expects {expected} B; the ranks called it "
+                                       "with buffers of different sizes")
         try:
             self._execution.complete(i)
         except MPI.Exception as exc:
@@ -166,24 +336,66 @@ class PlanHandle(Handle):
     def _is_done(self):
         return self._execution.done
 
+    def _step(self, i):
+        return f"{i + 1} of {len(self._execution.plan.ops)}"
+
+    def _cancel(self, request, i):
+        if isinstance(self._execution.plan.ops[i], Recv):
+            request.Cancel()
+
+    def _message_error(self, status, code):
+        """A receive of this call failed (status from Testsome): name its peer and step."""
+        peer = status.Get_source()
+        steps = [i for i, op in enumerate(self._execution.plan.ops)
+                 if isinstance(op, Recv) and op.peer == peer and i in self._in_flight]
+        where = f"step {self._step(steps[0])}: " if steps else ""
+        if MPI.Get_error_class(code) == MPI.ERR_TRUNCATE:
+            size = f" of {self._in_flight[steps[0]]} B" if steps else ""
+            return MessageSizeError(f"{self._describe}: {where}the message from rank {peer} is longer than the "
+                                    f"receive{size} (MPI truncation error); the ranks called it with buffers "
+                                    "of different sizes")
+        return TransportError(f"{self._describe}: {where}MPI failed on the message from rank {peer}: "
+                              f"{MPI.Get_error_string(code)}")
+
+    def _outstanding(self):
+        ops = self._execution.plan.ops
+        receives = sorted({ops[i].peer for i in self._in_flight if isinstance(ops[i], Recv)})
+        sends = sorted({ops[i].peer for i in self._in_flight if isinstance(ops[i], Send)})
+        in_flight = sum(self._in_flight.values())
+        total = sum(self._buffers.view(op.src if isinstance(op, Send) else op.dst).nbytes
+                    for op in ops if isinstance(op, (Send, Recv)))
+        done = len(ops) - self._execution.remaining
+        waiting = []
+        if receives:
+            waiting.append(f"for messages from {ranks(receives)}")
+        if sends:
+            waiting.append(f"for {ranks(sends)} to receive")
+        return (f"at step {done + 1} of {len(ops)}: waiting {' and '.join(waiting) or 'to post'} "
+                f"({in_flight} B in flight, {total - self._bytes_done - in_flight} B not yet posted)")
+
 
 class RequestHandle(Handle):
-    """Wraps one MPI request: a native collective or a barrier."""
+    """Wraps one MPI request: a native collective, a barrier, a check-mode exchange."""
 
-    def __init__(self, progress, describe, finish, start_request):
-        super().__init__(progress, describe, finish)
+    def __init__(self, progress, describe, finish, start_request, timeout=None, call=0, nbytes=0):
+        super().__init__(progress, describe, finish, timeout, call)
         try:
             self._add_request(start_request(), 0)
         except MPI.Exception as exc:
             raise TransportError(f"{describe}: the MPI library refused the call: {exc}") from exc
         self._pending = 1
+        self._nbytes = nbytes
 
     def start(self):
         self._begin()
         return self
 
-    def _on_request_done(self, _token):
+    def _on_request_done(self, _token, _status):
         self._pending = 0
 
     def _is_done(self):
         return self._pending == 0
+
+    def _outstanding(self):
+        return (f"inside the MPI library's own collective ({self._nbytes} B; it does not say which "
+                "peers it waits for)")

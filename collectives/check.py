@@ -1,0 +1,118 @@
+"""Check mode: the ranks agree on what they are calling before any message is sent.
+
+With ``Communicator(check=True)`` (or ``COLLECTIVES_CHECK=1``) every call first
+allgathers a fixed-size fingerprint of 17 int64s (136 bytes per rank, one MPI
+allgather, no pickling): the call's sequence number, collective, algorithm, op, dtype,
+root, shape and, for ``native``, whether MPI's blocking or non-blocking collective
+is used (MPI never matches one with the other). Every rank gets every fingerprint, so every rank finds the same differences and
+raises the same :class:`~collectives.CollectiveMismatchError`, naming the ranks, e.g.
+
+    rank 3 called allreduce(float32, shape (1000,), op 'sum', algorithm 'ring')
+    but rank 0 called allreduce(float32, shape (1024,), op 'sum', algorithm 'ring')
+
+Without check mode such a call hangs, fails with a :class:`MessageSizeError`, or (for
+equal sizes with different shapes or dtypes) silently mixes data.
+"""
+
+import zlib
+
+import numpy as np
+
+from .algorithms import BUILDERS, COLLECTIVES
+from .arrays import EXTRA_DTYPES, SUPPORTED_DTYPES
+from .errors import CollectiveMismatchError
+from .ops import OPS
+from .transport.liveness import ranks
+
+CALLS = COLLECTIVES + ("barrier", "broadcast_object")
+ALGORITHMS = ("-", "native") + tuple(sorted({a for table in BUILDERS.values() for a in table}))
+OP_NAMES = ("-",) + tuple(OPS)
+DTYPES = ("-",) + tuple(d.name for d in SUPPORTED_DTYPES + EXTRA_DTYPES)
+SHOWN_DIMS = 8  # dimensions stored as they are; a hash of the whole shape catches the rest
+LENGTH = 8 + SHOWN_DIMS + 1
+
+_FIELDS = ("call number", "collective", "algorithm", "op", "dtype", "root", "native call")
+_NATIVE_CALLS = ("-", "MPI blocking", "MPI non-blocking")
+
+
+def fingerprint(call, collective, algorithm="-", op="-", dtype=None, shape=(), root=-1, native_call="-"):
+    """The int64 record the ranks compare (``-`` / -1: not part of this collective).
+    ``native_call`` is one of ``_NATIVE_CALLS``."""
+    shape = tuple(int(n) for n in shape)
+    record = np.full(LENGTH, -1, np.int64)
+    record[:8] = (call, CALLS.index(collective), ALGORITHMS.index(algorithm), OP_NAMES.index(op),
+                  DTYPES.index(np.dtype(dtype).name if dtype is not None else "-"), root,
+                  _NATIVE_CALLS.index(native_call), len(shape))
+    shown = shape[:SHOWN_DIMS]
+    record[8 : 8 + len(shown)] = shown
+    record[-1] = zlib.crc32(repr(shape).encode())
+    return record
+
+
+def _decode(record):
+    """The fields of a record as readable values (shape as far as it was stored)."""
+    call, coll, alg, op, dtype, root, native, ndim = (int(v) for v in record[:8])
+    shape = tuple(int(n) for n in record[8 : 8 + min(ndim, SHOWN_DIMS)])
+    shape_text = repr(shape) if ndim <= SHOWN_DIMS else f"({ndim} dims: {', '.join(map(str, shape))}, ...)"
+    return {
+        "call number": f"#{call}",
+        "collective": CALLS[coll],
+        "algorithm": ALGORITHMS[alg],
+        "op": OP_NAMES[op],
+        "dtype": DTYPES[dtype],
+        "root": root,
+        "native call": _NATIVE_CALLS[native],
+        "shape": shape_text if ndim <= SHOWN_DIMS else f"{shape_text} (hash {int(record[-1])})",
+    }
+
+
+def _call_text(fields):
+    """'allreduce(float32, shape (1024,), op 'sum', algorithm 'ring')'."""
+    parts = []
+    if fields["dtype"] != "-":
+        parts += [fields["dtype"], f"shape {fields['shape']}"]
+    if fields["op"] != "-":
+        parts.append(f"op {fields['op']!r}")
+    if fields["root"] >= 0:
+        parts.append(f"root {fields['root']}")
+    if fields["algorithm"] != "-":
+        parts.append(f"algorithm {fields['algorithm']!r}")
+    return f"{fields['collective']}({', '.join(parts)})"
+
+
+def compare(records):
+    """Raise :class:`CollectiveMismatchError` unless every row of ``records`` (one per
+    rank, as allgathered) is the same. The message is built from the rows alone, so
+    every rank raises the same one."""
+    rows = [tuple(r) for r in records]
+    if all(row == rows[0] for row in rows):
+        return
+    groups = {}  # fingerprint -> ranks that sent it, in rank order
+    for rank, row in enumerate(rows):
+        groups.setdefault(row, []).append(rank)
+    reference = _decode(records[0])
+    same_number = all(row[0] == rows[0][0] for row in rows)
+    lines = []
+    for row, members in groups.items():
+        if row == rows[0]:
+            continue
+        mine = _decode(np.array(row))
+        if same_number:
+            lines.append(f"{ranks(members)} called {_call_text(mine)} but rank 0 called {_call_text(reference)}")
+        else:
+            lines.append(f"{ranks(members)} called {_call_text(mine)} as call {mine['call number']} but rank 0 "
+                         f"called {_call_text(reference)} as call {reference['call number']}")
+    decoded = [_decode(np.array(row)) for row in groups]
+    for field in _FIELDS + ("shape",):
+        values = {}
+        for row, fields in zip(groups, decoded):
+            value = "-" if field == "root" and fields[field] < 0 else fields[field]
+            values.setdefault(value, []).extend(groups[row])
+        if len(values) > 1:
+            lines.append(f"  {field}: " + "; ".join(f"{value} on {ranks(members)}"
+                                                     for value, members in values.items()))
+    if len({fields["native call"] for fields in decoded}) > 1:
+        lines.append("  (a blocking call that resolves to 'native' uses MPI's blocking collective unless a "
+                     "timeout is set; MPI never matches it with a non-blocking one: call it the same way, "
+                     "with the same timeout, on every rank)")
+    raise CollectiveMismatchError("the ranks' calls differ (check mode):\n" + "\n".join(lines))
