@@ -100,8 +100,14 @@ class ParameterServer:
     - ``update``: ``update(param_shard, grad_shard)``, in place; default ``SGD(lr)``.
 
     Workers call :meth:`push` then :meth:`pull` (or :meth:`step`) each step and
-    :meth:`finish` at the end; servers call :meth:`serve`. Every rank then calls
-    :meth:`close`, which returns the statistics; or use :meth:`run`.
+    :meth:`finish` at the end; servers call :meth:`serve` (a server's current shard is
+    ``shard``, flat elements ``bounds[i]:bounds[i + 1]`` for the i-th server; its
+    ``params`` keep the starting values). Every rank then calls :meth:`close`, which
+    returns the statistics; or use :meth:`run`, or a ``with`` block.
+
+    Not covered: a failure inside :meth:`serve` (the update rule raising, an MPI error)
+    leaves the workers waiting for their replies; under ``mpiexec`` the failed rank's
+    exit ends the job.
     """
 
     def __init__(self, params, comm=None, *, servers=1, mode="sync", max_staleness=None, update=None, lr=0.01):
@@ -140,7 +146,7 @@ class ParameterServer:
             self._pack(self._flat, dict(self._named))
         self._comm.Bcast(self._flat, root=self.servers[0])
         self._unpack(self._flat)
-        self._served = self._finished = self._closed = False
+        self._served = self._serving = self._finished = self._closed = False
         if self.is_server:
             self._index = self.servers.index(rank)
             lo, hi = self.bounds[self._index], self.bounds[self._index + 1]
@@ -206,6 +212,7 @@ class ParameterServer:
                                        "only servers serve(); workers push(), pull() and finish()")
         if self._served:
             raise ParameterServerError(f"rank {self.rank}: serve() already ran to the end")
+        self._serving = True
         loop = _SyncLoop(self) if self.mode == "sync" else _AsyncLoop(self)
         self._stats = loop.run()
         self._served = True
@@ -249,7 +256,11 @@ class ParameterServer:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
+        if self.is_server and exc_type is not None and self._serving and not self._served:
+            # serve() itself failed (e.g. the update rule raised): its loop is gone, so
+            # the workers' replies are too; re-raise rather than serve again from scratch.
+            return
         if self.is_worker and not self._closed:
             # A worker that raised mid-step still tells the servers it is done, so they
             # (and close) do not wait for it forever.
