@@ -1,0 +1,247 @@
+"""Check mode, message-size errors, timeouts and stall warnings.
+
+Each test that breaks a communicator makes a fresh one (creating one is collective,
+so every rank does), and ends with a barrier on ``MPI.COMM_WORLD`` so the ranks leave
+it together. Tests that need two ranks skip at world size 1 (``make test`` runs them
+at 2..8). The killed-rank test is in test_dead_rank.py.
+"""
+
+import logging
+import math
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import collectives as cc
+from conftest import agree
+
+WORLD = MPI.COMM_WORLD
+needs_peers = pytest.mark.skipif(WORLD.Get_size() < 2, reason="needs at least two ranks")
+LAST = WORLD.Get_size() - 1
+
+
+def outcome(call):
+    """``("ok", result)`` or ``(exception type name, message)``."""
+    try:
+        return "ok", call()
+    except cc.CollectiveError as exc:
+        return type(exc).__name__, str(exc)
+
+
+# -- 1. check mode ---------------------------------------------------------------------
+MISMATCHES = {
+    # name: (what every rank calls, what the last rank calls instead, a line of the message)
+    "shape": (lambda c: c.allreduce(np.ones(1024, np.float32), algorithm="ring"),
+              lambda c: c.allreduce(np.ones(1000, np.float32), algorithm="ring"),
+              "called allreduce(float32, shape (1000,), op 'sum', algorithm 'ring') but rank 0 called "
+              "allreduce(float32, shape (1024,), op 'sum', algorithm 'ring')"),
+    "same size, other shape": (lambda c: c.allgather(np.ones((4, 6))), lambda c: c.allgather(np.ones((6, 4))),
+                               "shape: (4, 6) on"),
+    "dtype": (lambda c: c.allreduce(np.ones(8, np.float32)), lambda c: c.allreduce(np.ones(8, np.int32)),
+              "dtype: float32 on"),
+    "op": (lambda c: c.allreduce(np.ones(8), op="sum"), lambda c: c.allreduce(np.ones(8), op="max"), "op: sum on"),
+    "root": (lambda c: c.broadcast(np.ones(8), root=0), lambda c: c.broadcast(np.ones(8), root=LAST),
+             "root: 0 on"),
+    "algorithm": (lambda c: c.allreduce(np.ones(8), algorithm="ring"),
+                  lambda c: c.allreduce(np.ones(8), algorithm="recursive_doubling"), "algorithm: ring on"),
+    "collective": (lambda c: c.allreduce(np.ones(8)), lambda c: c.reduce(np.ones(8)), "collective: allreduce on"),
+    "blocking and async native": (lambda c: c.allreduce(np.ones(8), algorithm="native"),
+                                  lambda c: c.allreduce_async(np.ones(8), algorithm="native").wait(),
+                                  "native call: MPI blocking on"),
+}
+
+
+@needs_peers
+@pytest.mark.parametrize("name", list(MISMATCHES))
+def test_check_mode_names_the_difference_on_every_rank(name):
+    usual, odd, line = MISMATCHES[name]
+    comm = cc.Communicator(check=True)
+    kind, message = outcome(lambda: (odd if comm.rank == LAST else usual)(comm))
+    problems = []
+    if kind != "CollectiveMismatchError":
+        problems.append(f"{kind}: {message}")
+    elif line not in message or f"rank {LAST} called" not in message and f"ranks {LAST}" not in message:
+        problems.append(f"message lacks {line!r}: {message}")
+    if len(set(WORLD.allgather(message))) != 1:
+        problems.append("the ranks' messages differ")
+    # Nothing was sent: the communicator goes on working.
+    if not np.array_equal(comm.allreduce(np.arange(4.0)), np.arange(4.0) * comm.size):
+        problems.append("allreduce after the mismatch is wrong")
+    agree(WORLD, problems)
+    comm.free()
+
+
+@needs_peers
+def test_check_mode_catches_a_rank_that_skipped_a_call():
+    comm = cc.Communicator(check=True)
+
+    def calls():
+        if comm.rank != LAST:
+            comm.barrier()  # the last rank skips it: its allreduce meets the others' barrier
+        comm.allreduce(np.ones(4))
+
+    kind, message = outcome(calls)
+    expected = f"rank {LAST} called allreduce(float64, shape (4,), op 'sum', algorithm "
+    problems = [] if kind == "CollectiveMismatchError" and expected in message and "but rank 0 called barrier()" \
+        in message else [f"{kind}: {message}"]
+    agree(WORLD, problems)
+    comm.free()
+
+
+def test_check_mode_passes_every_valid_call(mpi_comm):
+    comm = cc.Communicator(check=True, timeout=60)
+    p, r = comm.size, comm.rank
+    x = np.arange(10, dtype=np.int64) + r
+    total = np.arange(10, dtype=np.int64) * p + p * (p - 1) // 2
+    problems = []
+    for algorithm in cc.algorithms("allreduce"):
+        if not np.array_equal(comm.allreduce(x, algorithm=algorithm), total):
+            problems.append(f"allreduce {algorithm}")
+    if not np.array_equal(comm.allgather(x, algorithm="bruck")[-1], np.arange(10) + p - 1):
+        problems.append("allgather")
+    if not np.array_equal(comm.broadcast(x.copy(), root=p - 1), np.arange(10) + p - 1):
+        problems.append("broadcast")
+    got = comm.reduce(x, root=0)
+    if r == 0 and not np.array_equal(got, total):
+        problems.append("reduce")
+    if not np.array_equal(comm.reduce_scatter_async(x).wait(), np.array_split(total, p)[r]):
+        problems.append("reduce_scatter")
+    if comm.broadcast_object({"k": [1, 2]} if r == 0 else None) != {"k": [1, 2]}:
+        problems.append("broadcast_object")
+    comm.barrier()
+    agree(mpi_comm, problems)
+    comm.free()
+
+
+def test_check_mode_from_the_environment(monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_CHECK", "1")
+    comm = cc.Communicator()
+    assert comm.check is True
+    monkeypatch.setenv("COLLECTIVES_CHECK", "maybe")
+    with pytest.raises(ValueError, match="COLLECTIVES_CHECK must be 1 or 0; got 'maybe'"):
+        cc.Communicator()
+    comm.free()
+
+
+# -- message sizes without check mode ---------------------------------------------------
+@needs_peers
+def test_a_size_mismatch_is_an_error_naming_peer_and_step_never_wrong_data():
+    comm = cc.Communicator(timeout=2)  # ranks that MPI does not tell stop at the timeout
+    n = 1000 if comm.rank == LAST else 1024
+    kind, message = outcome(lambda: comm.allreduce(np.ones(n, np.float32), algorithm="ring"))
+    kinds = WORLD.allgather(kind)
+    problems = []
+    if kind == "ok":
+        problems.append("returned a result although the ranks' sizes differ")
+    if kind == "MessageSizeError" and not ("step" in message and "from rank" in message):
+        problems.append(f"message names no peer or step: {message}")
+    if "MessageSizeError" not in kinds:
+        problems.append(f"no rank saw the size error: {kinds}")
+    later, text = outcome(lambda: comm.allreduce(np.ones(4)))
+    if later != "CollectiveError" or "broken" not in text:
+        problems.append(f"a broken communicator accepted a call: {later} {text}")
+    agree(WORLD, problems)
+
+
+# -- 2. timeouts and stalls ---------------------------------------------------------------
+@pytest.mark.parametrize("timeout", [0, -1, "1", True, float("nan")])
+def test_bad_timeout_is_refused_before_any_message(comm, timeout):
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+        comm.allreduce(np.ones(4), timeout=timeout)
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+        comm.allreduce_async(np.ones(4)).wait(timeout=timeout)
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+        cc.Communicator(timeout=timeout)
+    comm.barrier()
+
+
+def test_timeout_from_the_environment(monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_TIMEOUT", "7.5")
+    monkeypatch.setenv("COLLECTIVES_STALL_WARN", "2")
+    comm = cc.Communicator()
+    assert (comm.timeout, comm.stall_warn) == (7.5, 2.0)
+    dup = comm.dup()
+    assert (dup.timeout, dup.stall_warn, dup.check) == (7.5, 2.0, False)
+    assert np.array_equal(comm.allreduce(np.ones(3), timeout=math.inf), np.full(3, comm.size))
+    monkeypatch.setenv("COLLECTIVES_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="COLLECTIVES_TIMEOUT must be a positive number of seconds; got 'soon'"):
+        cc.Communicator()
+    dup.free()
+    comm.free()
+
+
+def skipping_last_rank(call, timeout):
+    """Every rank but the last makes ``call`` (with ``timeout``); the last rank stays
+    away until they have given up. Returns this rank's (kind, message, seconds)."""
+    start = time.monotonic()
+    if WORLD.Get_rank() == LAST:
+        time.sleep(timeout + 1.0)
+        return "absent", "", 0.0
+    kind, message = outcome(call)
+    return kind, message, time.monotonic() - start
+
+
+@needs_peers
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_halving", "native"])
+def test_timeout_names_step_peers_bytes_and_the_absent_rank(algorithm):
+    comm = cc.Communicator()
+    kind, message, took = skipping_last_rank(
+        lambda: comm.allreduce(np.ones(3000), algorithm=algorithm, timeout=1.0), 1.0)
+    problems = []
+    if comm.rank != LAST:
+        if kind != "CollectiveTimeoutError":
+            problems.append(f"{kind}: {message}")
+        for part in (f"rank {comm.rank}: allreduce(algorithm={algorithm!r}) call #1 timed out after 1.0 s",
+                     f"no answer within 0.5 s from rank {LAST}"):
+            if part not in message:
+                problems.append(f"message lacks {part!r}: {message}")
+        if algorithm != "native" and not ("at step" in message and "waiting for messages from rank" in message
+                                          and "B in flight" in message):
+            problems.append(f"message lacks the step, peers or bytes: {message}")
+        if not took < 1.0 + 1.0:
+            problems.append(f"raised after {took:.2f} s, more than timeout + 1 s")
+        later, text = outcome(lambda: comm.barrier())
+        if later != "CollectiveError" or "broken" not in text:
+            problems.append(f"the broken communicator accepted a call: {later} {text}")
+    agree(WORLD, problems)
+
+
+@needs_peers
+def test_handle_wait_timeout_and_test_after_it():
+    comm = cc.Communicator(timeout=60)  # wait(timeout=) overrides the call's
+    kind, message, _ = skipping_last_rank(lambda: comm.broadcast_async(np.ones(100), root=LAST).wait(timeout=0.5),
+                                          0.5)
+    problems = []
+    if comm.rank != LAST:
+        if kind != "CollectiveTimeoutError" or "broadcast(algorithm=" not in message:
+            problems.append(f"{kind}: {message}")
+    agree(WORLD, problems)
+
+
+@needs_peers
+def test_stall_warning_names_the_late_rank_and_the_call_still_finishes(caplog):
+    comm = cc.Communicator(stall_warn=0.2, timeout=30)
+    caplog.set_level(logging.WARNING, logger="collectives")
+    if comm.rank == LAST:
+        time.sleep(0.7)
+    got = comm.allreduce(np.ones(64), algorithm="direct")  # every rank waits for the late one itself
+    problems = [] if np.array_equal(got, np.full(64, comm.size)) else ["wrong result"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "collectives"]
+    if comm.rank != LAST and not any(LAST in peers_waited_for(w) for w in warnings):
+        problems.append(f"no stall warning naming rank {LAST}: {warnings}")
+    agree(WORLD, problems)
+    comm.free()
+
+
+def peers_waited_for(message):
+    """The ranks after "waiting for messages from" in a message ("ranks 0-2, 5" -> {0, 1, 2, 5})."""
+    if "waiting for messages from " not in message:
+        return set()
+    text = message.split("waiting for messages from ")[1].split(" (")[0].split(" and ")[0]
+    found = set()
+    for part in text.replace("ranks ", "").replace("rank ", "").split(", "):
+        first, _, last = part.partition("-")
+        found.update(range(int(first), int(last or first) + 1))
+    return found
