@@ -1,0 +1,58 @@
+"""A rank that dies never hangs the job: survivors raise CollectiveTimeoutError naming
+it within timeout + 1 s, and the job exits non-zero (tests/dead_rank_job.py).
+
+Runs once, serially: it launches its own ``mpiexec -n 4``. MPICH's launcher (hydra)
+tears the whole job down the moment a rank dies, before anyone could time out; the
+test passes ``-disable-auto-cleanup`` so that the survivors are left running, which
+is what happens when a launcher does not notice (a hung rank, a lost node).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.serial
+
+TIMEOUT = 3.0
+RANKS = 4
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def mpiexec():
+    path = os.environ.get("MPIEXEC") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
+    if "HYDRA" not in version:
+        pytest.skip(f"{path} is not MPICH's hydra: the flag that keeps survivors running differs")
+    return path
+
+
+# 16 KiB: messages MPICH sends eagerly, so nothing tells MPI that the peer died and the
+# timeout must. (With large messages MPICH copies straight from the sender's memory,
+# may see it gone first and raise TransportError naming it, or abort the job itself:
+# not deterministic enough to test here.)
+COUNT = 4096
+
+
+def test_survivors_raise_naming_the_dead_rank_and_the_job_exits_nonzero(tmp_path):
+    count = COUNT
+    command = [mpiexec(), "-disable-auto-cleanup", "-n", str(RANKS), sys.executable, "-m", "mpi4py",
+               os.path.join(HERE, "dead_rank_job.py"), str(tmp_path), str(TIMEOUT), str(count)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "MPIR_", "HYDRA_"))}
+    start = time.monotonic()
+    job = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    took = time.monotonic() - start
+    assert job.returncode != 0, f"the job exited 0 after losing a rank:\n{job.stdout}\n{job.stderr}"
+    dead = RANKS - 1
+    for rank in range(dead):
+        path = tmp_path / f"rank-{rank}.json"
+        assert path.exists(), f"rank {rank} left no report (killed, or still waiting?):\n{job.stderr[-2000:]}"
+        report = json.loads(path.read_text())
+        assert report["raised"] == "CollectiveTimeoutError", report
+        assert f"no answer within 0.5 s from rank {dead}" in report["message"], report["message"]
+        assert report["seconds"] <= TIMEOUT + 1.0, report
+    assert not (tmp_path / f"rank-{dead}.json").exists()
+    assert took < 60, f"the job took {took:.0f} s to end"
