@@ -29,7 +29,18 @@ EXAMPLE_ARGS  ?=
 # make bench-training: options for python -m collectives.bench.training.
 TRAINING_ARGS ?= --bucket-mib 25,5 --compression none,fp16
 
-.PHONY: install test test-serial test-mpi demo bench bench-training examples tune project clean
+# make examples-ps: the parameter-server example at PS_RANKS ranks, sync (same accuracy as a
+# serial train_numpy.py run) and async (within 2 points of it).
+PS_RANKS      ?= 4
+# make bench-ps: parameter server against allreduce training, one run per world size.
+PS_SIZES      ?= 2 3 4 6 8
+PS_ARGS       ?= --servers 1,2
+# make soak: random collectives (checked, memory growth reported) at SOAK_RANKS ranks.
+SOAK_RANKS    ?= 4
+SOAK_CALLS    ?= 20000
+SOAK_ARGS     ?=
+
+.PHONY: install test test-serial test-mpi demo bench bench-training bench-reliability bench-ps examples examples-ps soak tune project clean
 
 install: $(VENV)/.installed
 
@@ -82,6 +93,31 @@ bench-training: install
 	mkdir -p $(RESULTS)
 	timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $(BENCH_RANKS) $(PYTHON) -m collectives.bench.training $(TRAINING_ARGS) \
 	  --json $(RESULTS)/latest-training-n$(BENCH_RANKS).json
+
+# What check mode and timeouts cost: allreduce with each against the plain call and
+# MPI_Allreduce, same run (BENCH_RANKS ranks).
+bench-reliability: install
+	mkdir -p $(RESULTS)
+	timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $(BENCH_RANKS) $(PYTHON) -m collectives.bench.reliability \
+	  --json $(RESULTS)/latest-reliability-n$(BENCH_RANKS).json
+
+examples-ps: install
+	mkdir -p $(RESULTS)
+	timeout $(RUN_TIMEOUT) $(PYTHON) examples/train_numpy.py --no-progress --json $(RESULTS)/latest-train-numpy-n1.json
+	@for mode in sync async; do \
+	  timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $(PS_RANKS) $(PYTHON) examples/train_ps.py --no-progress \
+	    --mode $$mode --json $(RESULTS)/latest-train-ps-$$mode-n$(PS_RANKS).json || exit 1; \
+	done
+	$(PYTHON) examples/same_accuracy.py $(RESULTS)/latest-train-numpy-n1.json $(RESULTS)/latest-train-ps-sync-n$(PS_RANKS).json
+	$(PYTHON) examples/same_accuracy.py --tolerance 0.02 $(RESULTS)/latest-train-numpy-n1.json $(RESULTS)/latest-train-ps-async-n$(PS_RANKS).json
+
+bench-ps: install
+	mkdir -p $(RESULTS)
+	rm -f $(RESULTS)/latest-ps.json
+	@for n in $(PS_SIZES); do \
+	  timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m collectives.bench.ps $(PS_ARGS) \
+	    --json $(RESULTS)/latest-ps.json || exit 1; \
+	done
 
 # Measure every algorithm at each world size in TUNE_SIZES into $(TUNING); then
 # COLLECTIVES_TUNING=$(TUNING) makes auto use it.

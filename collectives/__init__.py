@@ -15,6 +15,7 @@ from .ops import OPS
 from .transport.mpi import Handle
 from . import sim  # noqa: E402 (the simulator: cc.sim.run)
 from . import training  # noqa: E402 (data-parallel training: cc.training.GradientReducer)
+from . import ps  # noqa: E402 (parameter server: cc.ps.ParameterServer)
 
 __version__ = "0.1.0"
 
@@ -31,5 +32,6 @@ __all__ = [
     "TransportError",
     "algorithms",
     "sim",
+    "ps",
     "training",
 ]
