@@ -38,7 +38,7 @@ PS_ARGS       ?= --servers 1,2
 # make soak: random collectives (checked, memory growth reported) at SOAK_RANKS ranks.
 SOAK_RANKS    ?= 4
 SOAK_CALLS    ?= 20000
-SOAK_ARGS     ?=
+SOAK_ARGS     ?= --max-growth-mib 64
 
 .PHONY: install test test-serial test-mpi demo bench bench-training bench-reliability bench-ps examples examples-ps soak tune project clean
 
@@ -100,6 +100,13 @@ bench-reliability: install
 	mkdir -p $(RESULTS)
 	timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $(BENCH_RANKS) $(PYTHON) -m collectives.bench.reliability \
 	  --json $(RESULTS)/latest-reliability-n$(BENCH_RANKS).json
+
+# 20 000 mixed collectives (random sizes, algorithms, async in flight together), every
+# result checked; fails on a wrong result, a leaked request or RSS growth over the bound.
+soak: install
+	mkdir -p $(RESULTS)
+	timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $(SOAK_RANKS) $(PYTHON) -m collectives.soak --calls $(SOAK_CALLS) \
+	  --no-progress $(SOAK_ARGS) --json $(RESULTS)/latest-soak-n$(SOAK_RANKS).json
 
 examples-ps: install
 	mkdir -p $(RESULTS)
