@@ -190,11 +190,20 @@ class Communicator:
         :meth:`broadcast`. Collective; finishes this rank's calls in flight first."""
         root = _check_root(root, self.size)
         timeout = self._timeout_for(timeout)
-        payload = pickle.dumps(obj) if self.rank == root else b""
+        payload, problem = b"", None
+        if self.rank == root:
+            try:
+                payload = pickle.dumps(obj)
+            except Exception as exc:  # the other ranks must hear of it, not wait for data
+                problem = exc
         self._gate("broadcast_object", timeout, root=root)
         self._finish_in_flight()
-        length = np.array([len(payload)], np.int64)
+        length = np.array([len(payload) if problem is None else -1], np.int64)
         self._request("broadcast_object", lambda: self._comm.Ibcast(length, root), timeout, length.nbytes)
+        if length[0] < 0:
+            if problem is not None:
+                raise TypeError(f"broadcast_object: obj cannot be pickled: {problem}") from problem
+            raise TypeError(f"broadcast_object: the object on rank {root} (the root) cannot be pickled")
         data = np.frombuffer(payload, np.uint8) if self.rank == root else np.empty(int(length[0]), np.uint8)
         self._request("broadcast_object", lambda: self._comm.Ibcast([data, MPI.BYTE], root), timeout, data.nbytes)
         return obj if self.rank == root else pickle.loads(data.tobytes())

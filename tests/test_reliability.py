@@ -245,3 +245,10 @@ def peers_waited_for(message):
         first, _, last = part.partition("-")
         found.update(range(int(first), int(last or first) + 1))
     return found
+
+
+def test_broadcast_object_that_cannot_be_pickled_raises_everywhere(comm):
+    unpicklable = (lambda: None) if comm.rank == 0 else None
+    with pytest.raises(TypeError, match="broadcast_object: .*cannot be pickled"):
+        comm.broadcast_object(unpicklable, root=0)
+    assert comm.broadcast_object("fine" if comm.rank == 0 else None) == "fine"
