@@ -297,7 +297,7 @@ def valid_cases(draw):
 
 
 # -- valid calls ----------------------------------------------------------------------
-@fuzz(120)
+@fuzz(200)
 @given(case=valid_cases())
 def test_valid_calls_equal_numpy(fcomms, case):
     """A random valid call equals NumPy's answer exactly on every rank (on COMM_WORLD or
@@ -553,7 +553,7 @@ def native_selects(got, xs):
     return f"native max/min invented a value: {bad[:5]}" if bad else None
 
 
-@fuzz(60)
+@fuzz(80)
 @given(case=special_cases())
 def test_nan_and_inf(fcomm, case):
     """NaN and ±Inf go through as in NumPy's ufuncs (np.maximum/np.minimum propagate NaN,
@@ -647,6 +647,65 @@ def test_integer_overflow_wraps_as_numpy(fcomm, case):
 
     def body():
         return (one("sum"), one("prod"))
+
+    problem, same = guarded(body)
+    lockstep(None if problem is None else f"{label}: {problem}", same)
+
+
+# -- several calls in flight together ----------------------------------------------------
+@st.composite
+def flight_cases(draw):
+    calls = []
+    for _ in range(draw(st.integers(2, 4))):
+        collective = draw(st.sampled_from(cc.COLLECTIVES))
+        dtype = draw(st.sampled_from(DTYPE_NAMES))
+        algorithms = [a for a in cc.algorithms(collective) if not (a == "native" and DTYPES[dtype] == BFLOAT16)]
+        algorithm = draw(st.sampled_from(algorithms))
+        blocking = draw(st.booleans())
+        calls.append(dict(collective=collective, dtype=dtype, algorithm=algorithm,
+                          op=draw(st.sampled_from(ops_for(DTYPES[dtype]))) if collective in REDUCING else "sum",
+                          count=draw(st.integers(0, 300)), root=draw(st.integers(0, 63)), blocking=blocking,
+                          # a blocking native call without a time limit is MPI's blocking collective,
+                          # which first finishes this rank's calls in flight
+                          no_timeout=blocking and algorithm == "native" and draw(st.booleans())))
+    return dict(calls=calls, order=draw(st.permutations(range(len(calls)))), seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@fuzz(60)
+@given(case=flight_cases())
+def test_calls_in_flight_together(fcomm, case):
+    """2-4 calls started one after the other (async ones left in flight, blocking ones in
+    between), the async ones waited for in a drawn order: every result equals NumPy's."""
+    rank, size = fcomm.rank, fcomm.size
+    label = f"{case} (world size {size})"
+
+    def body():
+        handles, wants, results = {}, {}, {}
+        for i, spec in enumerate(case["calls"]):
+            c, dtype, op, root = spec["collective"], DTYPES[spec["dtype"]], spec["op"], spec["root"] % size
+            xs = [rank_values(case["seed"] + i, r, (spec["count"],), dtype, op) for r in range(size)]
+            wants[i] = expected(c, rank, size, xs, op, root)
+            fn = getattr(fcomm, c if spec["blocking"] else c + "_async")
+            kw = dict(algorithm=spec["algorithm"])
+            if spec["no_timeout"]:
+                kw["timeout"] = math.inf
+            if c in REDUCING:
+                kw["op"] = op
+            if c in ("broadcast", "reduce"):
+                kw["root"] = root
+            got = fn(xs[rank].copy(), **kw)
+            if spec["blocking"]:
+                results[i] = got
+            else:
+                handles[i] = got
+        for i in case["order"]:
+            if i in handles:
+                results[i] = handles[i].wait()
+        problems = [mismatch(results[i], wants[i], f"call {i}") for i in range(len(case["calls"]))]
+        problems = [p for p in problems if p]
+        if problems:
+            raise AssertionError("; ".join(problems))
+        return None
 
     problem, same = guarded(body)
     lockstep(None if problem is None else f"{label}: {problem}", same)
