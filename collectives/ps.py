@@ -34,14 +34,19 @@ returns once every worker has finished. So workers may stop after different numb
 steps without leaving anyone waiting.
 """
 
+import math
+import os
 import time
 
 import numpy as np
 from mpi4py import MPI
 
 from .algorithms import block_bounds
-from .communicator import Communicator
+from .communicator import Communicator, _env_seconds
+from .errors import CollectiveTimeoutError
 from .training import named_arrays
+from .transport.liveness import ranks as rank_list
+from .transport.mpi import check_timeout
 
 MODES = ("sync", "async")
 TAG_PUSH = 1  # worker -> server: a gradient shard, or an empty message for "finished"
@@ -98,6 +103,10 @@ class ParameterServer:
     - ``max_staleness=k`` (async only): a worker more than ``k`` steps ahead of the
       slowest active worker is not sent its parameters until that one catches up.
     - ``update``: ``update(param_shard, grad_shard)``, in place; default ``SGD(lr)``.
+    - ``timeout``: seconds any one wait may take (a worker's for its reply, a server's
+      for the next gradient, so more than a step's compute), else
+      ``COLLECTIVES_TIMEOUT``, else none. On expiry
+      :class:`~collectives.CollectiveTimeoutError` names the ranks not heard from.
 
     Workers call :meth:`push` then :meth:`pull` (or :meth:`step`) each step and
     :meth:`finish` at the end; servers call :meth:`serve` (a server's current shard is
@@ -105,18 +114,24 @@ class ParameterServer:
     ``params`` keep the starting values). Every rank then calls :meth:`close`, which
     returns the statistics; or use :meth:`run`, or a ``with`` block.
 
-    Not covered: a failure inside :meth:`serve` (the update rule raising, an MPI error)
-    leaves the workers waiting for their replies; under ``mpiexec`` the failed rank's
-    exit ends the job.
+    A failure inside :meth:`serve` (the update rule raising, an MPI error) leaves the
+    workers waiting for their replies until their ``timeout`` (or, without one, until
+    the failed rank's exit ends the job under ``mpiexec``).
+
+    Waiting polls and yields the CPU between polls, as the collectives do (see
+    :class:`collectives.transport.mpi.Progress`): spinning inside ``MPI_Wait*`` would keep
+    the very rank it waits for off the CPU when there are more ranks than cores.
     """
 
-    def __init__(self, params, comm=None, *, servers=1, mode="sync", max_staleness=None, update=None, lr=0.01):
+    def __init__(self, params, comm=None, *, servers=1, mode="sync", max_staleness=None, update=None, lr=0.01,
+                 timeout=None):
         # Every argument is checked before the first message (the settings themselves
         # first, so that a world of one rank reports a bad mode as such).
         mpi_comm = _mpi_comm(comm)
         rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.mode = _check_mode(mode)
         self.max_staleness = _check_staleness(max_staleness, self.mode)
+        self.timeout = _env_seconds("COLLECTIVES_TIMEOUT") if timeout is None else check_timeout(timeout)
         self.update = SGD(lr) if update is None else update
         if not callable(self.update):
             raise TypeError(f"update must be a callable update(param, grad); got {type(update).__name__}")
@@ -181,7 +196,9 @@ class ParameterServer:
         self._require_worker("pull")
         if not self._pending:
             raise ParameterServerError(f"rank {self.rank}: pull() without a push(): every pull answers a push")
-        MPI.Request.Waitall(self._pending)
+        peers = [server for server, _, _ in self._shards()] * 2
+        wait_all(self._pending, peers, self.timeout, f"rank {self.rank}: ParameterServer pull() after push #{self.steps}",
+                 "servers", receives=len(self.servers))
         self._pending = []
         self._unpack(self._flat)
         return dict(self._named)
@@ -200,7 +217,8 @@ class ParameterServer:
         if self._pending:
             self.pull()
         done = np.empty(0, self.dtype)
-        MPI.Request.Waitall([self._comm.Isend(done, dest=server, tag=TAG_PUSH) for server in self.servers])
+        sends = [self._comm.Isend(done, dest=server, tag=TAG_PUSH) for server in self.servers]
+        wait_all(sends, self.servers, self.timeout, f"rank {self.rank}: ParameterServer finish()", "servers")
         self._finished = True
 
     # -- servers -------------------------------------------------------------------
@@ -335,7 +353,8 @@ class _ServerLoop:
         """``(worker, finished)`` for the next worker message to arrive."""
         order = sorted(self.requests)
         status = MPI.Status()
-        index = MPI.Request.Waitany([self.requests[w] for w in order], status)
+        index = wait_any([self.requests[w] for w in order], order, status, self.ps.timeout,
+                         f"rank {self.ps.rank}: ParameterServer server at version {self.version}", "workers")
         worker = order[index]
         del self.requests[worker]
         if status.Get_count(MPI.BYTE) == 0:
@@ -350,7 +369,8 @@ class _ServerLoop:
     def reply(self, workers):
         """Send the current shard to ``workers`` (their receives are posted already, so
         this completes without waiting on them) and listen for their next message."""
-        MPI.Request.Waitall([self.comm.Isend(self.shard, dest=w, tag=TAG_PARAMS) for w in workers])
+        sends = [self.comm.Isend(self.shard, dest=w, tag=TAG_PARAMS) for w in workers]
+        wait_all(sends, workers, self.ps.timeout, f"rank {self.ps.rank}: ParameterServer reply", "workers")
         for w in workers:
             self.sent_version[w] = self.version
             self.post(w)
@@ -421,6 +441,47 @@ class _AsyncLoop(_ServerLoop):
                 self.held_s += now - due
         if ready:
             self.reply(ready)
+
+
+# -- waiting -------------------------------------------------------------------------------
+_yield_cpu = getattr(os, "sched_yield", lambda: None)
+
+
+def wait_all(requests, peers, timeout, what, kind, receives=0):
+    """``MPI.Request.Waitall(requests)`` that yields the CPU between polls and, after
+    ``timeout`` seconds (None: never), raises CollectiveTimeoutError naming the
+    ``peers`` (``kind``: "servers" / "workers") of the requests still pending; the
+    first ``receives`` requests are receives, cancelled then."""
+    deadline = time.monotonic() + timeout if timeout is not None else math.inf
+    while not MPI.Request.Testall(requests):
+        _yield_cpu()
+        if time.monotonic() > deadline:
+            _time_out(requests, peers, timeout, what, kind, requests[:receives])
+
+
+def wait_any(requests, peers, status, timeout, what, kind):
+    """The index of the first of ``requests`` to complete (``MPI.Request.Waitany``),
+    polling and yielding as :func:`wait_all` does."""
+    deadline = time.monotonic() + timeout if timeout is not None else math.inf
+    while True:
+        index, done = MPI.Request.Testany(requests, status)
+        if done:
+            return index
+        _yield_cpu()
+        if time.monotonic() > deadline:
+            _time_out(requests, peers, timeout, what, kind, requests)  # all receives
+
+
+def _time_out(requests, peers, timeout, what, kind, receives):
+    """Cancel the pending ``receives`` and raise. Sends stay pending (a send's cancel
+    needs the peer) and referenced by their owner (the parameter server is unusable
+    after a timeout), so MPI never reads freed memory."""
+    pending = sorted({peer for peer, request in zip(peers, requests) if not request.Test()})
+    for request in receives:
+        if request != MPI.REQUEST_NULL:
+            request.Cancel()
+    raise CollectiveTimeoutError(f"{what} timed out after {timeout:g} s waiting for {kind} "
+                                 f"({rank_list(pending)} not heard from)")
 
 
 # -- checks --------------------------------------------------------------------------------

@@ -265,6 +265,43 @@ def test_a_worker_that_raises_still_releases_the_servers(comm):
     agree(MPI.COMM_WORLD, [] if outcome == [want] else [f"{outcome}, want {want}"])
 
 
+@needs_two
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_absent_worker_times_out_instead_of_hanging(comm, mode):
+    """The last rank (a worker) never pushes: in sync mode the servers wait for its
+    gradient and the other workers for their replies; every waiting rank raises
+    CollectiveTimeoutError naming whom it did not hear from. (In async mode only the
+    servers' wait for the next message can time out: the present workers get replies.)"""
+    import time
+
+    params = init_params(0)
+    ps = ParameterServer(params, comm, mode=mode, timeout=1.0)
+    absent = comm.size - 1
+    problems, outcome = [], "absent"
+    if comm.rank == absent:
+        time.sleep(2.5)
+    else:
+        try:
+            if ps.is_server:
+                ps.serve()
+            else:
+                ps.step(dict(backward(params, *data(0))))
+                if mode == "async":  # answered at once; done, so only the absent worker is missing
+                    ps.finish()
+                    outcome = "stepped"
+            if outcome != "stepped":
+                problems.append("returned instead of timing out")
+        except cc.CollectiveTimeoutError as exc:
+            outcome, text = "timed out", str(exc)
+            if ps.is_server and f"waiting for workers (rank {absent} not heard from)" not in text:
+                problems.append(f"the server's message does not name rank {absent} alone: {text}")
+            if ps.is_worker and "waiting for servers" not in text:
+                problems.append(f"the worker's message does not name the servers: {text}")
+        if ps.is_server and outcome != "timed out":
+            problems.append(f"server: {outcome}")
+    agree(MPI.COMM_WORLD, problems)
+
+
 # -- errors --------------------------------------------------------------------------------
 def test_world_of_one_rank_has_no_worker(comm):
     """servers covering every rank (at world size 1: the default servers=1) leaves no
