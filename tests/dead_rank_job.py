@@ -23,6 +23,11 @@ import numpy as np
 import collectives as cc
 
 outdir, timeout, count = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+from mpi4py import MPI  # noqa: E402
+
+# Each rank's stderr to a file: once a rank has died the launcher may stop forwarding it.
+_stderr = open(os.path.join(outdir, f"stderr-{MPI.COMM_WORLD.Get_rank()}.txt"), "w")
+os.dup2(_stderr.fileno(), 2)
 comm = cc.Communicator(timeout=timeout)
 doomed = comm.size - 1
 x = np.ones(count, np.float32)

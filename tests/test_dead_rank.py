@@ -30,29 +30,44 @@ def mpiexec():
     return path
 
 
-# 16 KiB: messages MPICH sends eagerly, so nothing tells MPI that the peer died and the
-# timeout must. (With large messages MPICH copies straight from the sender's memory,
-# may see it gone first and raise TransportError naming it, or abort the job itself:
-# not deterministic enough to test here.)
+# A ring allreduce of 4096 float32s: 4 KiB messages, which MPICH sends eagerly, so
+# nothing tells MPI that the peer died and the timeout must. (With large messages MPICH
+# copies straight from the sender's memory, may see it gone first and raise
+# TransportError naming it, or abort the job itself: not deterministic enough to test.)
 COUNT = 4096
 
 
-def test_survivors_raise_naming_the_dead_rank_and_the_job_exits_nonzero(tmp_path):
-    count = COUNT
+def run_job(outdir):
+    """Launch the job once; returns (exit status, seconds, stderr)."""
     command = [mpiexec(), "-disable-auto-cleanup", "-n", str(RANKS), sys.executable, "-m", "mpi4py",
-               os.path.join(HERE, "dead_rank_job.py"), str(tmp_path), str(TIMEOUT), str(count)]
+               os.path.join(HERE, "dead_rank_job.py"), str(outdir), str(TIMEOUT), str(COUNT)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "MPIR_", "HYDRA_"))}
     start = time.monotonic()
     job = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
-    took = time.monotonic() - start
-    assert job.returncode != 0, f"the job exited 0 after losing a rank:\n{job.stdout}\n{job.stderr}"
+    return job.returncode, time.monotonic() - start, job.stderr
+
+
+def test_survivors_raise_naming_the_dead_rank_and_the_job_exits_nonzero(tmp_path):
     dead = RANKS - 1
+    # Despite -disable-auto-cleanup, hydra now and then (about 1 run in 8 here) kills
+    # every survivor within a second of the death, before any could time out: such a
+    # run ends non-zero with no report and says nothing about the library, so it is
+    # run again, at most 3 times in all.
+    for attempt in range(3):
+        outdir = tmp_path / f"attempt-{attempt}"
+        outdir.mkdir()
+        returncode, took, stderr = run_job(outdir)
+        assert returncode != 0, f"the job exited 0 after losing a rank:\n{stderr}"
+        reports = sorted(outdir.glob("rank-*.json"))
+        if reports or took >= TIMEOUT:
+            break
+    assert took < 60, f"the job took {took:.0f} s to end"
     for rank in range(dead):
-        path = tmp_path / f"rank-{rank}.json"
-        assert path.exists(), f"rank {rank} left no report (killed, or still waiting?):\n{job.stderr[-2000:]}"
+        path = outdir / f"rank-{rank}.json"
+        assert path.exists(), f"rank {rank} left no report (killed, or still waiting?): {stderr[-2000:]}\n" \
+                              + (outdir / f"stderr-{rank}.txt").read_text()[-2000:]
         report = json.loads(path.read_text())
         assert report["raised"] == "CollectiveTimeoutError", report
         assert f"no answer within 0.5 s from rank {dead}" in report["message"], report["message"]
         assert report["seconds"] <= TIMEOUT + 1.0, report
-    assert not (tmp_path / f"rank-{dead}.json").exists()
-    assert took < 60, f"the job took {took:.0f} s to end"
+    assert not (outdir / f"rank-{dead}.json").exists()
