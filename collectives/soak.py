@@ -26,7 +26,13 @@ there is no ``/proc``) is read after a warm-up of 5% of the calls, when the plan
 and the kept scratch buffers have reached their steady size, and again at the end.
 The growth between the two, per rank, must not exceed ``--max-growth-mib`` (64 MiB):
 a leak of anything per call (a buffer, a handle, a request) grows without limit over
-tens of thousands of calls, while the library's caches are bounded. At the end no
+tens of thousands of calls, while the library's caches are bounded. Both readings are
+taken after ``release_memory()`` and ``gc.collect()``. Run it with
+``MALLOC_MMAP_THRESHOLD_=131072`` in the environment (``make soak`` does) so that glibc
+hands large arrays back to the system when they are freed: otherwise RSS also holds
+the allocator's high-water mark of the largest calls in flight, which wanders by tens
+of MiB from run to run (12-51 MiB of "growth" at 4 ranks without it, 6-7 MiB with
+it). At the end no
 request may be left: the progress engine has no active handle, its request list holds
 only ``MPI.REQUEST_NULL`` and no request was abandoned.
 
