@@ -113,6 +113,6 @@ def compare(records):
                                                      for value, members in values.items()))
     if len({fields["native call"] for fields in decoded}) > 1:
         lines.append("  (a blocking call that resolves to 'native' uses MPI's blocking collective unless a "
-                     "timeout is set; MPI never matches it with a non-blocking one: call it the same way, "
-                     "with the same timeout, on every rank)")
+                     "timeout or stall_warn is set; MPI never matches it with a non-blocking one: call it the "
+                     "same way, with the same timeout and stall_warn, on every rank)")
     raise CollectiveMismatchError("the ranks' calls differ (check mode):\n" + "\n".join(lines))

@@ -130,10 +130,14 @@ class Communicator:
       a call that has not finished by then raises
       :class:`~collectives.CollectiveTimeoutError` naming the peers it waits for and the
       ranks that did not answer; the communicator is then broken (every later call
-      raises). Give every rank the same timeout: with one, a blocking call that
-      resolves to ``native`` uses MPI's non-blocking collective so that it can stop.
+      raises). The timeout bounds each wait inside a call: the check-mode exchange
+      and the call itself each get it, and a call that first finishes the calls in
+      flight waits for each of those up to its own timeout.
     - ``stall_warn`` seconds (``COLLECTIVES_STALL_WARN``): while a call waits, log a
       warning (logger ``collectives``) naming the peers every ``stall_warn`` seconds.
+    - Give every rank the same ``timeout`` and ``stall_warn``: with either, a blocking
+      call that resolves to ``native`` uses MPI's non-blocking collective (so that it
+      can stop or warn), which MPI never matches with the blocking one.
     """
 
     def __init__(self, mpi_comm=None, *, segment_size=None, check=None, timeout=None, stall_warn=None):
@@ -200,10 +204,9 @@ class Communicator:
         self._finish_in_flight()
         length = np.array([len(payload) if problem is None else -1], np.int64)
         self._request("broadcast_object", lambda: self._comm.Ibcast(length, root), timeout, length.nbytes)
-        if length[0] < 0:
-            if problem is not None:
-                raise TypeError(f"broadcast_object: obj cannot be pickled: {problem}") from problem
-            raise TypeError(f"broadcast_object: the object on rank {root} (the root) cannot be pickled")
+        if length[0] < 0:  # the same message everywhere; the root's names the cause too
+            raise TypeError(f"broadcast_object: the object on rank {root} (the root) cannot be pickled") \
+                from problem
         data = np.frombuffer(payload, np.uint8) if self.rank == root else np.empty(int(length[0]), np.uint8)
         self._request("broadcast_object", lambda: self._comm.Ibcast([data, MPI.BYTE], root), timeout, data.nbytes)
         return obj if self.rank == root else pickle.loads(data.tobytes())
@@ -241,7 +244,7 @@ class Communicator:
         timeout = self._timeout_for(timeout)
         algorithm = self._resolve("allreduce", algorithm, x.nbytes, x.dtype)
         self._gate("allreduce", timeout, algorithm, op, x.dtype, x.shape, blocking=blocking)
-        if algorithm == "native" and blocking and timeout is None:
+        if algorithm == "native" and blocking and self._mpi_blocks(timeout):
             result = self._native_now("allreduce", x, out, x.shape, op)
             if result is not _NOT_HANDLED:
                 return result
@@ -274,7 +277,7 @@ class Communicator:
         algorithm = self._resolve("reduce_scatter", algorithm, x.nbytes, x.dtype)
         self._gate("reduce_scatter", timeout, algorithm, op, x.dtype, x.shape, blocking=blocking)
         counts = [bounds[r + 1] - bounds[r] for r in range(self.size)]
-        if algorithm == "native" and blocking and timeout is None:
+        if algorithm == "native" and blocking and self._mpi_blocks(timeout):
             result = self._native_now("reduce_scatter", x, out, shape, op, counts=counts)
             if result is not _NOT_HANDLED:
                 return result
@@ -303,7 +306,7 @@ class Communicator:
         timeout = self._timeout_for(timeout)
         algorithm = self._resolve("allgather", algorithm, x.nbytes * self.size, x.dtype)
         self._gate("allgather", timeout, algorithm, "-", x.dtype, x.shape, blocking=blocking)
-        if algorithm == "native" and blocking and timeout is None:
+        if algorithm == "native" and blocking and self._mpi_blocks(timeout):
             result = self._native_now("allgather", x, out, shape)
             if result is not _NOT_HANDLED:
                 return result
@@ -329,7 +332,7 @@ class Communicator:
         timeout = self._timeout_for(timeout)
         algorithm = self._resolve("broadcast", algorithm, x.nbytes, x.dtype)
         self._gate("broadcast", timeout, algorithm, "-", x.dtype, x.shape, root, blocking)
-        if algorithm == "native" and blocking and timeout is None:
+        if algorithm == "native" and blocking and self._mpi_blocks(timeout):
             result = self._native_now("broadcast", x, None, x.shape, root=root)
             if result is not _NOT_HANDLED:
                 return result
@@ -355,7 +358,7 @@ class Communicator:
         timeout = self._timeout_for(timeout)
         algorithm = self._resolve("reduce", algorithm, x.nbytes, x.dtype)
         self._gate("reduce", timeout, algorithm, op, x.dtype, x.shape, root, blocking)
-        if algorithm == "native" and blocking and timeout is None:
+        if algorithm == "native" and blocking and self._mpi_blocks(timeout):
             result = self._native_now("reduce", x, out, x.shape, op, root)
             if result is not _NOT_HANDLED:
                 return result
@@ -388,6 +391,11 @@ class Communicator:
         self._request("barrier", self._comm.Ibarrier, timeout)
 
     # -- machinery ----------------------------------------------------------------
+    def _mpi_blocks(self, timeout):
+        """Whether a blocking ``native`` call may be MPI's blocking collective: not when
+        it must be able to stop (a timeout) or to warn while it waits (``stall_warn``)."""
+        return timeout is None and self.stall_warn is None
+
     def _timeout_for(self, timeout):
         """A call's timeout in seconds (None: none): its own, else the communicator's."""
         return self.timeout if timeout is None else check_timeout(timeout)
@@ -403,7 +411,7 @@ class Communicator:
         self._sequence = (self._sequence + 1) % self._tag_limit  # also the tag of the call's messages
         self._progress.call = self._sequence
         if self.check:
-            native = "-" if algorithm != "native" else "MPI blocking" if blocking and timeout is None \
+            native = "-" if algorithm != "native" else "MPI blocking" if blocking and self._mpi_blocks(timeout) \
                 else "MPI non-blocking"
             record = check_mode.fingerprint(self._sequence, collective, algorithm, op, dtype, shape, root, native)
             gathered = np.empty((self.size, record.size), record.dtype)
@@ -436,7 +444,7 @@ class Communicator:
         collective; with one, MPI's non-blocking collective, waited for up to it."""
         describe = f"{collective}(algorithm={algorithm!r}) call #{self._sequence}"
         if algorithm == "native":
-            if blocking and timeout is None:
+            if blocking and self._mpi_blocks(timeout):
                 self._native_blocking(collective, inp, out, inplace, op, root, counts)
                 return finish()
             start = lambda: self._native(collective, inp, out, inplace, op, root, counts)  # noqa: E731

@@ -13,6 +13,11 @@ Whoever answers within the grace period (or probed this rank earlier) is alive a
 says which call it is in; the others are dead, hung, busy outside the library, or
 blocked in a blocking MPI call. Probes are 16-byte buffer messages, never pickled.
 Each rank asks at most once: the communicator is broken after a timeout.
+
+The same communicator carries one more message: a rank whose call failed on a message
+of the wrong size (or an MPI error) tells every other rank (BROKEN [call, code, peer,
+step]), so that ranks whose own messages were fine stop too instead of waiting for a
+rank that has given up.
 """
 
 import time
@@ -20,7 +25,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-PROBE, REPLY = 1, 2
+PROBE, REPLY, BROKEN = 1, 2, 3
 DEFAULT_GRACE = 0.5  # seconds the timed-out rank listens for answers
 
 
@@ -33,8 +38,14 @@ class Liveness:
         self._sent = []  # requests (and the buffers they hold) of replies and probes sent
 
     def answer(self, call):
-        """Reply to every probe that has arrived: "this rank is waiting in ``call``"."""
+        """Reply to every probe that has arrived: "this rank is waiting in ``call``".
+        Returns ``(rank, [call, code, peer, step])`` if a rank reported a failure
+        (:meth:`notify`), else None."""
         status = MPI.Status()
+        if self._comm.Iprobe(MPI.ANY_SOURCE, BROKEN, status):
+            notice = np.empty(4, np.int64)
+            self._comm.Recv([notice, MPI.BYTE], status.Get_source(), BROKEN)
+            return status.Get_source(), [int(v) for v in notice]
         while self._comm.Iprobe(MPI.ANY_SOURCE, PROBE, status):
             source = status.Get_source()
             got = np.empty(2, np.int64)
@@ -43,6 +54,18 @@ class Liveness:
             reply = np.array([call, 0], np.int64)
             self._sent.append(self._comm.Isend([reply, MPI.BYTE], source, REPLY))
         self._sent = [q for q in self._sent if not q.Test()]
+        return None
+
+    def notify(self, call, code, peer, step):
+        """Tell every other rank that this rank's ``call`` failed (``code``: an index
+        into the caller's table of reasons) on a message from ``peer`` at ``step``."""
+        notice = np.array([call, code, peer, step], np.int64)
+        for r in range(self.size):
+            if r != self.rank:
+                try:
+                    self._sent.append(self._comm.Isend([notice, MPI.BYTE], r, BROKEN))
+                except MPI.Exception:
+                    pass
 
     def check(self, call, grace=DEFAULT_GRACE):
         """Ask every other rank; return ``(alive, silent)``: ``alive`` maps each rank

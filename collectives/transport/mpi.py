@@ -12,7 +12,9 @@ different orders cannot deadlock.
 When something goes wrong while messages are in flight (a timeout, a message of the
 wrong size, an MPI error) the engine *breaks*: it cancels the receives in flight,
 fails every handle, and refuses later calls. The ranks no longer agree on which
-message belongs to which call, so going on could only hang or mix up data.
+message belongs to which call, so going on could only hang or mix up data. A rank
+that breaks on a message of the wrong size or an MPI error tells the others (see
+:mod:`.liveness`), so that ranks whose own messages were fine stop as well.
 """
 
 import logging
@@ -30,6 +32,7 @@ from .liveness import DEFAULT_GRACE, describe as describe_liveness, ranks
 log = logging.getLogger("collectives")
 
 _CHECK_EVERY = 0.02  # seconds between looks at the clock, probes and stall warnings while waiting
+_REASONS = {1: MessageSizeError, 2: TransportError}  # the codes of failures a rank tells the others
 
 
 class Progress:
@@ -58,15 +61,16 @@ class Progress:
         self._statuses = []  # filled by Testsome: entry k is for the k-th finished request
         self._completed = 0  # entries of _requests that are REQUEST_NULL
         self._abandoned = []  # requests given up on: MPI may still use their buffers
+        self._next_look = 0.0  # when drain() next answers probes and reads failure notices
 
     def add(self, handle, token, request):
         self._requests.append(request)
         self._owners.append((handle, token))
 
-    def advance(self, block):
-        """Complete what has finished; with ``block``, wait until something has.
-        Returns True if some request completed."""
-        while self._requests:
+    def advance(self):
+        """Complete what has finished, without blocking. Returns True if some request
+        completed."""
+        if self._requests:
             try:
                 finished = MPI.Request.Testsome(self._requests, self._statuses)
             except MPI.Exception as exc:
@@ -84,16 +88,19 @@ class Progress:
                         self.fail(exc, culprit=handle)
                         raise
                 return True
-            if not block:
-                return False
-            _yield_cpu()
         return False
 
     def drain(self):
         """Advance without blocking for as long as requests keep completing: a schedule
-        goes as many steps as its messages allow now, not one step per call."""
-        while self.advance(block=False):
+        goes as many steps as its messages allow now, not one step per call. Every
+        ``_CHECK_EVERY`` seconds also answers probes and reads failure notices."""
+        while self.advance():
             pass
+        if self.active:
+            now = time.monotonic()
+            if now >= self._next_look:
+                self._next_look = now + _CHECK_EVERY
+                self._look_around(self.active[0])
 
     def wait_for(self, handle, timeout):
         """Advance until ``handle`` has finished or failed. After ``timeout`` seconds
@@ -105,17 +112,17 @@ class Progress:
         next_warning = start + self.stall_warn if self.stall_warn else math.inf
         deadline = start + timeout if timeout is not None else math.inf
         while not handle._finished and handle._error is None:
-            if self.advance(block=False):
+            if self.advance():
                 continue
             if not self._requests:
-                raise AssertionError(f"{handle._describe} is unfinished with no message in flight")
+                raise CollectiveError(f"{handle._describe} is unfinished with no message in flight "
+                                      "(a bug in the library: please report it)")
             _yield_cpu()
             now = time.monotonic()
             if now < next_look:
                 continue
             next_look = now + _CHECK_EVERY
-            if self.liveness is not None:
-                self.liveness.answer(self.call)
+            self._look_around(handle)
             if now >= deadline:
                 self._time_out(handle, now - start)
             if now >= next_warning:
@@ -123,9 +130,32 @@ class Progress:
                 log.warning("rank %s: %s has waited %.1f s %s", _rank(self), handle._describe, now - start,
                             handle._outstanding())
 
-    def fail(self, error, culprit=None):
+    def _look_around(self, handle):
+        """Answer liveness probes; if another rank reported that it broke, break too
+        (raising, for ``handle``'s wait, an error that says which rank and why)."""
+        if self.liveness is None:
+            return
+        notice = self.liveness.answer(self.call)
+        if notice is None:
+            return
+        source, (call, code, peer, step) = notice
+        kind = _REASONS.get(code, TransportError)
+        why = ("found a message of the wrong size (the ranks called it with buffers of different sizes)"
+               if kind is MessageSizeError else "hit an MPI error")
+        where = f" from rank {peer} at step {step}" if peer >= 0 else ""
+        error = kind(f"rank {_rank(self)}: {handle._describe} stopped: rank {source} {why} in its call #{call}"
+                     f"{where}, and gave up")
+        self.fail(error, culprit=handle, notify=False)
+        raise error
+
+    def fail(self, error, culprit=None, notify=True):
         """Break the engine: every active handle fails (``culprit`` with ``error``, the
-        others as cancelled), receives in flight are cancelled, later calls refused."""
+        others as cancelled), receives in flight are cancelled, later calls refused.
+        A message-size or MPI error is reported to the other ranks (with ``notify``)."""
+        if notify and self.broken is None and isinstance(error, TransportError) and self.liveness is not None:
+            code = 1 if isinstance(error, MessageSizeError) else 2
+            call = culprit._call if culprit is not None else self.call
+            self.liveness.notify(call, code, getattr(error, "peer", -1), getattr(error, "step", -1))
         if self.broken is None:
             self.broken = error
         for handle in list(self.active):
@@ -161,12 +191,10 @@ class Progress:
         if exc.Get_error_class() == MPI.ERR_IN_STATUS:
             for status in self._statuses:
                 code = status.Get_error()
-                if code in (MPI.SUCCESS, MPI.ERR_PENDING):
-                    continue
-                culprit = self._owner_of(status)
-                error = culprit._message_error(status, code) if culprit else TransportError(
-                    f"MPI failed on a message from rank {status.Get_source()}: {MPI.Get_error_string(code)}")
-                break
+                culprit = self._owner_of(status) if code not in (MPI.SUCCESS, MPI.ERR_PENDING) else None
+                if culprit is not None:  # a failed message of a call in flight (not a stale entry)
+                    error = culprit._message_error(status, code)
+                    break
         self.fail(error, culprit)
         raise error
 
@@ -189,6 +217,12 @@ def _rank(progress):
 
 
 _yield_cpu = getattr(os, "sched_yield", lambda: None)
+
+
+def _at(error, peer, step):
+    """``error`` marked with the peer and step it happened at (told to the other ranks)."""
+    error.peer, error.step = peer, step
+    return error
 
 _DEFAULT = object()  # wait(): the call's own timeout
 
@@ -221,7 +255,7 @@ class Handle:
     def test(self):
         """True once the call has finished; raises its error if it failed."""
         if not self._finished and self._error is None:
-            self._advance(lambda: self._progress.advance(block=False))
+            self._advance(self._progress.drain)
         if self._error is not None:
             raise self._error
         return self._finished
@@ -325,9 +359,9 @@ class PlanHandle(Handle):
         if isinstance(op, Recv):
             got = status.Get_count(MPI.BYTE)
             if got != expected:  # shorter (MPI allows it, we don't): the ranks' buffers differ
-                raise MessageSizeError(f"{self._describe}: step {self._step(i)}: received {got} B from rank "
-                                       f"{op.peer} where the schedule expects {expected} B; the ranks called it "
-                                       "with buffers of different sizes")
+                raise _at(MessageSizeError(f"{self._describe}: step {self._step(i)}: received {got} B from rank "
+                                           f"{op.peer} where the schedule expects {expected} B; the ranks called "
+                                           "it with buffers of different sizes"), op.peer, i + 1)
         try:
             self._execution.complete(i)
         except MPI.Exception as exc:
@@ -349,13 +383,14 @@ class PlanHandle(Handle):
         steps = [i for i, op in enumerate(self._execution.plan.ops)
                  if isinstance(op, Recv) and op.peer == peer and i in self._in_flight]
         where = f"step {self._step(steps[0])}: " if steps else ""
+        step = steps[0] + 1 if steps else -1
         if MPI.Get_error_class(code) == MPI.ERR_TRUNCATE:
             size = f" of {self._in_flight[steps[0]]} B" if steps else ""
-            return MessageSizeError(f"{self._describe}: {where}the message from rank {peer} is longer than the "
-                                    f"receive{size} (MPI truncation error); the ranks called it with buffers "
-                                    "of different sizes")
-        return TransportError(f"{self._describe}: {where}MPI failed on the message from rank {peer}: "
-                              f"{MPI.Get_error_string(code)}")
+            return _at(MessageSizeError(f"{self._describe}: {where}the message from rank {peer} is longer than the "
+                                        f"receive{size} (MPI truncation error); the ranks called it with buffers "
+                                        "of different sizes"), peer, step)
+        return _at(TransportError(f"{self._describe}: {where}MPI failed on the message from rank {peer}: "
+                                  f"{MPI.Get_error_string(code)}"), peer, step)
 
     def _outstanding(self):
         ops = self._execution.plan.ops
