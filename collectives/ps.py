@@ -162,6 +162,7 @@ class ParameterServer:
         self._comm.Bcast(self._flat, root=self.servers[0])
         self._unpack(self._flat)
         self._served = self._serving = self._finished = self._closed = False
+        self._broken = None  # the timeout that ended this rank's part, once one has
         if self.is_server:
             self._index = self.servers.index(rank)
             lo, hi = self.bounds[self._index], self.bounds[self._index + 1]
@@ -179,6 +180,7 @@ class ParameterServer:
         receives of the reply are in flight until :meth:`pull`). Checked before anything
         is sent."""
         self._require_worker("push")
+        self._require_intact("push")
         if self._pending:
             raise ParameterServerError(f"rank {self.rank}: push() twice without pull(): pull the parameters "
                                        "that answer the last push first")
@@ -194,11 +196,17 @@ class ParameterServer:
         """Wait for every server's reply to the last :meth:`push` and write the
         parameters into the arrays given at construction; returns them (name -> array)."""
         self._require_worker("pull")
+        self._require_intact("pull")
         if not self._pending:
             raise ParameterServerError(f"rank {self.rank}: pull() without a push(): every pull answers a push")
         peers = [server for server, _, _ in self._shards()] * 2
-        wait_all(self._pending, peers, self.timeout, f"rank {self.rank}: ParameterServer pull() after push #{self.steps}",
-                 "servers", receives=len(self.servers))
+        try:
+            wait_all(self._pending, peers, self.timeout,
+                     f"rank {self.rank}: ParameterServer pull() after push #{self.steps}", "servers",
+                     receives=len(self.servers))
+        except CollectiveTimeoutError as exc:
+            self._broken, self._pending = exc, []  # the replies will not come: never unpack them
+            raise
         self._pending = []
         self._unpack(self._flat)
         return dict(self._named)
@@ -214,11 +222,16 @@ class ParameterServer:
         if self.is_worker and self._finished:
             return
         self._require_worker("finish")
+        self._require_intact("finish")
         if self._pending:
             self.pull()
         done = np.empty(0, self.dtype)
         sends = [self._comm.Isend(done, dest=server, tag=TAG_PUSH) for server in self.servers]
-        wait_all(sends, self.servers, self.timeout, f"rank {self.rank}: ParameterServer finish()", "servers")
+        try:
+            wait_all(sends, self.servers, self.timeout, f"rank {self.rank}: ParameterServer finish()", "servers")
+        except CollectiveTimeoutError as exc:
+            self._broken = exc
+            raise
         self._finished = True
 
     # -- servers -------------------------------------------------------------------
@@ -232,7 +245,11 @@ class ParameterServer:
             raise ParameterServerError(f"rank {self.rank}: serve() already ran to the end")
         self._serving = True
         loop = _SyncLoop(self) if self.mode == "sync" else _AsyncLoop(self)
-        self._stats = loop.run()
+        try:
+            self._stats = loop.run()
+        except CollectiveTimeoutError as exc:
+            self._broken = exc
+            raise
         self._served = True
         return self._stats
 
@@ -252,12 +269,17 @@ class ParameterServer:
         """
         if self._closed:
             return self._summary
+        self._require_intact("close")
         if self.is_worker:
             self.finish()
             mine = None
         else:
             mine = self._stats if self._served else self.serve()
-        everyone = self._comm.allgather(mine)  # small dicts, once
+        # Everyone arrives first (bounded by the timeout: a server that failed never
+        # does), then the small dicts are gathered, once.
+        wait_all([self._comm.Ibarrier()], [], self.timeout, f"rank {self.rank}: ParameterServer close()",
+                 "every rank")
+        everyone = self._comm.allgather(mine)
         self._summary = _summarize(self, [s for s in everyone if s is not None])
         self._comm.Free()
         self._closed = True
@@ -275,6 +297,8 @@ class ParameterServer:
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        if self._broken is not None:  # a wait timed out: the protocol is over, re-raise
+            return
         if self.is_server and exc_type is not None and self._serving and not self._served:
             # serve() itself failed (e.g. the update rule raised): its loop is gone, so
             # the workers' replies are too; re-raise rather than serve again from scratch.
@@ -317,6 +341,11 @@ class ParameterServer:
                 raise ValueError(f"grads[{name!r}] must be an array of shape {array.shape} and dtype {array.dtype} "
                                  f"like the parameter; got {got}")
         return grads
+
+    def _require_intact(self, what):
+        if self._broken is not None:
+            raise ParameterServerError(f"rank {self.rank}: {what}() after a timeout ended this parameter "
+                                       f"server ({self._broken})")
 
     def _require_worker(self, what):
         if not self.is_worker:
@@ -480,8 +509,8 @@ def _time_out(requests, peers, timeout, what, kind, receives):
     for request in receives:
         if request != MPI.REQUEST_NULL:
             request.Cancel()
-    raise CollectiveTimeoutError(f"{what} timed out after {timeout:g} s waiting for {kind} "
-                                 f"({rank_list(pending)} not heard from)")
+    missing = f"{rank_list(pending)} not heard from" if pending else "not all of them arrived"
+    raise CollectiveTimeoutError(f"{what} timed out after {timeout:g} s waiting for {kind} ({missing})")
 
 
 # -- checks --------------------------------------------------------------------------------

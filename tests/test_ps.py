@@ -302,6 +302,39 @@ def test_an_absent_worker_times_out_instead_of_hanging(comm, mode):
     agree(MPI.COMM_WORLD, problems)
 
 
+@needs_two
+def test_a_failing_server_makes_the_workers_time_out_not_hang(comm):
+    """The update rule raises on the server: the server's with-block re-raises it, the
+    workers' pull() times out naming the server, and nobody waits in close()."""
+    import time
+
+    def broken_update(param, grad):
+        raise FloatingPointError("the update rule's own bug")
+
+    params = init_params(0)
+    start, outcome = time.monotonic(), None
+    try:
+        with ParameterServer(params, comm, update=broken_update, timeout=1.0) as ps:
+            if ps.is_server:
+                ps.serve()
+            else:
+                for t in range(3):
+                    ps.step(dict(backward(params, *data(t))))
+    except FloatingPointError:
+        outcome = "update failed"
+    except cc.CollectiveTimeoutError as exc:
+        outcome = "timed out" if "waiting for servers (rank 0 not heard from)" in str(exc) else str(exc)
+    took = time.monotonic() - start
+    want = "update failed" if ps.is_server else "timed out"
+    problems = [] if outcome == want else [f"{outcome!r}, want {want!r}"]
+    if took > 5:
+        problems.append(f"took {took:.1f} s")
+    if ps.is_worker:
+        with pytest.raises(ParameterServerError, match="after a timeout ended this parameter server"):
+            ps.pull()
+    agree(MPI.COMM_WORLD, problems)
+
+
 # -- errors --------------------------------------------------------------------------------
 def test_world_of_one_rank_has_no_worker(comm):
     """servers covering every rank (at world size 1: the default servers=1) leaves no
