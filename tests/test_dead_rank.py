@@ -61,7 +61,10 @@ def test_survivors_raise_naming_the_dead_rank_and_the_job_exits_nonzero(tmp_path
         reports = sorted(outdir.glob("rank-*.json"))
         if reports or took >= TIMEOUT:
             break
-    assert took < 60, f"the job took {took:.0f} s to end"
+    # The survivors re-raise TIMEOUT + 1.5 s after the call started; the first MPI_Abort
+    # then ends the job (the killed rank alone would already make hydra's exit non-zero,
+    # so it is the prompt end that shows the survivors do not hang).
+    assert took < TIMEOUT + 15, f"the job took {took:.0f} s to end"
     for rank in range(dead):
         path = outdir / f"rank-{rank}.json"
         assert path.exists(), f"rank {rank} left no report (killed, or still waiting?): {stderr[-2000:]}\n" \
