@@ -380,7 +380,8 @@ class Communicator:
         messages allow now (each finished message posts the next step's), and return how
         many calls are still in flight. Call it between pieces of other work to overlap
         async collectives with it: the library's messages move only when it is called
-        (or ``test``/``wait``)."""
+        (or ``test``/``wait``). Raises, and breaks the communicator, if a call in flight
+        fails here or another rank reports that its call failed."""
         self._progress.drain()
         return len(self._progress.active)
 
