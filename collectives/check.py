@@ -90,28 +90,28 @@ def compare(records):
     groups = {}  # fingerprint -> ranks that sent it, in rank order
     for rank, row in enumerate(rows):
         groups.setdefault(row, []).append(rank)
-    reference = _decode(records[0])
+    decoded = {row: _decode(np.array(row)) for row in groups}  # each distinct fingerprint once
+    reference = decoded[rows[0]]
     same_number = all(row[0] == rows[0][0] for row in rows)
     lines = []
     for row, members in groups.items():
         if row == rows[0]:
             continue
-        mine = _decode(np.array(row))
+        mine = decoded[row]
         if same_number:
             lines.append(f"{ranks(members)} called {_call_text(mine)} but rank 0 called {_call_text(reference)}")
         else:
             lines.append(f"{ranks(members)} called {_call_text(mine)} as call {mine['call number']} but rank 0 "
                          f"called {_call_text(reference)} as call {reference['call number']}")
-    decoded = [_decode(np.array(row)) for row in groups]
     for field in _FIELDS + ("shape",):
         values = {}
-        for row, fields in zip(groups, decoded):
+        for row, fields in decoded.items():
             value = "-" if field == "root" and fields[field] < 0 else fields[field]
             values.setdefault(value, []).extend(groups[row])
         if len(values) > 1:
             lines.append(f"  {field}: " + "; ".join(f"{value} on {ranks(members)}"
                                                      for value, members in values.items()))
-    if len({fields["native call"] for fields in decoded}) > 1:
+    if len({fields["native call"] for fields in decoded.values()}) > 1:
         lines.append("  (a blocking call that resolves to 'native' uses MPI's blocking collective unless a "
                      "timeout or stall_warn is set; MPI never matches it with a non-blocking one: call it the "
                      "same way, with the same timeout and stall_warn, on every rank)")

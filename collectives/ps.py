@@ -35,7 +35,6 @@ steps without leaving anyone waiting.
 """
 
 import math
-import os
 import time
 
 import numpy as np
@@ -46,7 +45,7 @@ from .communicator import Communicator, _env_seconds
 from .errors import CollectiveTimeoutError
 from .training import named_arrays
 from .transport.liveness import ranks as rank_list
-from .transport.mpi import check_timeout
+from .transport.mpi import _yield_cpu, check_timeout
 
 MODES = ("sync", "async")
 TAG_PUSH = 1  # worker -> server: a gradient shard, or an empty message for "finished"
@@ -473,9 +472,6 @@ class _AsyncLoop(_ServerLoop):
 
 
 # -- waiting -------------------------------------------------------------------------------
-_yield_cpu = getattr(os, "sched_yield", lambda: None)
-
-
 def wait_all(requests, peers, timeout, what, kind, receives=0):
     """``MPI.Request.Waitall(requests)`` that yields the CPU between polls and, after
     ``timeout`` seconds (None: never), raises CollectiveTimeoutError naming the

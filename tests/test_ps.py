@@ -14,6 +14,8 @@ A parameter server needs a server and a worker: at world size 1 construction rai
 (tested here); the tests that train skip there and run under mpiexec -n 2..8.
 """
 
+import time
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -272,8 +274,6 @@ def test_an_absent_worker_times_out_instead_of_hanging(comm, mode):
     gradient and the other workers for their replies; every waiting rank raises
     CollectiveTimeoutError naming whom it did not hear from. (In async mode only the
     servers' wait for the next message can time out: the present workers get replies.)"""
-    import time
-
     params = init_params(0)
     ps = ParameterServer(params, comm, mode=mode, timeout=1.0)
     absent = comm.size - 1
@@ -306,8 +306,6 @@ def test_an_absent_worker_times_out_instead_of_hanging(comm, mode):
 def test_a_failing_server_makes_the_workers_time_out_not_hang(comm):
     """The update rule raises on the server: the server's with-block re-raises it, the
     workers' pull() times out naming the server, and nobody waits in close()."""
-    import time
-
     def broken_update(param, grad):
         raise FloatingPointError("the update rule's own bug")
 

@@ -158,13 +158,11 @@ class Progress:
             self.liveness.notify(call, code, getattr(error, "peer", -1), getattr(error, "step", -1))
         if self.broken is None:
             self.broken = error
-        for handle in list(self.active):
-            if handle is culprit:
-                handle._error = error
-            else:
+        for handle in self.active:
+            if handle is not culprit:
                 handle._error = CollectiveError(f"{handle._describe} was cancelled: another call on this "
                                                 f"communicator failed: {error}")
-        if culprit is not None and culprit._error is None:
+        if culprit is not None and culprit._error is None:  # it may not have joined active yet
             culprit._error = error
         self.active.clear()
         for request, (handle, token) in zip(self._requests, self._owners):
@@ -308,10 +306,6 @@ class Handle:
     def _outstanding(self):
         """What this call is waiting for, for timeout and stall messages."""
         raise NotImplementedError
-
-    def _message_error(self, status, code):
-        return TransportError(f"{self._describe}: MPI failed on a message from rank {status.Get_source()}: "
-                              f"{MPI.Get_error_string(code)}")
 
     def _on_request_done(self, token, status):
         raise NotImplementedError
