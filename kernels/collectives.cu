@@ -1,0 +1,60 @@
+// The GPU kernels of the collectives: reductions, the average's division, the casts of
+// compression, and the packing of non-contiguous arrays. Compiled at first use by NVRTC
+// through cupy.RawModule (collectives/device/kernels.py names the instantiations it
+// needs); `make test` also compiles every instantiation with nvcc for sm_80 and sm_90.
+//
+// Every kernel is a grid-stride loop over a body from elementwise.cuh, which the host
+// test harness runs too. One launch covers one segment of any length.
+#include "elementwise.cuh"
+
+namespace collectives {
+
+__device__ __forceinline__ i64 thread_start() { return (i64)blockIdx.x * blockDim.x + threadIdx.x; }
+__device__ __forceinline__ i64 thread_stride() { return (i64)blockDim.x * gridDim.x; }
+
+// dst = a op b (dst may be a or b).
+template <class T, class Op>
+__global__ void reduce2(T* dst, const T* a, const T* b, i64 n) {
+    reduce2_body<T, Op>(dst, a, b, n, thread_start(), thread_stride());
+}
+
+// dst = s0 op s1 op ... op s(k-1), left to right; the unused pointers are null.
+template <class T, class Op>
+__global__ void reduce_n(T* dst, i64 n, int k, const T* s0, const T* s1, const T* s2, const T* s3, const T* s4,
+                         const T* s5, const T* s6, const T* s7, const T* s8, const T* s9, const T* s10,
+                         const T* s11, const T* s12, const T* s13, const T* s14, const T* s15) {
+    const T* s[16] = {s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15};
+    reduce_n_body<T, Op>(dst, s, k, n, thread_start(), thread_stride());
+}
+
+// x = x / divisor, in place (avg: the sum divided by the world size).
+template <class T>
+__global__ void divide_by(T* x, i64 n, double divisor) {
+    divide_body<T>(x, n, divisor, thread_start(), thread_stride());
+}
+
+// dst = D(src / divisor): fp32/fp64 <-> fp16/bf16 with compression's 1/p fused in.
+template <class S, class D>
+__global__ void cast_divide(D* dst, const S* src, i64 n, double divisor) {
+    cast_divide_body<S, D>(dst, src, n, divisor, thread_start(), thread_stride());
+}
+
+// Gather the n elements of a strided view (up to 8 dimensions, byte strides) into dst.
+template <class E>
+__global__ void pack(E* dst, const char* src, i64 n, int ndim, i64 n0, i64 n1, i64 n2, i64 n3, i64 n4, i64 n5,
+                     i64 n6, i64 n7, i64 t0, i64 t1, i64 t2, i64 t3, i64 t4, i64 t5, i64 t6, i64 t7) {
+    const i64 shape[8] = {n0, n1, n2, n3, n4, n5, n6, n7};
+    const i64 strides[8] = {t0, t1, t2, t3, t4, t5, t6, t7};
+    pack_body<E>(dst, src, n, ndim, shape, strides, thread_start(), thread_stride());
+}
+
+// Scatter contiguous src into the n elements of a strided view.
+template <class E>
+__global__ void unpack(char* dst, const E* src, i64 n, int ndim, i64 n0, i64 n1, i64 n2, i64 n3, i64 n4, i64 n5,
+                       i64 n6, i64 n7, i64 t0, i64 t1, i64 t2, i64 t3, i64 t4, i64 t5, i64 t6, i64 t7) {
+    const i64 shape[8] = {n0, n1, n2, n3, n4, n5, n6, n7};
+    const i64 strides[8] = {t0, t1, t2, t3, t4, t5, t6, t7};
+    unpack_body<E>(dst, src, n, ndim, shape, strides, thread_start(), thread_stride());
+}
+
+}  // namespace collectives

@@ -1,0 +1,166 @@
+// The kernels' loop bodies (kernels/elementwise.cuh), compiled for the host: the
+// tests (test_kernels.py) build this with g++ into a shared library, call it through
+// ctypes and compare every op x dtype with NumPy. Each entry point runs a body with
+// (start, stride) = (0, 1), the whole range on one "thread", vectorised path included.
+#include <cstring>
+
+#include "elementwise.cuh"
+
+using namespace collectives;
+
+namespace {
+
+bool is(const char* a, const char* b) { return std::strcmp(a, b) == 0; }
+
+template <class T>
+int reduce2_op(const char* op, void* dst, const void* a, const void* b, i64 n) {
+    T* d = static_cast<T*>(dst);
+    const T* x = static_cast<const T*>(a);
+    const T* y = static_cast<const T*>(b);
+    if (is(op, "sum")) reduce2_body<T, Sum>(d, x, y, n, 0, 1);
+    else if (is(op, "prod")) reduce2_body<T, Prod>(d, x, y, n, 0, 1);
+    else if (is(op, "max")) reduce2_body<T, Max>(d, x, y, n, 0, 1);
+    else if (is(op, "min")) reduce2_body<T, Min>(d, x, y, n, 0, 1);
+    else return -2;
+    return 0;
+}
+
+template <class T>
+int reduce2_complex(const char* op, void* dst, const void* a, const void* b, i64 n) {
+    T* d = static_cast<T*>(dst);
+    const T* x = static_cast<const T*>(a);
+    const T* y = static_cast<const T*>(b);
+    if (is(op, "sum")) reduce2_body<T, Sum>(d, x, y, n, 0, 1);
+    else if (is(op, "prod")) reduce2_body<T, Prod>(d, x, y, n, 0, 1);
+    else return -2;
+    return 0;
+}
+
+template <class T>
+int reduce_n_op(const char* op, void* dst, const void* const* srcs, int k, i64 n) {
+    const T* s[16];
+    for (int q = 0; q < k; ++q) s[q] = static_cast<const T*>(srcs[q]);
+    T* d = static_cast<T*>(dst);
+    if (is(op, "sum")) reduce_n_body<T, Sum>(d, s, k, n, 0, 1);
+    else if (is(op, "prod")) reduce_n_body<T, Prod>(d, s, k, n, 0, 1);
+    else if (is(op, "max")) reduce_n_body<T, Max>(d, s, k, n, 0, 1);
+    else if (is(op, "min")) reduce_n_body<T, Min>(d, s, k, n, 0, 1);
+    else return -2;
+    return 0;
+}
+
+template <class T>
+int reduce_n_complex(const char* op, void* dst, const void* const* srcs, int k, i64 n) {
+    const T* s[16];
+    for (int q = 0; q < k; ++q) s[q] = static_cast<const T*>(srcs[q]);
+    T* d = static_cast<T*>(dst);
+    if (is(op, "sum")) reduce_n_body<T, Sum>(d, s, k, n, 0, 1);
+    else if (is(op, "prod")) reduce_n_body<T, Prod>(d, s, k, n, 0, 1);
+    else return -2;
+    return 0;
+}
+
+template <class S, class D>
+void cast(void* dst, const void* src, i64 n, double divisor) {
+    cast_divide_body<S, D>(static_cast<D*>(dst), static_cast<const S*>(src), n, divisor, 0, 1);
+}
+
+template <class E>
+void pack_e(void* dst, const void* src, i64 n, int ndim, const i64* shape, const i64* strides) {
+    pack_body<E>(static_cast<E*>(dst), static_cast<const char*>(src), n, ndim, shape, strides, 0, 1);
+}
+
+template <class E>
+void unpack_e(void* dst, const void* src, i64 n, int ndim, const i64* shape, const i64* strides) {
+    unpack_body<E>(static_cast<char*>(dst), static_cast<const E*>(src), n, ndim, shape, strides, 0, 1);
+}
+
+}  // namespace
+
+#define COLLECTIVES_REAL_TYPES(X) \
+    X(int8, i8) X(int16, i16) X(int32, i32) X(int64, i64) X(uint8, u8) X(uint16, u16) X(uint32, u32) \
+    X(uint64, u64) X(float16, f16) X(bfloat16, bf16) X(float32, f32) X(float64, f64)
+
+extern "C" {
+
+// 0: done; -1: unknown dtype; -2: op not defined for it.
+int cc_reduce2(const char* dtype, const char* op, void* dst, const void* a, const void* b, i64 n) {
+#define X(name, T) if (is(dtype, #name)) return reduce2_op<T>(op, dst, a, b, n);
+    COLLECTIVES_REAL_TYPES(X)
+#undef X
+    if (is(dtype, "complex64")) return reduce2_complex<c64>(op, dst, a, b, n);
+    if (is(dtype, "complex128")) return reduce2_complex<c128>(op, dst, a, b, n);
+    return -1;
+}
+
+int cc_reduce_n(const char* dtype, const char* op, void* dst, const void* const* srcs, int k, i64 n) {
+    if (k < 1 || k > 16) return -3;
+#define X(name, T) if (is(dtype, #name)) return reduce_n_op<T>(op, dst, srcs, k, n);
+    COLLECTIVES_REAL_TYPES(X)
+#undef X
+    if (is(dtype, "complex64")) return reduce_n_complex<c64>(op, dst, srcs, k, n);
+    if (is(dtype, "complex128")) return reduce_n_complex<c128>(op, dst, srcs, k, n);
+    return -1;
+}
+
+int cc_divide(const char* dtype, void* x, i64 n, double divisor) {
+    if (is(dtype, "float16")) divide_body<f16>(static_cast<f16*>(x), n, divisor, 0, 1);
+    else if (is(dtype, "bfloat16")) divide_body<bf16>(static_cast<bf16*>(x), n, divisor, 0, 1);
+    else if (is(dtype, "float32")) divide_body<f32>(static_cast<f32*>(x), n, divisor, 0, 1);
+    else if (is(dtype, "float64")) divide_body<f64>(static_cast<f64*>(x), n, divisor, 0, 1);
+    else if (is(dtype, "complex64")) divide_body<c64>(static_cast<c64*>(x), n, divisor, 0, 1);
+    else if (is(dtype, "complex128")) divide_body<c128>(static_cast<c128*>(x), n, divisor, 0, 1);
+    else return -1;
+    return 0;
+}
+
+int cc_cast_divide(const char* src_dtype, const char* dst_dtype, void* dst, const void* src, i64 n, double divisor) {
+    if (is(src_dtype, "float32") && is(dst_dtype, "float16")) cast<f32, f16>(dst, src, n, divisor);
+    else if (is(src_dtype, "float32") && is(dst_dtype, "bfloat16")) cast<f32, bf16>(dst, src, n, divisor);
+    else if (is(src_dtype, "float64") && is(dst_dtype, "float16")) cast<f64, f16>(dst, src, n, divisor);
+    else if (is(src_dtype, "float64") && is(dst_dtype, "bfloat16")) cast<f64, bf16>(dst, src, n, divisor);
+    else if (is(src_dtype, "float16") && is(dst_dtype, "float32")) cast<f16, f32>(dst, src, n, divisor);
+    else if (is(src_dtype, "bfloat16") && is(dst_dtype, "float32")) cast<bf16, f32>(dst, src, n, divisor);
+    else if (is(src_dtype, "float16") && is(dst_dtype, "float64")) cast<f16, f64>(dst, src, n, divisor);
+    else if (is(src_dtype, "bfloat16") && is(dst_dtype, "float64")) cast<bf16, f64>(dst, src, n, divisor);
+    else return -1;
+    return 0;
+}
+
+int cc_pack(int itemsize, void* dst, const void* src, i64 n, int ndim, const i64* shape, const i64* strides) {
+    switch (itemsize) {
+        case 1: pack_e<b1>(dst, src, n, ndim, shape, strides); return 0;
+        case 2: pack_e<b2>(dst, src, n, ndim, shape, strides); return 0;
+        case 4: pack_e<b4>(dst, src, n, ndim, shape, strides); return 0;
+        case 8: pack_e<b8>(dst, src, n, ndim, shape, strides); return 0;
+        case 16: pack_e<b16>(dst, src, n, ndim, shape, strides); return 0;
+    }
+    return -1;
+}
+
+int cc_unpack(int itemsize, void* dst, const void* src, i64 n, int ndim, const i64* shape, const i64* strides) {
+    switch (itemsize) {
+        case 1: unpack_e<b1>(dst, src, n, ndim, shape, strides); return 0;
+        case 2: unpack_e<b2>(dst, src, n, ndim, shape, strides); return 0;
+        case 4: unpack_e<b4>(dst, src, n, ndim, shape, strides); return 0;
+        case 8: unpack_e<b8>(dst, src, n, ndim, shape, strides); return 0;
+        case 16: unpack_e<b16>(dst, src, n, ndim, shape, strides); return 0;
+    }
+    return -1;
+}
+
+// The scalar conversions themselves, for exhaustive checks of the rounding.
+void cc_float_to_half(const u32* src, u16* dst, i64 n) {
+    for (i64 i = 0; i < n; ++i) dst[i] = float_bits_to_half(src[i]);
+}
+void cc_half_to_float(const u16* src, u32* dst, i64 n) {
+    for (i64 i = 0; i < n; ++i) dst[i] = half_to_float_bits(src[i]);
+}
+void cc_double_to_half(const u64* src, u16* dst, i64 n) {
+    for (i64 i = 0; i < n; ++i) dst[i] = double_bits_to_half(src[i]);
+}
+void cc_float_to_bf16(const u32* src, u16* dst, i64 n) {
+    for (i64 i = 0; i < n; ++i) dst[i] = float_bits_to_bf16(src[i]);
+}
+
+}  // extern "C"
