@@ -12,10 +12,10 @@ setup(
     long_description=(here / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    # kernels/ (CUDA sources, a later issue) ships inside the package as
-    # collectives.kernels, so no generic top-level module called `kernels` is installed.
-    packages=["collectives", "collectives.algorithms", "collectives.bench", "collectives.sim", "collectives.transport",
-              "collectives.kernels"],
+    # kernels/ (the CUDA sources) ships inside the package as collectives.kernels, so no
+    # generic top-level module called `kernels` is installed.
+    packages=["collectives", "collectives.algorithms", "collectives.bench", "collectives.device", "collectives.sim",
+              "collectives.transport", "collectives.kernels"],
     package_dir={"collectives": "collectives", "collectives.kernels": "kernels"},
     package_data={"collectives": ["data/*.json"], "collectives.kernels": ["*.cu", "*.cuh", "README.md"]},
     install_requires=["mpi4py>=3.1", "numpy>=1.23"],
@@ -23,7 +23,10 @@ setup(
         # mpi4py's MPI runtime from PyPI: a fresh machine needs no system MPI.
         # On a cluster, leave this out and keep the site's MPI.
         "mpich": ["mpich"],
-        "test": ["pytest>=7", "pytest-mpi>=0.6", "hypothesis>=6", "ml_dtypes>=0.2"],
+        # nvidia-cuda-nvrtc: NVRTC itself (no GPU needed), so the tests compile the kernels
+        # exactly as the GPU path will at run time.
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "hypothesis>=6", "ml_dtypes>=0.2",
+                 "nvidia-cuda-nvrtc>=13; platform_system == 'Linux' and platform_machine == 'x86_64'"],
         # collectives-bench: --plot and the progress bar.
         "bench": ["matplotlib>=3.5", "tqdm>=4.60"],
         # collectives-bench --peers gloo (torch.distributed on the CPU).
@@ -32,6 +35,10 @@ setup(
         "bfloat16": ["ml_dtypes>=0.2"],
         # collectives.torch (DistributedOptimizer): post-accumulate-grad hooks need 2.1.
         "torch": ["torch>=2.1"],
+        # The GPU path: CuPy for the CUDA version of the machine's driver (ml_dtypes for
+        # bfloat16 results on the host side).
+        "cuda12": ["cupy-cuda12x>=13", "ml_dtypes>=0.2"],
+        "cuda13": ["cupy-cuda13x>=13", "ml_dtypes>=0.2"],
         # examples/: the digits data set ships inside scikit-learn; progress bars.
         "examples": ["scikit-learn>=1.0", "tqdm>=4.60"],
     },

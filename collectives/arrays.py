@@ -2,8 +2,10 @@
 
 Everything above this module sees 1-D contiguous NumPy arrays. Inputs are viewed
 without copying when they are already contiguous; non-contiguous ones are packed into
-a contiguous copy (and results are unpacked back), never rejected. A later issue adds
-CuPy here; nothing outside this module and the transports should care which it is.
+a contiguous copy (and results are unpacked back), never rejected. Device arrays
+(CuPy, torch CUDA tensors, ``__cuda_array_interface__``) come out of :func:`as_array`
+as :class:`collectives.device.DeviceArray`, which the device executor flattens the
+same way with kernels.
 """
 
 import numpy as np
@@ -53,10 +55,15 @@ def is_complex(dtype):
 
 
 def as_array(x, name="x"):
-    """View ``x`` as a NumPy array (no copy for ndarrays, buffers, array interfaces)."""
+    """View ``x`` as a NumPy array (no copy for ndarrays, buffers, array interfaces), or
+    as a :class:`~collectives.device.DeviceArray` if it lives on a device."""
     if isinstance(x, np.ndarray):
         arr = x
     else:
+        from . import device  # not at import time: device imports this module
+
+        if device.is_device(x):
+            return device.as_device_array(x, name)
         try:
             arr = np.asarray(x)
         except Exception as exc:  # noqa: BLE001 - reported as a TypeError on the argument
@@ -83,8 +90,26 @@ def check_dtype(dtype, name="x"):
         raise TypeError(f"{name} has unsupported dtype {dtype.name}; supported: {names}")
 
 
-def check_out(out, shape, dtype, name="out"):
-    """Check a user-supplied output array; return it as an ndarray."""
+def check_out(out, shape, dtype, name="out", like=None):
+    """Check a user-supplied output array; return it as an ndarray, or as a
+    :class:`~collectives.device.DeviceArray` on the device of ``like`` (the input)."""
+    from . import device
+
+    on_device = device.is_device(out)
+    if like is not None and on_device != isinstance(like, device.DeviceArray):
+        where = like.where if isinstance(like, device.DeviceArray) else "the host"
+        kind = "a device array" if on_device else "a host array"
+        raise TypeError(f"{name} is {kind} but x is on {where}: x and {name} must both be host arrays or both "
+                        "device arrays (on the same device)")
+    if on_device:
+        array = device.as_device_array(out, name)
+        if array.backend is not like.backend:
+            raise TypeError(f"{name} is on {array.where} but x is on {like.where}: pass both on the same device")
+        if array.shape != tuple(shape):
+            raise ValueError(f"{name} must have shape {tuple(shape)}; got {array.shape}")
+        if array.dtype != dtype:
+            raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}; got {array.dtype.name}")
+        return array
     if not isinstance(out, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray; got {type(out).__name__}")
     if out.shape != tuple(shape):

@@ -19,13 +19,15 @@ from . import ops
 from .algorithms import NATIVE_BELOW, SEGMENTED, block_bounds, build, check_algorithm, cost_model_choice
 from .errors import CollectiveError, TransportError
 from .arrays import as_array, check_out, flat_input, flat_view, is_extra, overlaps, same_memory
-from .schedule import compile_plan
+from .device import DeviceArray
+from .schedule import compile_plan, split_schedule
 from .transport.buffers import Buffers
 from .transport.liveness import Liveness
 from .transport.mpi import PlanHandle, Progress, RequestHandle, check_timeout
 from .tuning import Selector
 
 DEFAULT_SEGMENT_SIZE = 256 * 1024  # bytes; COLLECTIVES_SEGMENT_SIZE overrides
+DEFAULT_DEVICE_SEGMENT_SIZE = 4 << 20  # bytes; COLLECTIVES_DEVICE_SEGMENT_SIZE overrides
 
 _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
 
@@ -34,6 +36,16 @@ _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "m
 def _plan(collective, algorithm, rank, size, count, root, segment, inplace):
     schedule = build(collective, algorithm, rank, size, count, root=root, segment=segment)
     return compile_plan(schedule, inplace=inplace)
+
+
+@lru_cache(maxsize=256)
+def _device_plan(collective, algorithm, rank, size, count, root, segment, inplace, split):
+    """The plan for device buffers: cut into segments of ``split`` elements (0: not cut)."""
+    schedule = build(collective, algorithm, rank, size, count, root=root, segment=segment)
+    if split:
+        schedule = split_schedule(schedule, split)
+    return compile_plan(schedule, inplace=inplace)
+
 
 
 def _check_nbytes(value, name):
@@ -120,11 +132,17 @@ class Communicator:
     size and the world size: see :mod:`collectives.tuning` for the measured table and
     the ``COLLECTIVES_<COLLECTIVE>_ALGORITHM`` overrides.
 
+    Every collective also takes device arrays (CuPy, torch CUDA tensors, anything with
+    ``__cuda_array_interface__``): see :mod:`collectives.transport.device`. Messages on
+    the device are pipelined in segments of ``device_segment_size`` bytes
+    (``COLLECTIVES_DEVICE_SEGMENT_SIZE``, else 4 MiB; 0: whole messages). Every rank
+    passes device arrays to a call, or every rank host arrays.
+
     Every rank must call the same collectives in the same order, as with MPI. What
     protects against the ways that goes wrong (see the README's "When things go wrong"):
 
     - ``check=True`` (``COLLECTIVES_CHECK=1``): before each call the ranks compare what
-      they are calling (one 136-byte allgather) and all raise
+      they are calling (one 144-byte allgather) and all raise
       :class:`~collectives.CollectiveMismatchError` if it differs. Set it on every rank.
     - ``timeout`` seconds (``COLLECTIVES_TIMEOUT``; each call's ``timeout=`` overrides):
       a call that has not finished by then raises
@@ -140,7 +158,8 @@ class Communicator:
       can stop or warn), which MPI never matches with the blocking one.
     """
 
-    def __init__(self, mpi_comm=None, *, segment_size=None, check=None, timeout=None, stall_warn=None):
+    def __init__(self, mpi_comm=None, *, segment_size=None, check=None, timeout=None, stall_warn=None,
+                 device_segment_size=None):
         if mpi_comm is None:
             mpi_comm = MPI.COMM_WORLD
         if not isinstance(mpi_comm, MPI.Intracomm) or mpi_comm == MPI.COMM_NULL:
@@ -164,6 +183,14 @@ class Communicator:
         self._sequence = 0
         self._progress = Progress(Liveness(mpi_comm.Dup()), self.stall_warn)
         self._workspace = _Workspace()
+        if device_segment_size is None:
+            text = os.environ.get("COLLECTIVES_DEVICE_SEGMENT_SIZE", "").strip()
+            device_segment_size = int(text) if text else DEFAULT_DEVICE_SEGMENT_SIZE
+        if device_segment_size != 0:
+            _check_nbytes(device_segment_size, "device_segment_size")
+        self.device_segment_size = int(device_segment_size)
+        self._devices = {}  # backend -> DeviceContext, made at the first call on that device
+        self._node_comm = None
 
     def __repr__(self):
         return f"<collectives.Communicator rank {self.rank} of {self.size}>"
@@ -186,7 +213,8 @@ class Communicator:
         calls in flight. It keeps this one's ``segment_size``."""
         self._finish_in_flight()
         return Communicator(self._comm, segment_size=self.segment_size, check=self.check,
-                            timeout=self.timeout or math.inf, stall_warn=self.stall_warn or math.inf)
+                            timeout=self.timeout or math.inf, stall_warn=self.stall_warn or math.inf,
+                            device_segment_size=self.device_segment_size)
 
     def broadcast_object(self, obj, root=0, *, timeout=None):
         """``obj`` from ``root`` on every rank: a small picklable Python object (metadata
@@ -214,6 +242,11 @@ class Communicator:
     def free(self):
         """Release the private MPI communicators (collective). The object is unusable after."""
         if self._comm != MPI.COMM_NULL:
+            for ctx in self._devices.values():
+                ctx.free()
+            self._devices = {}
+            if self._node_comm is not None:
+                self._node_comm.Free()
             self._comm.Free()
             self._progress.liveness.free()
 
@@ -238,12 +271,14 @@ class Communicator:
         ops.check_op(op, x.dtype)
         algorithm = check_algorithm("allreduce", algorithm)
         if out is not None:
-            check_out(out, x.shape, x.dtype)
+            out = check_out(out, x.shape, x.dtype, like=x)
         if segment_size is not None:
             _check_segment_size(segment_size)
         timeout = self._timeout_for(timeout)
         algorithm = self._resolve("allreduce", algorithm, x.nbytes, x.dtype)
-        self._gate("allreduce", timeout, algorithm, op, x.dtype, x.shape, blocking=blocking)
+        self._gate("allreduce", timeout, algorithm, op, x.dtype, x.shape, blocking=blocking, memory=x)
+        if isinstance(x, DeviceArray):
+            return self._device_call("allreduce", algorithm, x, out, x.shape, op, 0, segment_size, timeout, blocking)
         if algorithm == "native" and blocking and self._mpi_blocks(timeout):
             result = self._native_now("allreduce", x, out, x.shape, op)
             if result is not _NOT_HANDLED:
@@ -272,11 +307,14 @@ class Communicator:
         bounds = block_bounds(x.size, self.size)
         shape = (bounds[self.rank + 1] - bounds[self.rank],)
         if out is not None:
-            check_out(out, shape, x.dtype)
+            out = check_out(out, shape, x.dtype, like=x)
         timeout = self._timeout_for(timeout)
         algorithm = self._resolve("reduce_scatter", algorithm, x.nbytes, x.dtype)
-        self._gate("reduce_scatter", timeout, algorithm, op, x.dtype, x.shape, blocking=blocking)
+        self._gate("reduce_scatter", timeout, algorithm, op, x.dtype, x.shape, blocking=blocking, memory=x)
         counts = [bounds[r + 1] - bounds[r] for r in range(self.size)]
+        if isinstance(x, DeviceArray):
+            return self._device_call("reduce_scatter", algorithm, x, out, shape, op, 0, None, timeout, blocking,
+                                     counts)
         if algorithm == "native" and blocking and self._mpi_blocks(timeout):
             result = self._native_now("reduce_scatter", x, out, shape, op, counts=counts)
             if result is not _NOT_HANDLED:
@@ -302,10 +340,12 @@ class Communicator:
         algorithm = check_algorithm("allgather", algorithm)
         shape = (self.size,) + x.shape
         if out is not None:
-            check_out(out, shape, x.dtype)
+            out = check_out(out, shape, x.dtype, like=x)
         timeout = self._timeout_for(timeout)
         algorithm = self._resolve("allgather", algorithm, x.nbytes * self.size, x.dtype)
-        self._gate("allgather", timeout, algorithm, "-", x.dtype, x.shape, blocking=blocking)
+        self._gate("allgather", timeout, algorithm, "-", x.dtype, x.shape, blocking=blocking, memory=x)
+        if isinstance(x, DeviceArray):
+            return self._device_call("allgather", algorithm, x, out, shape, "sum", 0, None, timeout, blocking)
         if algorithm == "native" and blocking and self._mpi_blocks(timeout):
             result = self._native_now("allgather", x, out, shape)
             if result is not _NOT_HANDLED:
@@ -325,13 +365,16 @@ class Communicator:
         x = as_array(x, "x")
         root = _check_root(root, self.size)
         algorithm = check_algorithm("broadcast", algorithm)
-        if not isinstance(x, np.ndarray) or not x.flags.writeable:
+        if not isinstance(x, DeviceArray) and (not isinstance(x, np.ndarray) or not x.flags.writeable):
             raise ValueError("x must be a writable array: broadcast fills it in place")
         if segment_size is not None:
             _check_segment_size(segment_size)
         timeout = self._timeout_for(timeout)
         algorithm = self._resolve("broadcast", algorithm, x.nbytes, x.dtype)
-        self._gate("broadcast", timeout, algorithm, "-", x.dtype, x.shape, root, blocking)
+        self._gate("broadcast", timeout, algorithm, "-", x.dtype, x.shape, root, blocking, memory=x)
+        if isinstance(x, DeviceArray):
+            return self._device_call("broadcast", algorithm, x, None, x.shape, "sum", root, segment_size, timeout,
+                                     blocking)
         if algorithm == "native" and blocking and self._mpi_blocks(timeout):
             result = self._native_now("broadcast", x, None, x.shape, root=root)
             if result is not _NOT_HANDLED:
@@ -354,10 +397,12 @@ class Communicator:
         ops.check_op(op, x.dtype)
         algorithm = check_algorithm("reduce", algorithm)
         if out is not None:
-            check_out(out, x.shape, x.dtype)
+            out = check_out(out, x.shape, x.dtype, like=x)
         timeout = self._timeout_for(timeout)
         algorithm = self._resolve("reduce", algorithm, x.nbytes, x.dtype)
-        self._gate("reduce", timeout, algorithm, op, x.dtype, x.shape, root, blocking)
+        self._gate("reduce", timeout, algorithm, op, x.dtype, x.shape, root, blocking, memory=x)
+        if isinstance(x, DeviceArray):
+            return self._device_call("reduce", algorithm, x, out, x.shape, op, root, None, timeout, blocking)
         if algorithm == "native" and blocking and self._mpi_blocks(timeout):
             result = self._native_now("reduce", x, out, x.shape, op, root)
             if result is not _NOT_HANDLED:
@@ -401,7 +446,8 @@ class Communicator:
         """A call's timeout in seconds (None: none): its own, else the communicator's."""
         return self.timeout if timeout is None else check_timeout(timeout)
 
-    def _gate(self, collective, timeout, algorithm="-", op="-", dtype=None, shape=(), root=-1, blocking=True):
+    def _gate(self, collective, timeout, algorithm="-", op="-", dtype=None, shape=(), root=-1, blocking=True,
+              memory=None):
         """Every call passes here once, after its arguments are checked and before any
         message: it gets its sequence number; a broken communicator refuses it; in check
         mode the ranks compare fingerprints and all raise if they differ."""
@@ -414,7 +460,8 @@ class Communicator:
         if self.check:
             native = "-" if algorithm != "native" else "MPI blocking" if blocking and self._mpi_blocks(timeout) \
                 else "MPI non-blocking"
-            record = check_mode.fingerprint(self._sequence, collective, algorithm, op, dtype, shape, root, native)
+            kind = "-" if memory is None else memory.backend.kind if isinstance(memory, DeviceArray) else "host"
+            record = check_mode.fingerprint(self._sequence, collective, algorithm, op, dtype, shape, root, native, kind)
             gathered = np.empty((self.size, record.size), record.dtype)
             self._request(f"the check-mode exchange before {collective}", lambda: self._comm.Iallgather(record, gathered),
                           timeout, gathered.nbytes)
@@ -464,6 +511,96 @@ class Communicator:
         handle = PlanHandle(self._progress, describe, done, self._comm, self._sequence, plan, buffers, op,
                             timeout, self._sequence).start()
         return handle.wait() if blocking else handle
+
+    # -- device arrays ---------------------------------------------------------------------
+    def _device_context(self, backend):
+        """This communicator's state for ``backend``'s device, negotiated with the other
+        ranks at the first call on a device (collective: every rank makes that call)."""
+        ctx = self._devices.get(backend)
+        if ctx is None:
+            from .transport.device import negotiate
+
+            self._finish_in_flight()  # the negotiation below blocks in MPI
+            if self._node_comm is None:
+                self._node_comm = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
+
+            def request(start, nbytes):
+                self._request("the device set-up", start, self.timeout, nbytes)
+
+            ctx = negotiate(self._comm, self._node_comm, backend, self.device_segment_size, request)
+            self._devices[backend] = ctx
+            self._progress.backends.append(backend)
+        return ctx
+
+    def _device_call(self, collective, algorithm, x, out, shape, op, root, segment_size, timeout, blocking,
+                     counts=None):
+        """Run a call whose arrays are on a device (checked, gated and resolved already):
+        returns the result (the kind of array the user passed) or, if not ``blocking``,
+        its :class:`Handle`. See :mod:`collectives.transport.device`."""
+        from .transport import device_call
+
+        ctx = self._device_context(x.backend)
+        describe = f"{collective}(algorithm={algorithm!r}, {x.where}) call #{self._sequence}"
+        call = device_call.DeviceCall(ctx, x, x.dtype)
+        call.begin()
+        leaf = collective == "reduce" and self.rank != root
+        returned = None
+        if collective == "broadcast":
+            result = inp = call.flat(x.data)
+            if not x.data.flags.c_contiguous:
+                call._after.append(("unpack", x.data, result))
+            inplace, returned = True, x.original
+        elif leaf:
+            inp, result, inplace = call.flat(x.data), None, False
+        else:
+            result, inplace, returned = call.output(out, shape, x, allow_inplace=collective in ("allreduce", "reduce"))
+            if inplace:
+                inp = result
+            elif out is not None and device_call.overlaps(x.data, out.data):
+                inp = call.copy_of(x.data)
+            else:
+                inp = call.flat(x.data)
+        call.ready()
+        if collective in ("allreduce", "reduce_scatter", "reduce") and op == "avg" and result is not None:
+            call.divide_at_end(result, self.size)
+
+        def finish():
+            call.finish()
+            return returned
+
+        tag = self._sequence
+        if algorithm == "native":
+            start_mpi = self._native_starter(collective, op, root, counts)
+            handle = device_call.start_native(self._progress, describe, finish, call, start_mpi, inp, result,
+                                              collective == "broadcast", timeout, tag, inp.nbytes)
+        else:
+            segment = self._segment(segment_size, x.itemsize) if (collective, algorithm) in SEGMENTED else 1
+            split = self.device_segment_size // x.itemsize if self.device_segment_size else 0
+            plan = _device_plan(collective, algorithm, self.rank, self.size, x.size, root, segment, inplace,
+                                max(split, 1) if self.device_segment_size else 0)
+            handle = device_call.start_plan(self._progress, describe, finish, self._comm, tag, plan, inp,
+                                            result if result is not None else inp[:0], op, x.dtype, call, timeout)
+        return handle.wait() if blocking else handle
+
+    def _native_starter(self, collective, op, root, counts):
+        """``(send, receive) -> request``: MPI's non-blocking collective on whole buffers
+        (host copies of the device buffers, or the device buffers themselves)."""
+        comm = self._comm
+        mpi_op = _MPI_OPS[op]
+
+        def in_place(send, recv):  # one buffer for both (in place, CUDA-aware): MPI_IN_PLACE
+            return MPI.IN_PLACE if send is recv else send
+
+        if collective == "allreduce":
+            return lambda send, recv: comm.Iallreduce(in_place(send, recv), recv, mpi_op)
+        if collective == "reduce_scatter":
+            return lambda send, recv: comm.Ireduce_scatter(send, recv, counts, mpi_op)
+        if collective == "allgather":
+            return lambda send, recv: comm.Iallgather(send, recv)
+        if collective == "broadcast":
+            return lambda send, recv: comm.Ibcast(send, root)
+        return lambda send, recv: comm.Ireduce(in_place(send, recv), recv if self.rank == root else None, mpi_op,
+                                               root)
 
     def _native_now(self, collective, x, out, shape, op="sum", root=0, counts=None):
         """The latency path (what ``auto`` picks for tiny buffers): MPI's blocking

@@ -73,7 +73,9 @@ class Plan:
     ``ops[i]`` may start once the ``waits[i]`` operations it depends on have completed
     and, for a send or receive, once ``fifo_prev[i]`` (the previous message to or from
     the same peer, or -1) has been posted. ``dependents[i]`` lists the operations that
-    wait for ``i``; ``fifo_next[i]`` the one that waits for ``i`` to be posted.
+    wait for ``i``; ``fifo_next[i]`` the one that waits for ``i`` to be posted;
+    ``predecessors[i]`` the operations ``i`` waits for (the device executor makes its
+    streams wait on their events).
     """
 
     ops: tuple
@@ -82,6 +84,7 @@ class Plan:
     fifo_prev: tuple
     fifo_next: tuple
     tmp: int
+    predecessors: tuple = ()
 
     def initial_pending(self):
         return [w + (p >= 0) for w, p in zip(self.waits, self.fifo_prev)]
@@ -160,7 +163,7 @@ def compile_plan(schedule, inplace=False):
         and not (isinstance(op, Copy) and same_elements(op.dst, op.src))
     ]
     accesses = {}
-    waits, dependents = [], [[] for _ in ops]
+    waits, dependents, predecessors = [], [[] for _ in ops], []
     fifo_prev, fifo_next = [-1] * len(ops), [-1] * len(ops)
     last_message = {}
     for index, op in enumerate(ops):
@@ -175,6 +178,7 @@ def compile_plan(schedule, inplace=False):
             accesses.setdefault(alias.get(s.buf, s.buf), _Accesses()).write(index, s.lo, s.hi, deps)
         deps.discard(index)
         waits.append(len(deps))
+        predecessors.append(tuple(sorted(deps)))
         for d in deps:
             dependents[d].append(index)
         if isinstance(op, (Send, Recv)):
@@ -191,4 +195,34 @@ def compile_plan(schedule, inplace=False):
         fifo_prev=tuple(fifo_prev),
         fifo_next=tuple(fifo_next),
         tmp=schedule.tmp,
+        predecessors=tuple(predecessors),
     )
+
+
+def split_schedule(schedule, segment):
+    """``schedule`` with every operation cut into pieces of at most ``segment`` elements,
+    in order: a message becomes several messages (its receiver cuts the matching
+    receive the same way, since both slices have the same length), and a reduction or
+    copy one per piece. :func:`compile_plan` then lets piece k of a reduction start
+    as soon as piece k of the message it reads has arrived: the device executor's
+    pipeline (copy of segment k+1, message of segment k and reduction of segment k-1
+    at once). Any algorithm, unchanged."""
+    segment = max(1, int(segment))
+    out = Schedule([], schedule.tmp)
+    for op in schedule.ops:
+        first = op.dst if isinstance(op, (Reduce, Copy)) else op[1]
+        length = first.hi - first.lo
+        if length <= segment:
+            out.ops.append(op)
+            continue
+        for lo in range(0, length, segment):
+            hi = min(lo + segment, length)
+            out.ops.append(type(op)(*(_piece(field, lo, hi) for field in op)))
+    return out
+
+
+def _piece(field, lo, hi):
+    """Elements ``[lo, hi)`` of a slice (relative to its start); a peer stays as it is."""
+    if isinstance(field, Slice):
+        return Slice(field.buf, field.lo + lo, field.lo + hi)
+    return field

@@ -62,14 +62,21 @@ class Progress:
         self._completed = 0  # entries of _requests that are REQUEST_NULL
         self._abandoned = []  # requests given up on: MPI may still use their buffers
         self._next_look = 0.0  # when drain() next answers probes and reads failure notices
+        self._device = []  # (handle, token, backend, event): device work the host waits for
+        self.backends = []  # devices this communicator uses: polled while waiting (see device.standin)
 
     def add(self, handle, token, request):
         self._requests.append(request)
         self._owners.append((handle, token))
 
+    def add_device(self, handle, token, backend, event):
+        """Call ``handle._device_done(token)`` once ``event`` (device work) has completed."""
+        self._device.append((handle, token, backend, event))
+
     def advance(self):
-        """Complete what has finished, without blocking. Returns True if some request
-        completed."""
+        """Complete what has finished, without blocking. Returns True if some request or
+        device work completed."""
+        progressed = False
         if self._requests:
             try:
                 finished = MPI.Request.Testsome(self._requests, self._statuses)
@@ -87,8 +94,30 @@ class Progress:
                     except Exception as exc:
                         self.fail(exc, culprit=handle)
                         raise
-                return True
-        return False
+                progressed = True
+        if self.backends:
+            progressed = self._advance_device() or progressed
+        return progressed
+
+    def _advance_device(self):
+        """Let the devices progress, and complete the device work that has finished."""
+        for backend in self.backends:
+            backend.poll()  # a no-op on a GPU; the stand-in runs a little of its queued work
+        if not self._device:
+            return False
+        waiting, finished = [], []
+        for entry in self._device:
+            (finished if entry[2].query(entry[3]) else waiting).append(entry)
+        if not finished:
+            return False
+        self._device = waiting  # callbacks may add to it
+        for handle, token, _, _ in finished:
+            try:
+                handle._device_done(token)
+            except Exception as exc:
+                self.fail(exc, culprit=handle)
+                raise
+        return True
 
     def drain(self):
         """Advance without blocking for as long as requests keep completing: a schedule
@@ -114,7 +143,7 @@ class Progress:
         while not handle._finished and handle._error is None:
             if self.advance():
                 continue
-            if not self._requests:
+            if not self._requests and not self._device:
                 raise CollectiveError(f"{handle._describe} is unfinished with no message in flight "
                                       "(a bug in the library: please report it)")
             _yield_cpu()
@@ -170,6 +199,7 @@ class Progress:
                 handle._cancel(request, token)
                 self._abandoned.append(request)  # holds the buffer: the cancel may not have taken
         self._requests, self._owners, self._completed = [], [], 0
+        self._device = []
 
     def _time_out(self, handle, waited):
         outstanding = handle._outstanding()
@@ -291,6 +321,13 @@ class Handle:
     def _request_done(self, token, status):
         self._on_request_done(token, status)
         self._check_done()
+
+    def _device_done(self, token):
+        self._on_device_done(token)
+        self._check_done()
+
+    def _on_device_done(self, token):
+        raise NotImplementedError
 
     def _check_done(self):
         if not self._finished and self._is_done():

@@ -1,0 +1,271 @@
+"""The device interface on a real CUDA GPU, through CuPy (``pip install
+collectives[cuda12]`` or ``[cuda13]``).
+
+Kernels come from ``kernels/collectives.cu``, compiled by NVRTC through
+``cupy.RawModule`` at first use: one module per dtype, cached per device and hash of
+the sources (CuPy also keeps the compiled code on disk). Copies are
+``cudaMemcpyAsync`` on the executor's streams; IPC memory is a plain ``cudaMalloc``
+(not CuPy's pool) so that its handle names exactly that allocation.
+
+This module is imported only when a device array is first seen.
+"""
+
+import threading
+
+import numpy as np
+
+import cupy
+from cupy.cuda import runtime
+
+from ..arrays import EXTRA_DTYPES
+from . import DeviceArray, kernels
+
+_BFLOAT16 = next((d for d in EXTRA_DTYPES if d.name == "bfloat16"), None)
+_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
+_IPC_LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+
+_backends = {}
+_lock = threading.Lock()
+
+
+def backend(device_id):
+    """The backend of CUDA device ``device_id`` (one per device and process)."""
+    with _lock:
+        if device_id not in _backends:
+            _backends[device_id] = CupyDevice(device_id)
+        return _backends[device_id]
+
+
+def device_array(x, name):
+    """A user's CuPy array, torch CUDA tensor or ``__cuda_array_interface__`` object as a
+    :class:`~collectives.device.DeviceArray` (zero copy)."""
+    module = type(x).__module__.split(".", 1)[0]
+    if module == "torch":
+        return _torch_array(x, name)
+    if not isinstance(x, cupy.ndarray):
+        try:
+            x = cupy.asarray(x)  # __cuda_array_interface__: a view, no copy
+        except Exception as exc:  # noqa: BLE001 - reported as a TypeError on the argument
+            raise TypeError(f"{name}: CuPy cannot view {type(x).__name__} as a device array: {exc}") from exc
+    b = backend(x.device.id)
+    stream = b.current_stream()
+
+    def allocate(shape):  # on the user's stream: CuPy's pool then reuses it in the user's order
+        with cupy.cuda.Device(b.id), stream:
+            return cupy.empty(shape, x.dtype)
+
+    return DeviceArray(b, x, x.dtype, stream, _identity, f"cuda:{b.id}", allocate=allocate)
+
+
+def _identity(data):
+    return data
+
+
+def _torch_array(tensor, name):
+    import torch
+
+    if tensor.dtype == torch.bfloat16:
+        if _BFLOAT16 is None:
+            raise TypeError(f"{name} is a bfloat16 tensor: the collectives need ml_dtypes for it (pip install ml_dtypes)")
+        data, dtype = cupy.from_dlpack(tensor.detach().view(torch.int16)), _BFLOAT16
+
+        def rewrap(result):
+            return torch.from_dlpack(result).view(torch.bfloat16)
+    elif tensor.dtype == torch.bool:
+        raise TypeError(f"{name} has dtype torch.bool, which the collectives do not reduce")
+    else:
+        data, dtype = cupy.from_dlpack(tensor.detach()), None
+        rewrap = torch.from_dlpack
+    b = backend(tensor.device.index if tensor.device.index is not None else torch.cuda.current_device())
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(tensor.device).cuda_stream, b.id)
+
+    def allocate(shape):  # torch's caching allocator owns results, on torch's current stream
+        made = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+        return cupy.from_dlpack(made.view(torch.int16) if made.dtype == torch.bfloat16 else made)
+
+    return DeviceArray(b, data, dtype if dtype is not None else data.dtype, stream, rewrap, f"cuda:{b.id}",
+                       allocate=allocate)
+
+
+class _OpenedEvent:
+    """Another process's interprocess event, opened here (a raw cudaEvent_t)."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class CupyDevice:
+    kind = "cuda"
+
+    def __init__(self, device_id):
+        self.id = int(device_id)
+        with cupy.cuda.Device(self.id):
+            props = runtime.getDeviceProperties(self.id)
+        self.name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        self.multiprocessors = int(props["multiProcessorCount"])
+        self.pci = (int(props.get("pciDomainID", 0)), int(props["pciBusID"]), int(props["pciDeviceID"]))
+        self.uuid = "pci:%04x:%02x:%02x" % self.pci
+        self.ipc_capable = True
+        self._modules = {}
+        self._ipc_allocations = []
+
+    def __repr__(self):
+        return f"<cuda:{self.id} {self.name}>"
+
+    # -- memory ---------------------------------------------------------------------------------
+    def empty(self, shape, dtype):
+        with cupy.cuda.Device(self.id):
+            return cupy.empty(shape, dtype)
+
+    def pinned(self, nbytes):
+        memory = cupy.cuda.alloc_pinned_memory(max(int(nbytes), 1))
+        return np.frombuffer(memory, np.uint8, int(nbytes))  # keeps the pinned block alive
+
+    # -- streams and events -----------------------------------------------------------------------
+    def stream(self, name="stream"):
+        with cupy.cuda.Device(self.id):
+            return cupy.cuda.Stream(non_blocking=True)
+
+    def current_stream(self):
+        with cupy.cuda.Device(self.id):
+            return cupy.cuda.get_current_stream()
+
+    def event(self, interprocess=False):
+        with cupy.cuda.Device(self.id):
+            return cupy.cuda.Event(block=False, disable_timing=True, interprocess=interprocess)
+
+    def record(self, event, stream):
+        runtime.eventRecord(event.ptr, stream.ptr)
+
+    def wait(self, stream, event):
+        runtime.streamWaitEvent(stream.ptr, event.ptr, 0)
+
+    def query(self, event):
+        return runtime.eventQuery(event.ptr) == 0
+
+    def synchronize(self, event):
+        runtime.eventSynchronize(event.ptr)
+
+    def synchronize_stream(self, stream):
+        runtime.streamSynchronize(stream.ptr)
+
+    def poll(self):
+        """A GPU progresses by itself: nothing to do."""
+
+    # -- copies and kernels -----------------------------------------------------------------------------
+    def copy(self, dst, src, stream):
+        nbytes = _nbytes(dst)
+        if nbytes != _nbytes(src):
+            raise ValueError(f"copy of {_nbytes(src)} bytes into {nbytes}")
+        if nbytes:
+            runtime.memcpyAsync(_ptr(dst), _ptr(src), nbytes, _MEMCPY_DEFAULT, stream.ptr)
+
+    def reduce2(self, stream, op, dtype, dst, a, b):
+        n = int(dst.size)
+        if n:
+            self._launch(dtype, kernels.reduce2(dtype, op), kernels.vector_items(n, dtype.itemsize), stream,
+                         (dst, a, b, np.int64(n)))
+
+    def reduce_n(self, stream, op, dtype, dst, sources):
+        n = int(dst.size)
+        if not n:
+            return
+        if not 1 <= len(sources) <= kernels.MAX_INPUTS:
+            raise ValueError(f"reduce_n takes 1 to {kernels.MAX_INPUTS} inputs; got {len(sources)}")
+        pointers = list(sources) + [np.uint64(0)] * (kernels.MAX_INPUTS - len(sources))
+        self._launch(dtype, kernels.reduce_n(dtype, op), kernels.vector_items(n, dtype.itemsize), stream,
+                     (dst, np.int64(n), np.int32(len(sources)), *pointers))
+
+    def divide(self, stream, dtype, x, divisor):
+        n = int(x.size)
+        if n:
+            self._launch(dtype, kernels.divide_by(dtype), n, stream, (x, np.int64(n), np.float64(divisor)))
+
+    def cast_divide(self, stream, src_dtype, dst_dtype, dst, src, divisor):
+        n = int(dst.size)
+        if n:
+            self._launch(src_dtype, kernels.cast_divide(src_dtype, dst_dtype), n, stream,
+                         (dst, src, np.int64(n), np.float64(divisor)))
+
+    def pack(self, stream, dst, src):
+        self._strided(kernels.pack, stream, dst, src, src)
+
+    def unpack(self, stream, dst, src):
+        self._strided(kernels.unpack, stream, dst, src, dst)
+
+    def _strided(self, which, stream, dst, src, view):
+        n = int(view.size)
+        if not n:
+            return
+        if view.ndim > kernels.MAX_DIMS:
+            raise ValueError(f"arrays of more than {kernels.MAX_DIMS} dimensions cannot be packed on the device")
+        shape = [np.int64(s) for s in view.shape] + [np.int64(1)] * (kernels.MAX_DIMS - view.ndim)
+        strides = [np.int64(s) for s in view.strides] + [np.int64(0)] * (kernels.MAX_DIMS - view.ndim)
+        dtype = view.dtype
+        args = (dst, src, np.int64(n), np.int32(view.ndim), *shape, *strides)
+        # the strided side goes as a byte pointer to its first element
+        args = tuple(np.uint64(a.data.ptr) if a is view else a for a in args)
+        self._launch(dtype, which(dtype.itemsize), n, stream, args)
+
+    def _launch(self, dtype, name, work_items, stream, args):
+        kernel = self._module(dtype).get_function(name)
+        with cupy.cuda.Device(self.id):
+            kernel((kernels.blocks(work_items, self.multiprocessors),), (kernels.THREADS,), args, stream=stream)
+
+    def _module(self, dtype):
+        key = (dtype.name, kernels.source_hash())
+        module = self._modules.get(key)
+        if module is None:
+            with cupy.cuda.Device(self.id):
+                module = cupy.RawModule(code=kernels.inlined_source(), options=kernels.NVRTC_OPTIONS,
+                                        name_expressions=kernels.for_dtype(dtype))
+                module.compile()
+            self._modules[key] = module
+        return module
+
+    # -- MPI and IPC -------------------------------------------------------------------------------------
+    def mpi_buffer(self, array):
+        return array  # a CUDA-aware MPI takes __cuda_array_interface__ objects
+
+    def ipc_alloc(self, nbytes):
+        with cupy.cuda.Device(self.id):
+            ptr = runtime.malloc(max(int(nbytes), 1))
+            self._ipc_allocations.append(ptr)
+            handle = bytes(runtime.ipcGetMemHandle(ptr))
+            return _wrap(ptr, int(nbytes), self.id), handle
+
+    def ipc_open(self, handle, nbytes):
+        with cupy.cuda.Device(self.id):
+            ptr = runtime.ipcOpenMemHandle(bytes(handle), _IPC_LAZY_PEER_ACCESS)
+            return _wrap(ptr, int(nbytes), self.id)
+
+    def ipc_event_handle(self, event):
+        return bytes(runtime.ipcGetEventHandle(event.ptr))
+
+    def ipc_open_event(self, handle):
+        with cupy.cuda.Device(self.id):
+            return _OpenedEvent(runtime.ipcOpenEventHandle(bytes(handle)))
+
+    def can_access_peer(self, uuid):
+        """Whether this device can read the memory of the device ``uuid`` (same node)."""
+        if uuid == self.uuid:
+            return True
+        for other in range(runtime.getDeviceCount()):
+            props = runtime.getDeviceProperties(other)
+            pci = (int(props.get("pciDomainID", 0)), int(props["pciBusID"]), int(props["pciDeviceID"]))
+            if "pci:%04x:%02x:%02x" % pci == uuid:
+                return bool(runtime.deviceCanAccessPeer(self.id, other))
+        return False
+
+
+def _wrap(ptr, nbytes, device_id):
+    memory = cupy.cuda.UnownedMemory(ptr, max(nbytes, 1), None, device_id)
+    return cupy.ndarray((nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0))
+
+
+def _ptr(x):
+    return x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
+
+
+def _nbytes(x):
+    return int(x.nbytes)

@@ -1,0 +1,517 @@
+"""A CPU stand-in for a GPU, adversarial by design, so that the device path is tested
+on machines without one (CI, the development machine).
+
+It implements the same narrow device interface as the CuPy backend
+(:mod:`collectives.device`): device memory, pinned host memory, streams, events,
+asynchronous copies, kernel launches and CUDA IPC, with CUDA's semantics where they
+matter for correctness, and the worst timing those semantics allow:
+
+- **Lazy.** A copy or a kernel launch only queues work on its stream. Nothing runs
+  until something waits for it: ``synchronize`` on an event or stream, or a query,
+  poll or host wait that happens to run it. So a missing wait reads stale data here,
+  every time, where on a GPU it would be a rare race.
+- **Shuffled.** When work runs, the stand-in picks at random among the streams whose
+  next operation may run (an operation waiting on an event may not, until that
+  event's work has run), so streams interleave in every order CUDA allows.
+- **Garbage.** New device and pinned memory is filled with the byte 0xA5, so reading
+  memory before the copy that should have filled it shows up as wrong values.
+- **Opaque.** Device arrays (:class:`StandInArray`) have no ``__array__`` and no
+  buffer protocol: the host cannot read them by accident. :func:`asarray` and
+  :func:`asnumpy` move data the way ``cupy.asarray``/``cupy.asnumpy`` do (the latter
+  synchronizes the current stream first).
+- **IPC across processes.** Interprocess memory and events live in files under
+  ``/dev/shm`` that other processes of the node map, so ranks under ``mpiexec`` use
+  the library's CUDA-IPC path against each other. A stream waiting on another
+  process's event waits until that process has run the work the event marks.
+- **CUDA-aware MPI**, emulated: :meth:`StandInDevice.mpi_buffer` hands MPI the
+  device memory itself, as it is at that moment.
+
+The random choices come from ``random.Random(seed)``; the seed is
+``COLLECTIVES_STANDIN_SEED`` (default 0) plus the MPI rank, so a run can be repeated
+(message timing still varies). Kernels run as NumPy on the memory, through the same op
+layer as the CPU path; the CUDA kernels' own arithmetic is tested separately
+(``tests/test_kernels.py``).
+"""
+
+import atexit
+import mmap
+import os
+import random
+import tempfile
+import threading
+import time
+from collections import deque
+
+import numpy as np
+
+from .. import ops as ops_layer
+from ..arrays import EXTRA_DTYPES
+
+GARBAGE = 0xA5
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+HANDLE_BYTES = 64  # as CUDA's IPC handles
+_REMOTE_PATIENCE = 120.0  # seconds a synchronize may wait for another process's work
+
+
+class DeviceDeadlock(RuntimeError):
+    """A synchronize waits for work that can never run (a stream waits on an event no
+    one will record, or on another process that stopped)."""
+
+
+class StandInArray:
+    """Memory of the stand-in device: shape, dtype and views like a CuPy array, but no
+    way for the host to read or write it except through the device's copies and kernels."""
+
+    __collectives_device__ = True  # how the collectives recognise a stand-in array
+
+    def __init__(self, device, memory):
+        self._device = device
+        self._memory = memory  # a NumPy array: the device memory (or a view of it)
+
+    # -- what a CuPy array tells about itself ---------------------------------------------
+    shape = property(lambda self: self._memory.shape)
+    dtype = property(lambda self: self._memory.dtype)
+    size = property(lambda self: self._memory.size)
+    ndim = property(lambda self: self._memory.ndim)
+    nbytes = property(lambda self: self._memory.nbytes)
+    itemsize = property(lambda self: self._memory.itemsize)
+    strides = property(lambda self: self._memory.strides)
+    flags = property(lambda self: self._memory.flags)
+    device = property(lambda self: self._device)
+
+    @property
+    def ptr(self):
+        return self._memory.__array_interface__["data"][0]
+
+    def extent(self):
+        """``(first byte, one past the last byte)`` this array may touch."""
+        return np.byte_bounds(self._memory) if self._memory.size else (self.ptr, self.ptr)
+
+    def __getitem__(self, key):
+        return StandInArray(self._device, self._memory[key])
+
+    def __len__(self):
+        return len(self._memory)
+
+    def reshape(self, *shape):
+        return StandInArray(self._device, self._memory.reshape(*shape))
+
+    def view(self, dtype):
+        return StandInArray(self._device, self._memory.view(dtype))
+
+    def transpose(self, *axes):
+        return StandInArray(self._device, self._memory.transpose(*axes))
+
+    @property
+    def T(self):
+        return self.transpose()
+
+    def __repr__(self):
+        return f"<StandInArray shape={self.shape} dtype={self.dtype.name}>"
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("a StandInArray lives in (stand-in) device memory: use collectives.device.standin.asnumpy")
+
+    def __eq__(self, other):  # like a device array, no silent host comparison
+        raise TypeError("compare StandInArrays on the host: collectives.device.standin.asnumpy(x)")
+
+    __hash__ = object.__hash__
+
+
+class Stream:
+    def __init__(self, device, name):
+        self.device = device
+        self.name = name
+        self.queue = deque()
+
+    def __repr__(self):
+        return f"<stand-in stream {self.name}>"
+
+
+class Event:
+    """CUDA's event: ``record`` captures the work queued on a stream so far; the event is
+    complete once that work has run. A wait captures the latest record at its call."""
+
+    def __init__(self, device):
+        self.device = device
+        self._recorded = 0  # generations: record() calls so far
+        self._completed = 0  # the generation whose marker has run
+
+    def _generation(self):
+        return self._recorded
+
+    def _reached(self, generation):
+        return self._completed >= generation
+
+    def _bump(self):
+        self._recorded += 1
+        return self._recorded
+
+    def _complete(self, generation):
+        self._completed = max(self._completed, generation)
+
+
+class SharedEvent(Event):
+    """An interprocess event: its two counters live in a file that other processes map."""
+
+    def __init__(self, device, path=None):
+        super().__init__(device)
+        self.owner = path is None
+        if self.owner:
+            fd, path = tempfile.mkstemp(prefix="collectives-standin-event-", dir=SHM_DIR)
+            os.ftruncate(fd, 16)
+            device._owned_files.append(path)
+        else:
+            fd = os.open(path, os.O_RDWR)
+        self.path = path
+        self._map = mmap.mmap(fd, 16)
+        os.close(fd)
+        self._counters = np.frombuffer(self._map, np.int64)  # [recorded, completed]
+
+    def _generation(self):
+        return int(self._counters[0])
+
+    def _reached(self, generation):
+        return int(self._counters[1]) >= generation
+
+    def _bump(self):
+        self._counters[0] += 1
+        return int(self._counters[0])
+
+    def _complete(self, generation):
+        if self._counters[1] < generation:
+            self._counters[1] = generation
+
+
+class StandInDevice:
+    """One stand-in GPU (per process). See the module docstring for how it behaves."""
+
+    kind = "standin"
+    ipc_capable = True
+
+    def __init__(self, seed=None):
+        if seed is None:
+            seed = int(os.environ.get("COLLECTIVES_STANDIN_SEED", "0")) + _mpi_rank()
+        self.id = 0
+        self.name = "stand-in device 0"
+        self.uuid = "standin-0"  # one device per node, as ranks sharing one GPU
+        self.multiprocessors = 4
+        self._rng = random.Random(seed)
+        self._lock = threading.RLock()
+        self._streams = []
+        self.null_stream = self.stream("default")
+        self._current = threading.local()
+        self._owned_files = []
+        self._maps = []
+        self.copies = deque(maxlen=1 << 16)  # (direction, bytes) of the latest copies queued, for tests
+        atexit.register(self._remove_files)
+
+    def __repr__(self):
+        return f"<{self.name}>"
+
+    # -- memory -------------------------------------------------------------------------------
+    def empty(self, shape, dtype):
+        """Device memory (contents: garbage)."""
+        memory = np.empty(shape, dtype)
+        memory.view(np.uint8).reshape(-1)[...] = GARBAGE if memory.size else 0
+        return StandInArray(self, memory)
+
+    def pinned(self, nbytes):
+        """Page-locked host memory (here: ordinary memory, filled with garbage)."""
+        memory = np.empty(nbytes, np.uint8)
+        memory[...] = GARBAGE
+        return memory
+
+    # -- streams and events -----------------------------------------------------------------
+    def stream(self, name="stream"):
+        with self._lock:
+            stream = Stream(self, f"{name}#{len(self._streams)}")
+            self._streams.append(stream)
+            return stream
+
+    def current_stream(self):
+        """The stream user work goes to now (``use_stream`` sets it; else the default)."""
+        return getattr(self._current, "stream", None) or self.null_stream
+
+    def event(self, interprocess=False):
+        return SharedEvent(self) if interprocess else Event(self)
+
+    def record(self, event, stream):
+        with self._lock:
+            generation = event._bump()
+            stream.queue.append(("record", event, generation))
+
+    def wait(self, stream, event):
+        """``stream`` runs nothing more until the work ``event`` marks now has run."""
+        with self._lock:
+            stream.queue.append(("wait", event, event._generation()))
+
+    def query(self, event):
+        """Whether ``event``'s work has run. Runs a few queued operations first, chosen
+        at random, as a GPU would have progressed meanwhile."""
+        with self._lock:
+            self._progress(self._rng.randint(0, 2))
+            return event._reached(event._generation())
+
+    def synchronize(self, event):
+        with self._lock:
+            generation = event._generation()
+            self._run_until(lambda: event._reached(generation), f"an event")
+
+    def synchronize_stream(self, stream):
+        with self._lock:
+            marker = Event(self)
+            self.record(marker, stream)
+            self._run_until(lambda: marker._reached(1), f"stream {stream.name}")
+
+    def poll(self):
+        """Let the device make a little progress (a GPU runs without the host; the
+        stand-in only when called). The collectives' progress engine calls this."""
+        with self._lock:
+            self._progress(self._rng.randint(0, 2))
+
+    # -- copies and kernels -----------------------------------------------------------------------
+    def copy(self, dst, src, stream):
+        """Copy ``src`` to ``dst`` (contiguous, the same number of bytes; each a
+        StandInArray or a host NumPy array) when the stream gets there."""
+        dst_memory, src_memory = self._bytes(dst, "dst"), self._bytes(src, "src")
+        if dst_memory.size != src_memory.size:
+            raise ValueError(f"copy of {src_memory.size} bytes into {dst_memory.size}")
+        where = ("device" if isinstance(src, StandInArray) else "host", "device" if isinstance(dst, StandInArray) else "host")
+        self.copies.append(("->".join(where), dst_memory.size))
+        self._enqueue(stream, lambda: np.copyto(dst_memory, src_memory))
+
+    def reduce2(self, stream, op, dtype, dst, a, b):
+        d, x, y = (self._typed(v, dtype) for v in (dst, a, b))
+        self._enqueue(stream, lambda: ops_layer.combine(op, x, y, d))
+
+    def reduce_n(self, stream, op, dtype, dst, sources):
+        d, inputs = self._typed(dst, dtype), [self._typed(s, dtype) for s in sources]
+
+        def run():
+            acc = inputs[0].copy()
+            for x in inputs[1:]:
+                ops_layer.combine(op, acc, x, acc)
+            np.copyto(d, acc)
+
+        self._enqueue(stream, run)
+
+    def divide(self, stream, dtype, x, divisor):
+        target = self._typed(x, dtype)
+        self._enqueue(stream, lambda: np.divide(target, divisor, out=target) if target.size else None)
+
+    def cast_divide(self, stream, src_dtype, dst_dtype, dst, src, divisor):
+        d, s = self._typed(dst, dst_dtype), self._typed(src, src_dtype)
+
+        def run():
+            value = np.divide(s, divisor) if divisor != 1 else s
+            np.copyto(d, value, casting="unsafe")
+
+        self._enqueue(stream, run)
+
+    def pack(self, stream, dst, src):
+        """dst (contiguous) = the elements of the strided view ``src``, in C order."""
+        d, s = dst._memory, src._memory
+        self._enqueue(stream, lambda: np.copyto(d, s.reshape(-1) if s.flags.c_contiguous else s.ravel()))
+
+    def unpack(self, stream, dst, src):
+        """The elements of the strided view ``dst`` = contiguous ``src``."""
+        d, s = dst._memory, src._memory
+        self._enqueue(stream, lambda: np.copyto(d, s.reshape(d.shape)))
+
+    def enqueue(self, stream, function):
+        """Queue arbitrary "device work" on ``stream`` (for tests that play a user
+        computing on their stream)."""
+        self._enqueue(stream, function)
+
+    # -- MPI and IPC -----------------------------------------------------------------------------
+    def mpi_buffer(self, array):
+        """The memory a CUDA-aware MPI reads or writes for ``array``: the device memory
+        itself, with whatever it holds at the moment MPI touches it."""
+        return array._memory
+
+    def ipc_alloc(self, nbytes):
+        """Device memory other processes of the node can map: ``(array, handle)``."""
+        fd, path = tempfile.mkstemp(prefix="collectives-standin-mem-", dir=SHM_DIR)
+        try:
+            os.ftruncate(fd, max(nbytes, 1))
+            mapping = mmap.mmap(fd, max(nbytes, 1))
+        finally:
+            os.close(fd)
+        self._owned_files.append(path)
+        self._maps.append(mapping)
+        memory = np.frombuffer(mapping, np.uint8)[:nbytes]
+        memory[...] = GARBAGE
+        return StandInArray(self, memory), _handle(path)
+
+    def ipc_open(self, handle, nbytes):
+        """Map another process's :meth:`ipc_alloc` memory (its first ``nbytes``)."""
+        path = _path(handle)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            mapping = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._maps.append(mapping)
+        return StandInArray(self, np.frombuffer(mapping, np.uint8)[:nbytes])
+
+    def ipc_event_handle(self, event):
+        return _handle(event.path)
+
+    def ipc_open_event(self, handle):
+        return SharedEvent(self, _path(handle))
+
+    def can_access_peer(self, uuid):
+        return True  # every stand-in of a node is "the same GPU"
+
+    # -- machinery ---------------------------------------------------------------------------------
+    def _bytes(self, x, name):
+        if isinstance(x, StandInArray):
+            memory = x._memory
+        elif isinstance(x, np.ndarray):
+            memory = x
+        else:
+            raise TypeError(f"{name}: expected a StandInArray or a NumPy array; got {type(x).__name__}")
+        if not memory.flags.c_contiguous:
+            raise ValueError(f"{name} must be contiguous for a copy")
+        return memory.reshape(-1).view(np.uint8)
+
+    @staticmethod
+    def _typed(x, dtype):
+        memory = x._memory
+        return memory.view(dtype) if memory.dtype != dtype else memory
+
+    def _enqueue(self, stream, function):
+        with self._lock:
+            stream.queue.append(("run", function, None))
+
+    def _ready(self, entry):
+        return entry[0] != "wait" or entry[1]._reached(entry[2])
+
+    def _step(self):
+        """Run one queued operation from a stream chosen at random among those that can
+        go on; False if none can."""
+        ready = [s for s in self._streams if s.queue and self._ready(s.queue[0])]
+        if not ready:
+            return False
+        stream = self._rng.choice(ready)
+        kind, what, generation = stream.queue.popleft()
+        if kind == "run":
+            what()
+        elif kind == "record":
+            what._complete(generation)
+        return True
+
+    def _progress(self, steps):
+        for _ in range(steps):
+            if not self._step():
+                return
+
+    def _run_until(self, condition, what):
+        deadline = None
+        while not condition():
+            if self._step():
+                continue
+            # Nothing here can run: only another process's work (an IPC event) can help.
+            waiting = [s for s in self._streams if s.queue and s.queue[0][0] == "wait"]
+            if not any(isinstance(s.queue[0][1], SharedEvent) for s in waiting):
+                raise DeviceDeadlock(f"stand-in device: waiting for {what}, whose work can never run "
+                                     f"(streams blocked: {[s.name for s in waiting]})")
+            deadline = deadline or time.monotonic() + _REMOTE_PATIENCE
+            if time.monotonic() > deadline:
+                raise DeviceDeadlock(f"stand-in device: waited {_REMOTE_PATIENCE:.0f} s for another process's "
+                                     f"work before {what}")
+            self._lock.release()  # let a progress thread in meanwhile
+            try:
+                time.sleep(0.0005)
+            finally:
+                self._lock.acquire()
+
+    def _remove_files(self):
+        for path in self._owned_files:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        self._owned_files = []
+
+    # -- the user's stream ---------------------------------------------------------------------------
+    def use_stream(self, stream):
+        """``with device.use_stream(s):`` makes ``s`` the current stream (as
+        ``with cupy.cuda.Stream():``)."""
+        device = self
+
+        class _Use:
+            def __enter__(self):
+                self.previous = getattr(device._current, "stream", None)
+                device._current.stream = stream
+                return stream
+
+            def __exit__(self, *exc):
+                device._current.stream = self.previous
+
+        return _Use()
+
+
+def _handle(path):
+    raw = path.encode()
+    if len(raw) > HANDLE_BYTES:
+        raise ValueError(f"stand-in IPC path too long for a handle: {path}")
+    return raw.ljust(HANDLE_BYTES, b"\0")
+
+
+def _path(handle):
+    return bytes(handle).rstrip(b"\0").decode()
+
+
+def _mpi_rank():
+    try:
+        from mpi4py import MPI
+        return MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else 0
+    except ImportError:  # pragma: no cover - mpi4py is a dependency
+        return 0
+
+
+_device = None
+
+
+def device():
+    """This process's stand-in device (made on first use)."""
+    global _device
+    if _device is None:
+        _device = StandInDevice()
+    return _device
+
+
+# -- what tests use, in the manner of cupy.asarray / cupy.asnumpy ------------------------------------
+def asarray(host, stream=None):
+    """A new device array holding ``host`` (copied when the stream gets there; the host
+    array may change meanwhile, as a pageable copy would allow)."""
+    host = np.asarray(host)
+    dev = device()
+    array = dev.empty(host.shape, host.dtype)
+    snapshot = np.ascontiguousarray(host).copy()
+    dev.copy(array.reshape(-1) if array.size else array, snapshot.reshape(-1), stream or dev.current_stream())
+    return array
+
+
+def asnumpy(array, stream=None):
+    """``array``'s values on the host, after the work queued on ``stream`` (default:
+    the current stream) has run, as ``cupy.asnumpy``."""
+    dev = device()
+    dev.synchronize_stream(stream or dev.current_stream())
+    return array._memory.copy()
+
+
+def empty(shape, dtype):
+    return device().empty(shape, dtype)
+
+
+def zeros(shape, dtype, stream=None):
+    return asarray(np.zeros(shape, dtype), stream)
+
+
+def bfloat16():
+    """NumPy's bfloat16 (ml_dtypes), for stand-in arrays of it."""
+    return next(d for d in EXTRA_DTYPES if d.name == "bfloat16")

@@ -1,0 +1,565 @@
+"""The device executor: the same compiled plans as the MPI transport, on device buffers.
+
+A plan's local operations become kernels; each message goes one of three ways, chosen
+per peer once per communicator (:func:`negotiate`), every rank agreeing:
+
+    staged      Send: copy the segment device -> pinned host (stream d2h), then Isend.
+                Recv: Irecv into pinned host, then host -> device (stream h2d); the
+                kernel that reduces it runs on the device (stream compute).
+    cuda-aware  the device memory goes to MPI itself, once the work that produces
+                (or last reads) it has finished (COLLECTIVES_CUDA_AWARE, or detected).
+    ipc         ranks of one node: the sender copies the segment into a slot of its own
+                IPC memory (stream p2p) and records an interprocess event; a 160-byte
+                control message tells the receiver the slot, its handles and the size;
+                the receiver's stream waits for that event and copies straight out of
+                the sender's memory, then acknowledges so the slot can be reused.
+
+Plans for the device are cut into segments (``split_schedule``: any algorithm, each
+message and reduction in pieces of ``device_segment_size`` bytes), and every
+operation waits only for the operations it depends on, each on the stream it runs
+on, through events: so the copy of segment k+1, the message of segment k and the
+reduction of segment k-1 run at once. Nothing ever copies a whole buffer to the
+host to reduce it there.
+
+The user's stream: a call starts by making its streams wait for the work the user
+queued so far on their current stream (an event), and ends by making that stream wait
+for its own work; so a blocking call's result, or a handle's once it completes, is
+ready on the user's stream, as NCCL's are.
+
+The host learns that device work has finished by querying events from the progress
+engine (:class:`~collectives.transport.mpi.Progress`), never by blocking on them, so
+timeouts, stall warnings, liveness probes and the broken-communicator rules hold as
+on the host.
+"""
+
+import os
+
+import numpy as np
+from mpi4py import MPI
+
+from ..errors import CollectiveError, MessageSizeError, TransportError
+from ..schedule import Copy, Recv, Reduce, Send
+from .buffers import Buffers
+from .mpi import Handle, PlanHandle, _at
+
+DEFAULT_SEGMENT_SIZE = 4 << 20  # bytes per pipelining segment on the device
+_CONTROL_WORDS = 20  # int64s of an IPC control message: slot, bytes, capacity, -, 8 + 8 of handles
+_HANDLE_WORDS = 8  # a 64-byte IPC handle in int64s
+
+
+def cuda_aware_mpi():
+    """Whether MPI takes device pointers: ``COLLECTIVES_CUDA_AWARE=0/1`` if set, else
+    ``MPIX_Query_cuda_support()`` of the MPI library this process has loaded."""
+    text = os.environ.get("COLLECTIVES_CUDA_AWARE", "").strip().lower()
+    if text in ("0", "false", "no", "off"):
+        return False
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text not in ("", "auto"):
+        raise ValueError(f"COLLECTIVES_CUDA_AWARE must be 0, 1 or auto; got {text!r}")
+    return _query_cuda_support()
+
+
+def _query_cuda_support():
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "libmpi" in line and "/" in line})
+    except OSError:
+        return False
+    for path in paths:
+        try:
+            query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support")
+        except (OSError, AttributeError):
+            continue
+        query.restype = ctypes.c_int
+        return bool(query())
+    return False
+
+
+def _ipc_wanted():
+    text = os.environ.get("COLLECTIVES_CUDA_IPC", "").strip().lower()
+    if text in ("0", "false", "no", "off"):
+        return False
+    if text not in ("", "1", "true", "yes", "on", "auto"):
+        raise ValueError(f"COLLECTIVES_CUDA_IPC must be 0, 1 or auto; got {text!r}")
+    return True
+
+
+class _Pool:
+    """Buffers reused between messages and calls (pinned host memory, or device
+    workspace), in power-of-two size classes. A buffer comes back either at once or
+    once an event says the device has stopped using it."""
+
+    def __init__(self, backend, allocate, keep=64):
+        self._backend = backend
+        self._allocate = allocate  # nbytes -> a uint8 buffer
+        self._free = {}  # size class -> [buffer]
+        self._pending = []  # (buffer, event): free once the event completes
+        self._keep = keep
+
+    def take(self, nbytes):
+        size = 1 << max(int(nbytes) - 1, 0).bit_length() if nbytes > 0 else 1
+        if self._pending:
+            still = []
+            for buffer, event in self._pending:
+                if self._backend.query(event):
+                    self._give(buffer)
+                else:
+                    still.append((buffer, event))
+            self._pending = still
+        free = self._free.get(size)
+        buffer = free.pop() if free else self._allocate(size)
+        return buffer
+
+    def give(self, buffer, after=None):
+        if after is None:
+            self._give(buffer)
+        else:
+            self._pending.append((buffer, after))
+
+    def _give(self, buffer):
+        free = self._free.setdefault(len(buffer), [])
+        if len(free) < self._keep:
+            free.append(buffer)
+
+
+class _Slot:
+    """One IPC send buffer of this rank and the interprocess event that marks its data."""
+
+    def __init__(self, backend, index, capacity):
+        self.index, self.capacity = index, capacity
+        self.array, self.handle = backend.ipc_alloc(capacity)
+        self.event = backend.event(interprocess=True)
+        self.event_handle = backend.ipc_event_handle(self.event)
+
+
+class DeviceContext:
+    """What one communicator keeps per device: its four streams, pools, and the path to
+    every peer. Made by :func:`negotiate` (collectively) at the first device call."""
+
+    def __init__(self, backend, paths, ack_comm, segment_size, cuda_aware=False):
+        self.backend = backend
+        self.cuda_aware = cuda_aware  # MPI takes device memory (for native, and the non-IPC peers)
+        self.paths = paths  # rank -> "staged" | "cuda-aware" | "ipc" ("self" for this rank)
+        self.ack_comm = ack_comm  # IPC acknowledgements travel here (their own matching)
+        self.segment_size = segment_size
+        self.compute = backend.stream("compute")
+        self.d2h = backend.stream("d2h")
+        self.h2d = backend.stream("h2d")
+        self.p2p = backend.stream("p2p")
+        self.streams = (self.compute, self.d2h, self.h2d, self.p2p)
+        self.pinned = _Pool(backend, backend.pinned)
+        self.workspace = _Pool(backend, lambda n: backend.empty(n, np.uint8))
+        self._slots = []  # this rank's IPC send slots
+        self._free_slots = []
+        self._opened = {}  # (peer, slot index) -> (array, event) of a peer's slot
+        self._last_end = None  # the event after the latest finished call's work
+
+    # -- calls --------------------------------------------------------------------------------
+    def begin(self, user_stream):
+        """Order this call's device work after what the user queued on ``user_stream``
+        and after the calls that finished before (whose workspace it may reuse).
+        Returns the event a host must wait for before MPI may touch the call's device
+        memory itself (CUDA-aware)."""
+        started = self.backend.event()
+        self.backend.record(started, user_stream)
+        for stream in self.streams:
+            self.backend.wait(stream, started)
+            if self._last_end is not None:
+                self.backend.wait(stream, self._last_end)
+        if self._last_end is None:
+            return started
+        ready = self.backend.event()  # after the user's work and the previous calls'
+        self.backend.record(ready, self.compute)
+        return ready
+
+    def fan_out(self):
+        """Make the other streams wait for what is queued on the compute stream (the
+        packing of a non-contiguous input, before the plan's copies read it). Returns
+        the event that marks it (the call's inputs are ready)."""
+        marker = self.backend.event()
+        self.backend.record(marker, self.compute)
+        for stream in self.streams[1:]:
+            self.backend.wait(stream, marker)
+        return marker
+
+    def join(self):
+        """Make the compute stream wait for everything queued on the other streams."""
+        for stream in self.streams[1:]:
+            marker = self.backend.event()
+            self.backend.record(marker, stream)
+            self.backend.wait(self.compute, marker)
+
+    def end(self, user_stream):
+        """After :meth:`join` and the call's last kernels: the user's stream waits for them."""
+        done = self.backend.event()
+        self.backend.record(done, self.compute)
+        self.backend.wait(user_stream, done)
+        self._last_end = done
+
+    def take_workspace(self, count, dtype):
+        """A device buffer of ``count`` elements of ``dtype`` (and the raw buffer to give back)."""
+        if count == 0:
+            return None, self.backend.empty(0, dtype)
+        raw = self.workspace.take(count * np.dtype(dtype).itemsize)
+        return raw, raw[: count * np.dtype(dtype).itemsize].view(dtype)
+
+    # -- IPC slots -------------------------------------------------------------------------------
+    def take_slot(self, nbytes):
+        for k, slot in enumerate(self._free_slots):
+            if slot.capacity >= nbytes:
+                return self._free_slots.pop(k)
+        capacity = max(1 << max(int(nbytes) - 1, 0).bit_length(), 64 << 10)
+        slot = _Slot(self.backend, len(self._slots), capacity)
+        self._slots.append(slot)
+        return slot
+
+    def give_slot(self, slot):
+        self._free_slots.append(slot)
+
+    def slot(self, index):
+        return self._slots[index]
+
+    def open_peer_slot(self, peer, index, capacity, handle, event_handle):
+        key = (peer, index)
+        if key not in self._opened:
+            self._opened[key] = (self.backend.ipc_open(handle, capacity), self.backend.ipc_open_event(event_handle))
+        return self._opened[key]
+
+    def free(self):
+        if self.ack_comm is not None and self.ack_comm != MPI.COMM_NULL:
+            self.ack_comm.Free()
+
+
+def negotiate(comm, node_comm, backend, segment_size, request):
+    """The device context of ``comm`` (an mpi4py communicator, the library's private
+    one) for ``backend``. Collective: every rank says whether it can use CUDA IPC and
+    which device it uses, and checks whether it can reach each same-node peer's device;
+    a pair uses IPC only where both ranks can. ``request(start, nbytes)`` runs one
+    non-blocking MPI call to completion through the communicator's progress engine."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    node = node_comm.Get_group().Translate_ranks(list(range(node_comm.Get_size())), comm.Get_group())
+    same_node = set(node)
+    ipc = bool(backend.ipc_capable and _ipc_wanted())
+    uuid = np.frombuffer(backend.uuid.encode().ljust(64, b"\0")[:64], np.uint8)
+    mine = np.concatenate([np.array([ipc], np.uint8), uuid])
+    everyone = np.empty((size, mine.size), np.uint8)
+    request(lambda: comm.Iallgather(mine, everyone), everyone.nbytes)
+    reach = np.zeros(size, np.uint8)
+    for peer in same_node:
+        if peer != rank and ipc and everyone[peer, 0]:
+            reach[peer] = backend.can_access_peer(everyone[peer, 1:].tobytes().rstrip(b"\0").decode())
+    reaches = np.empty((size, size), np.uint8)
+    request(lambda: comm.Iallgather(reach, reaches), reaches.nbytes)
+    aware = cuda_aware_mpi()
+    paths = {}
+    for peer in range(size):
+        if peer == rank:
+            paths[peer] = "self"
+        elif reaches[rank, peer] and reaches[peer, rank]:
+            paths[peer] = "ipc"
+        else:
+            paths[peer] = "cuda-aware" if aware else "staged"
+    ack_comm = comm.Dup() if "ipc" in paths.values() or size > 1 else None
+    return DeviceContext(backend, paths, ack_comm, segment_size, aware)
+
+
+# -- running a plan on device buffers ---------------------------------------------------------------
+class DevicePlanHandle(PlanHandle):
+    """Runs a compiled plan (cut into device segments) on device buffers.
+
+    MPI matches messages between two ranks in the order they are posted, so this
+    handle posts its sends (and receives) to each peer in schedule order even where
+    they become ready out of order (a later segment's device copy can finish first):
+    each waits in ``_order`` until those before it are posted."""
+
+    def __init__(self, progress, describe, finish, comm, tag, plan, buffers, op, dtype, ctx, inputs_ready,
+                 timeout=None, call=0):
+        self._ctx, self._dtype, self._backend = ctx, dtype, ctx.backend
+        self._inputs_ready = inputs_ready  # the event before which MPI must not touch the buffers (None: passed)
+        self._done_on = [None] * len(plan.ops)  # (stream, event) of op i's device work, once queued
+        self._order = {}  # (kind, peer) -> deque of [op, post or None] in schedule order
+        self._waiting_for = {}  # op -> device events the host still waits for before posting it
+        self._parts = {}  # IPC send op -> completions missing (control message sent, acknowledgement back)
+        self._slot_of = {}  # IPC send op -> its slot
+        self._op_of_slot = {}  # slot index -> the IPC send op using it
+        self._aux = 0  # messages beside the plan's (IPC acknowledgements) still in flight
+        self._pinned = {}  # op -> the whole pinned buffer it stages through
+        self._messages = {}  # token -> small host buffers of IPC control messages and acknowledgements
+        super().__init__(progress, describe, finish, comm, tag, plan, buffers, op, timeout, call)
+
+    # -- device work ordered after what it depends on --------------------------------------------
+    def _after_predecessors(self, i, stream):
+        """Make ``stream`` wait for the device work of every operation ``i`` depends on."""
+        for p in self._execution.plan.predecessors[i]:
+            queued = self._done_on[p]
+            if queued is not None and queued[0] is not stream:
+                self._backend.wait(stream, queued[1])
+
+    def _queued(self, i, stream):
+        event = self._backend.event()
+        self._backend.record(event, stream)
+        self._done_on[i] = (stream, event)
+        return event
+
+    def _run_local(self, i):
+        op = self._execution.plan.ops[i]
+        stream = self._ctx.compute
+        self._after_predecessors(i, stream)
+        view = self._buffers.view
+        if isinstance(op, Copy):
+            self._backend.copy(view(op.dst), view(op.src), stream)
+        else:
+            self._backend.reduce2(stream, self._op, self._dtype, view(op.dst), view(op.a), view(op.b))
+        self._queued(i, stream)
+
+    # -- posting, in schedule order per peer ------------------------------------------------------
+    def _enlist(self, kind, peer, i):
+        """Reserve ``i``'s place among the MPI posts of ``kind`` to ``peer``."""
+        self._order.setdefault((kind, peer), []).append([i, None])
+
+    def _ready(self, kind, peer, i, post):
+        """``i`` may be posted (``post()``); post it and whatever it held up, in order."""
+        queue = self._order[(kind, peer)]
+        for entry in queue:
+            if entry[0] == i:
+                entry[1] = post
+                break
+        while queue and queue[0][1] is not None:
+            queue.pop(0)[1]()
+
+    def _post(self, i):
+        op = self._execution.plan.ops[i]
+        path = self._ctx.paths[op.peer]
+        view = self._buffers.view(op.src if isinstance(op, Send) else op.dst)
+        self._in_flight[i] = view.nbytes
+        if path == "ipc":
+            (self._ipc_send if isinstance(op, Send) else self._ipc_recv_post)(i, op, view)
+            return
+        kind = "send" if isinstance(op, Send) else "recv"
+        self._enlist(kind, op.peer, i)
+        if path == "cuda-aware":  # MPI touches the device memory: first the work it depends on
+            events = [self._done_on[p][1] for p in self._execution.plan.predecessors[i]
+                      if self._done_on[p] is not None]
+            if self._inputs_ready is not None:  # and the user's work, the packing, earlier calls
+                if self._backend.query(self._inputs_ready):
+                    self._inputs_ready = None
+                else:
+                    events.append(self._inputs_ready)
+            if not events:
+                self._ready(kind, op.peer, i, lambda: self._post_device_memory(i))
+                return
+            self._waiting_for[i] = len(events)
+            for event in events:
+                self._progress.add_device(self, ("ready", i), self._backend, event)
+        elif isinstance(op, Send):  # staged: device -> pinned host, then the message
+            stream = self._ctx.d2h
+            self._after_predecessors(i, stream)
+            pinned = self._pinned[i] = self._ctx.pinned.take(view.nbytes)
+            self._backend.copy(pinned[: view.nbytes], view, stream)
+            self._progress.add_device(self, ("staged", i), self._backend, self._queued(i, stream))
+        else:
+            pinned = self._pinned[i] = self._ctx.pinned.take(view.nbytes)
+            self._ready(kind, op.peer, i, lambda: self._mpi(self._comm.Irecv, pinned[: view.nbytes], op.peer,
+                                                            ("recv", i)))
+
+    def _mpi(self, call, buffer, peer, token):
+        try:
+            request = call([buffer, MPI.BYTE], peer, self._tag)
+        except MPI.Exception as exc:
+            raise TransportError(f"{self._describe}: MPI failed to post a message: {exc}") from exc
+        self._add_request(request, token)
+
+    def _post_device_memory(self, i):
+        op = self._execution.plan.ops[i]
+        if isinstance(op, Send):
+            self._mpi(self._comm.Isend, self._backend.mpi_buffer(self._buffers.view(op.src)), op.peer, ("send", i))
+        else:
+            self._mpi(self._comm.Irecv, self._backend.mpi_buffer(self._buffers.view(op.dst)), op.peer, ("recv", i))
+
+    # -- IPC --------------------------------------------------------------------------------------------
+    def _ipc_send(self, i, op, view):
+        ctx, stream = self._ctx, self._ctx.p2p
+        self._after_predecessors(i, stream)
+        slot = ctx.take_slot(view.nbytes)
+        self._backend.copy(slot.array[: view.nbytes], view, stream)
+        self._backend.record(slot.event, stream)  # before the control message: the receiver waits for it
+        control = np.zeros(_CONTROL_WORDS, np.int64)
+        control[:3] = (slot.index, view.nbytes, slot.capacity)
+        control[4:12] = np.frombuffer(slot.handle, np.int64)
+        control[12:20] = np.frombuffer(slot.event_handle, np.int64)
+        ack = np.empty(1, np.int64)
+        self._messages[("control", i)], self._messages[("ack", i)] = control, ack
+        self._slot_of[i], self._op_of_slot[slot.index] = slot, i
+        self._parts[i] = 2
+        self._mpi(self._comm.Isend, control, op.peer, ("ipc-sent", i))
+        self._mpi(ctx.ack_comm.Irecv, ack, op.peer, ("ipc-ack", i))
+
+    def _ipc_recv_post(self, i, op, view):
+        control = self._messages[("control", i)] = np.empty(_CONTROL_WORDS, np.int64)
+        self._mpi(self._comm.Irecv, control, op.peer, ("ipc-recv", i))
+
+    def _ipc_received(self, i, status):
+        op = self._execution.plan.ops[i]
+        control = self._messages.pop(("control", i))
+        got, expected = status.Get_count(MPI.BYTE), self._in_flight[i]
+        if got != control.nbytes:
+            raise self._size_error(i, op, got, f"a {control.nbytes}-byte IPC control message")
+        if int(control[1]) != expected:
+            raise self._size_error(i, op, int(control[1]), f"{expected} B")
+        index, nbytes, capacity = (int(v) for v in control[:3])
+        peer_array, peer_event = self._ctx.open_peer_slot(op.peer, index, capacity, control[4:12].tobytes(),
+                                                          control[12:20].tobytes())
+        stream = self._ctx.p2p
+        self._backend.wait(stream, peer_event)  # the sender's copy into its slot has run
+        self._after_predecessors(i, stream)
+        self._backend.copy(self._buffers.view(op.dst), peer_array[:nbytes], stream)
+        self._aux += 1  # the acknowledgement, sent once the copy has run, in order
+        self._enlist("ack", op.peer, i)
+        self._progress.add_device(self, ("ipc-copied", i, index), self._backend, self._queued(i, stream))
+        self._complete(i)
+
+    def _ipc_acknowledge(self, i, index):
+        op = self._execution.plan.ops[i]
+        ack = self._messages[("sent ack", i)] = np.array([index], np.int64)
+        self._ready("ack", op.peer, i, lambda: self._mpi(self._ctx.ack_comm.Isend, ack, op.peer, ("ack-sent", i)))
+
+    def _ipc_part_done(self, i):
+        self._parts[i] -= 1
+        if self._parts[i] == 0:
+            del self._parts[i]
+            slot = self._slot_of.pop(i)
+            del self._op_of_slot[slot.index]
+            self._ctx.give_slot(slot)
+            self._complete(i)
+
+    # -- completions ------------------------------------------------------------------------------------
+    def _on_request_done(self, token, status):
+        kind, i = token
+        if kind == "send":
+            if i in self._pinned:
+                self._ctx.pinned.give(self._pinned.pop(i))
+            self._complete(i)
+        elif kind == "recv":
+            op = self._execution.plan.ops[i]
+            got, expected = status.Get_count(MPI.BYTE), self._in_flight[i]
+            if got != expected:
+                raise self._size_error(i, op, got, f"{expected} B")
+            pinned = self._pinned.pop(i, None)
+            if pinned is not None:  # staged: host -> device, after what the slice waits for
+                stream = self._ctx.h2d
+                self._after_predecessors(i, stream)
+                self._backend.copy(self._buffers.view(op.dst), pinned[:expected], stream)
+                self._ctx.pinned.give(pinned, after=self._queued(i, stream))
+            self._complete(i)
+        elif kind == "ipc-recv":
+            self._ipc_received(i, status)
+        elif kind == "ipc-sent":
+            self._messages.pop(("control", i))
+            self._ipc_part_done(i)
+        elif kind == "ipc-ack":
+            ack = self._messages.pop(("ack", i))
+            op = self._execution.plan.ops[i]
+            if status.Get_count(MPI.BYTE) != ack.nbytes or int(ack[0]) not in self._op_of_slot:
+                raise self._size_error(i, op, status.Get_count(MPI.BYTE), "an acknowledgement of an IPC slot in use")
+            self._ipc_part_done(self._op_of_slot[int(ack[0])])
+        elif kind == "ack-sent":
+            self._messages.pop(("sent ack", i))
+            self._aux -= 1
+
+    def _on_device_done(self, token):
+        kind, i = token[0], token[1]
+        op = self._execution.plan.ops[i]
+        if kind == "staged":  # the segment is in pinned memory: send it (in order)
+            buffer = self._pinned[i][: self._in_flight[i]]
+            self._ready("send", op.peer, i, lambda: self._mpi(self._comm.Isend, buffer, op.peer, ("send", i)))
+        elif kind == "ready":
+            self._waiting_for[i] -= 1
+            if self._waiting_for[i] == 0:
+                del self._waiting_for[i]
+                kind = "send" if isinstance(op, Send) else "recv"
+                self._ready(kind, op.peer, i, lambda: self._post_device_memory(i))
+        elif kind == "ipc-copied":
+            self._ipc_acknowledge(i, token[2])
+
+    def _complete(self, i):
+        self._bytes_done += self._in_flight.pop(i, 0)
+        try:
+            self._execution.complete(i)
+        except MPI.Exception as exc:
+            raise TransportError(f"{self._describe}: MPI failed to post a message: {exc}") from exc
+
+    def _size_error(self, i, op, got, expected):
+        return _at(MessageSizeError(f"{self._describe}: step {self._step(i)}: received {got} B from rank {op.peer} "
+                                    f"where the schedule expects {expected}; the ranks called it with buffers of "
+                                    "different sizes, or some with host and some with device arrays"), op.peer, i + 1)
+
+    def _is_done(self):
+        return self._execution.done and self._aux == 0
+
+    def _cancel(self, request, token):
+        if token[0] in ("recv", "ipc-recv", "ipc-ack"):
+            request.Cancel()
+
+    def _outstanding(self):
+        text = super()._outstanding()
+        device = sum(1 for entry in self._progress._device if entry[0] is self)
+        if device:
+            text += f"; {device} device operation(s) the host waits for"
+        return text
+
+
+class DeviceNativeHandle(Handle):
+    """``native`` on device buffers: the MPI library's own collective on host copies
+    (staged: the input device -> pinned host, MPI, the result back), or on the device
+    buffers themselves where MPI is CUDA-aware."""
+
+    def __init__(self, progress, describe, finish, ctx, start_mpi, host_in, host_out, dev_in, dev_out, timeout, call,
+                 nbytes):
+        super().__init__(progress, describe, finish, timeout, call)
+        self._ctx, self._backend = ctx, ctx.backend
+        self._start_mpi = start_mpi  # (send buffer, receive buffer) -> request
+        self._host_in, self._host_out = host_in, host_out  # pinned buffers (None: CUDA-aware)
+        self._dev_in, self._dev_out = dev_in, dev_out
+        self._nbytes = nbytes
+        self._pending = 1
+
+    def start(self):
+        ctx = self._ctx
+        stream = ctx.d2h
+        if self._host_in is not None and self._dev_in is not None:
+            ctx.backend.copy(self._host_in, self._dev_in, stream)
+        event = ctx.backend.event()
+        ctx.backend.record(event, stream)
+        self._begin_waiting(event)
+        self._begin()
+        return self
+
+    def _begin_waiting(self, event):
+        self._progress.add_device(self, ("input", 0), self._backend, event)
+
+    def _on_device_done(self, token):
+        if self._host_in is not None:
+            send, receive = self._host_in, self._host_out
+        else:
+            send = None if self._dev_in is None else self._backend.mpi_buffer(self._dev_in)
+            receive = None if self._dev_out is None else self._backend.mpi_buffer(self._dev_out)
+        try:
+            request = self._start_mpi(send, receive)
+        except MPI.Exception as exc:
+            raise TransportError(f"{self._describe}: the MPI library refused the call: {exc}") from exc
+        self._add_request(request, 0)
+
+    def _on_request_done(self, _token, _status):
+        if self._host_out is not None and self._dev_out is not None:
+            self._backend.copy(self._dev_out, self._host_out, self._ctx.h2d)
+        self._pending = 0
+
+    def _is_done(self):
+        return self._pending == 0
+
+    def _outstanding(self):
+        return (f"inside the MPI library's own collective ({self._nbytes} B on host copies of device buffers; it "
+                "does not say which peers it waits for)")

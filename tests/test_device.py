@@ -1,0 +1,318 @@
+"""The device path, through the stand-in GPU (``collectives.device.standin``), at every
+world size the MPI suite runs (1 serially, 2-8 under mpiexec).
+
+The stand-in runs queued copies and kernels only when something waits for them, and
+then in a random order across streams; new memory holds garbage. So a wait missing
+from the executor gives wrong data here, every run, instead of a rare race on a GPU.
+Every result is compared with the host path's, bit for bit, on the same inputs, and
+with NumPy; the three ways of moving device messages (CUDA IPC between ranks of a
+node, staging through pinned host memory, and CUDA-aware MPI) each run everything.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+import collectives as cc
+from collectives.device import standin as si
+from collectives.device import bfloat16
+from conftest import ALL_DTYPES, agree, counts_for, expected_result, ops_for, rank_input
+
+PATHS = {
+    "ipc": {},
+    "staged": {"COLLECTIVES_CUDA_IPC": "0"},
+    "cuda-aware": {"COLLECTIVES_CUDA_IPC": "0", "COLLECTIVES_CUDA_AWARE": "1"},
+}
+SEGMENT = 256  # bytes per device segment: the larger calls here are cut into several
+ALGORITHMS = [(c, a) for c in cc.COLLECTIVES for a in cc.algorithms(c)]
+REDUCING = ("allreduce", "reduce_scatter", "reduce")
+
+
+def device_communicator(path, **options):
+    """A communicator whose device messages go ``path``'s way (the choice is made at
+    its first device call, from the environment, on every rank alike)."""
+    saved = {k: os.environ.get(k) for k in ("COLLECTIVES_CUDA_IPC", "COLLECTIVES_CUDA_AWARE")}
+    os.environ.update(PATHS[path])
+    try:
+        comm = cc.Communicator(device_segment_size=options.pop("device_segment_size", SEGMENT), **options)
+        comm.allreduce(si.asarray(np.ones(1, np.float32)))  # the negotiation
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return comm
+
+
+@pytest.fixture(scope="module", params=list(PATHS))
+def dcomm(request):
+    comm = device_communicator(request.param)
+    expected = {"ipc": "ipc", "staged": "staged", "cuda-aware": "cuda-aware"}[request.param]
+    ctx = next(iter(comm._devices.values()))
+    assert all(path == expected for peer, path in ctx.paths.items() if peer != comm.rank), ctx.paths
+    yield comm
+    comm.free()
+
+
+def call(comm, collective, x, algorithm, op="sum", root=0, out=None):
+    if collective == "allreduce":
+        return comm.allreduce(x, op=op, algorithm=algorithm, out=out)
+    if collective == "reduce_scatter":
+        return comm.reduce_scatter(x, op=op, algorithm=algorithm, out=out)
+    if collective == "allgather":
+        return comm.allgather(x, algorithm=algorithm, out=out)
+    if collective == "broadcast":
+        return comm.broadcast(x, root=root, algorithm=algorithm)
+    return comm.reduce(x, root=root, op=op, algorithm=algorithm, out=out)
+
+
+def host_and_device(comm, collective, algorithm, host_x, op="sum", root=0):
+    """The same call on the host and on the stand-in device: (host result, device
+    result on the host, the device input afterwards)."""
+    want = call(comm, collective, host_x.copy(), algorithm, op, root)
+    x = si.asarray(host_x)
+    got = call(comm, collective, x, algorithm, op, root)
+    got = None if got is None else si.asnumpy(got)
+    return want, got, si.asnumpy(x)
+
+
+def differs(want, got):
+    """A description of how ``got`` differs from ``want`` bit for bit (None if not)."""
+    if want is None or got is None:
+        return None if want is None and got is None else f"one is None: host {want}, device {got}"
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return f"device {got.dtype}{got.shape} vs host {want.dtype}{want.shape}"
+    if got.tobytes() != want.tobytes():
+        return f"device {got.ravel()[:4]} vs host {want.ravel()[:4]}"
+    return None
+
+
+@pytest.mark.parametrize("collective,algorithm", ALGORITHMS)
+def test_every_collective_and_algorithm_equals_the_host_path(dcomm, mpi_comm, collective, algorithm):
+    comm, problems = dcomm, []
+    roots = sorted({0, comm.size - 1}) if collective in ("broadcast", "reduce") else [0]
+    for count in counts_for(comm.size, large=False) + [1000]:
+        for root in roots:
+            xs = [rank_input(r, count, "float32") for r in range(comm.size)]
+            x = xs[comm.rank].copy()
+            if collective == "broadcast" and comm.rank != root:
+                x[...] = 0
+            want, got, after = host_and_device(comm, collective, algorithm, x, "sum", root)
+            label = f"{collective}/{algorithm} n={count} root={root}"
+            problem = differs(want, got)
+            numpy = expected_result(collective, comm.rank, comm.size, xs, "sum", root)
+            if problem:
+                problems.append(f"{label}: {problem}")
+            elif numpy is not None and not np.array_equal(got, numpy):
+                problems.append(f"{label}: {got[:4]} != numpy {numpy[:4]}")
+            if collective != "broadcast" and after.tobytes() != x.tobytes():
+                problems.append(f"{label}: the device input was modified")
+    agree(mpi_comm, problems)
+
+
+@pytest.mark.parametrize("collective,algorithm", [ca for ca in ALGORITHMS if ca[0] in REDUCING])
+def test_every_dtype_and_op_equals_the_host_path(dcomm, mpi_comm, collective, algorithm):
+    if next(iter(dcomm._devices.values())).paths.get((dcomm.rank + 1) % dcomm.size) not in ("ipc", "self"):
+        pytest.skip("the dtype sweep runs once, on the IPC path (the paths move bytes; dtypes matter to kernels)")
+    comm, problems = dcomm, []
+    for dtype in ALL_DTYPES:
+        for op in ops_for(dtype):
+            xs = [rank_input(r, 37, dtype, op) for r in range(comm.size)]
+            want, got, _ = host_and_device(comm, collective, algorithm, xs[comm.rank], op, comm.size - 1)
+            problem = differs(want, got)
+            if problem:
+                problems.append(f"{collective}/{algorithm} {dtype} {op}: {problem}")
+    agree(mpi_comm, problems)
+
+
+@pytest.mark.parametrize("algorithm", cc.algorithms("allreduce"))
+def test_allreduce_in_place_out_and_strided(dcomm, mpi_comm, algorithm):
+    comm, problems = dcomm, []
+    xs = [rank_input(r, 6 * 7, "int32").reshape(6, 7) for r in range(comm.size)]
+    want = comm.allreduce(xs[comm.rank], algorithm="native")
+    # in place
+    x = si.asarray(xs[comm.rank])
+    if comm.allreduce(x, algorithm=algorithm, out=x) is not x or differs(want, si.asnumpy(x)):
+        problems.append("in place")
+    # into a given out
+    out = si.empty((6, 7), np.int32)
+    if comm.allreduce(si.asarray(xs[comm.rank]), algorithm=algorithm, out=out) is not out or \
+            differs(want, si.asnumpy(out)):
+        problems.append("out=")
+    # a strided input and a strided out (every other column of a wider array)
+    wide = si.asarray(np.repeat(xs[comm.rank], 2, axis=1))
+    canvas = si.asarray(np.full((6, 14), -1, np.int32))
+    got = comm.allreduce(wide[:, ::2], algorithm=algorithm, out=canvas[:, 1::2])
+    host = si.asnumpy(canvas)
+    if differs(want, np.ascontiguousarray(host[:, 1::2])) or (host[:, ::2] != -1).any():
+        problems.append(f"strided in and out: {host[0]}")
+    if got is None or got.shape != (6, 7):
+        problems.append("strided out: not returned")
+    # in place on a strided view
+    view = si.asarray(np.repeat(xs[comm.rank], 2, axis=0))[::2]
+    comm.allreduce(view, algorithm=algorithm, out=view)
+    if differs(want, si.asnumpy(view)):
+        problems.append("in place, strided")
+    # out overlapping x without being x: x is read before out is written
+    both = si.asarray(np.concatenate([xs[comm.rank].ravel(), np.zeros(3, np.int32)]))
+    comm.allreduce(both[:42], algorithm=algorithm, out=both[3:45])
+    if differs(want.ravel(), si.asnumpy(both)[3:45]):
+        problems.append("out overlapping x")
+    agree(mpi_comm, problems)
+
+
+def test_results_are_ready_on_the_users_stream(dcomm, mpi_comm):
+    """The input is written by work queued on the user's own stream (not run yet), and
+    the result is read through that stream: the collective waited for the first and
+    the stream for the second. The stand-in runs neither unless someone waits."""
+    comm, problems = dcomm, []
+    dev = si.device()
+    mine = dev.stream("user")
+    with dev.use_stream(mine):
+        for algorithm in cc.algorithms("allreduce"):
+            x = si.empty(1001, np.float64)
+            values = rank_input(comm.rank, 1001, "float64")
+            dev.copy(x, values.copy(), mine)  # queued on the user's stream, runs only when waited for
+            got = comm.allreduce(x, algorithm=algorithm)
+            want = comm.allreduce(values, algorithm="native")
+            if differs(want, si.asnumpy(got, stream=mine)):
+                problems.append(algorithm)
+            handle = comm.allreduce_async(x, op="max", algorithm=algorithm)
+            result = handle.wait()
+            if differs(comm.allreduce(values, op="max", algorithm="native"), si.asnumpy(result, stream=mine)):
+                problems.append(f"{algorithm} async")
+    agree(mpi_comm, problems)
+
+
+def test_several_calls_in_flight_together(dcomm, mpi_comm):
+    comm, problems = dcomm, []
+    xs = [rank_input(r, 501, "float32") for r in range(comm.size)]
+    x = si.asarray(xs[comm.rank])
+    handles = [comm.allreduce_async(x, algorithm=a) for a in ("ring", "direct", "recursive_halving", "tree")]
+    handles.append(comm.allgather_async(x[:7], algorithm="bruck"))
+    handles.append(comm.reduce_scatter_async(x, algorithm="ring"))
+    results = [h.wait() for h in reversed(handles)][::-1]
+    total = sum(xs)
+    for k, result in enumerate(results[:4]):
+        if not np.array_equal(si.asnumpy(result), total):
+            problems.append(f"allreduce {k}")
+    if not np.array_equal(si.asnumpy(results[4]), np.stack([v[:7] for v in xs])):
+        problems.append("allgather")
+    if not np.array_equal(si.asnumpy(results[5]), np.array_split(total, comm.size)[comm.rank]):
+        problems.append("reduce_scatter")
+    agree(mpi_comm, problems)
+
+
+def test_bfloat16_device_arrays(dcomm, mpi_comm):
+    """bfloat16 as a stand-in bfloat16 array, and as uint16 bits marked with
+    ``cc.device.bfloat16`` (CuPy's case), through every allreduce algorithm; native
+    moves it through MPI on the host, which has no bfloat16 type: refused as on the host."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    comm, problems = dcomm, []
+    xs = [rank_input(r, 99, "float32") for r in range(comm.size)]
+    total = sum(xs)
+    for algorithm in cc.algorithms("allreduce"):
+        host = xs[comm.rank].astype(ml_dtypes.bfloat16)
+        if algorithm == "native":
+            with pytest.raises(ValueError, match="'native' cannot move bfloat16"):
+                comm.allreduce(si.asarray(host), algorithm=algorithm)
+            continue
+        got = comm.allreduce(si.asarray(host), algorithm=algorithm)
+        if got.dtype != host.dtype or not np.array_equal(si.asnumpy(got).astype(np.float32), total):
+            problems.append(f"{algorithm}: bfloat16 array")
+        marked = comm.allreduce(bfloat16(si.asarray(host.view(np.uint16))), algorithm=algorithm)
+        if not isinstance(marked, bfloat16) or \
+                not np.array_equal(si.asnumpy(marked.data).view(ml_dtypes.bfloat16).astype(np.float32), total):
+            problems.append(f"{algorithm}: marked uint16")
+    agree(mpi_comm, problems)
+
+
+def test_host_and_device_arrays_mixed_in_one_call_is_a_type_error(dcomm):
+    comm = dcomm
+    with pytest.raises(TypeError, match="out is a host array but x is on standin:0"):
+        comm.allreduce(si.asarray(np.ones(4)), out=np.ones(4))
+    with pytest.raises(TypeError, match="out is a device array but x is on the host"):
+        comm.allreduce(np.ones(4), out=si.empty(4, np.float64))
+    with pytest.raises(ValueError, match=r"out must have shape \(4,\); got \(5,\)"):
+        comm.allreduce(si.asarray(np.ones(4)), out=si.empty(5, np.float64))
+    with pytest.raises(TypeError, match="out must have dtype float64; got float32"):
+        comm.allreduce(si.asarray(np.ones(4)), out=si.empty(4, np.float32))
+    with pytest.raises(TypeError, match="x has unsupported dtype bool"):
+        comm.allreduce(si.asarray(np.ones(4, bool)))
+    with pytest.raises(TypeError, match="op 'max' is not defined for complex"):
+        comm.allreduce(si.asarray(np.ones(4, np.complex64)), op="max")
+    comm.barrier()  # nothing was sent: every rank is here, with no message left over
+    assert np.array_equal(si.asnumpy(comm.allreduce(si.asarray(np.ones(3)))), np.full(3, comm.size))
+
+
+def test_no_reduction_copies_a_whole_buffer_to_the_host(mpi_comm):
+    """Staged ring allreduce: every device -> host copy is one segment of a message the
+    schedule sends, and all of them together are the bytes it sends, 2(p-1)/p of the
+    buffer: never the whole buffer at once."""
+    comm = device_communicator("staged", device_segment_size=4096)
+    dev = si.device()
+    x = si.asarray(np.ones(100_000, np.float32))
+    dev.copies.clear()
+    comm.allreduce(x, algorithm="ring")
+    to_host = [nbytes for direction, nbytes in dev.copies if direction == "device->host"]
+    problems = []
+    if comm.size > 1:
+        sent = cc.sim.costs("allreduce", "ring", comm.size, 100_000).bytes_sent[comm.rank]
+        if sum(to_host) != sent or max(to_host) > 4096:
+            problems.append(f"device->host copies {len(to_host)}, {sum(to_host)} B, largest {max(to_host)}; "
+                            f"the schedule sends {sent} B")
+    elif to_host:
+        problems.append(f"one rank copied {sum(to_host)} B to the host")
+    comm.free()
+    agree(mpi_comm, problems)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_check_mode_names_a_rank_on_the_host(mpi_comm):
+    comm = device_communicator("ipc", check=True)
+    x = np.ones(8, np.float32) if comm.rank == 0 else si.asarray(np.ones(8, np.float32))
+    with pytest.raises(cc.CollectiveMismatchError, match="memory: host on rank 0; standin on"):
+        comm.allreduce(x)
+    got = comm.allreduce(si.asarray(np.ones(8, np.float32)))  # the communicator stays usable
+    assert np.array_equal(si.asnumpy(got), np.full(8, comm.size, np.float32))
+    comm.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_size_mismatch_raises_on_every_rank(mpi_comm, path):
+    comm = device_communicator(path)
+    count = 64 if comm.rank else 96  # rank 0 passes a larger buffer
+    with pytest.raises(cc.MessageSizeError):
+        comm.allreduce(si.asarray(np.ones(count, np.float32)), algorithm="ring", timeout=30)
+    comm.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_that_does_not_call_times_out_the_others(mpi_comm):
+    comm = device_communicator("ipc")
+    if comm.rank != 0:
+        with pytest.raises(cc.CollectiveTimeoutError, match="timed out"):
+            comm.allreduce(si.asarray(np.ones(1000, np.float32)), algorithm="ring", timeout=1.0)
+    mpi_comm.Barrier()
+    comm.free()
+
+
+def test_the_stand_in_catches_a_missing_wait(mpi_comm, monkeypatch):
+    """The stand-in's purpose, shown: an executor that forgets to wait for the user's
+    stream (its begin() dropped) reads the input before the copy that fills it has run,
+    and the results are wrong."""
+    from collectives.transport.device import DeviceContext
+
+    comm = device_communicator("staged")
+    monkeypatch.setattr(DeviceContext, "begin", lambda self, user_stream: None)
+    wrong = 0
+    for _ in range(20):
+        values = rank_input(comm.rank, 2000, "float32")
+        got = si.asnumpy(comm.allreduce(si.asarray(values), algorithm="ring"))
+        wrong += not np.array_equal(got, comm.allreduce(values, algorithm="native"))
+    monkeypatch.undo()
+    comm.free()
+    assert wrong > 0, "the stand-in let a missing wait pass: it is not adversarial enough"
