@@ -195,17 +195,21 @@ class Communicator:
     def __repr__(self):
         return f"<collectives.Communicator rank {self.rank} of {self.size}>"
 
-    def choose(self, collective, nbytes):
+    def choose(self, collective, nbytes, device=False):
         """``(algorithm, why)``: what ``auto`` picks for ``collective`` on ``nbytes`` bytes
-        (allgather: the gathered size) at this world size, and which rule decided."""
+        (allgather: the gathered size) at this world size, and which rule decided;
+        ``device=True`` for device arrays."""
         check_algorithm(collective, "auto")
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
             raise ValueError(f"nbytes must be a non-negative number of bytes; got {nbytes!r}")
-        return self._selector.explain(collective, int(nbytes))
+        return self._selector.explain(collective, int(nbytes), bool(device))
 
     def release_memory(self):
-        """Drop the scratch buffers kept between calls (they are made again when needed)."""
+        """Drop the scratch buffers kept between calls (they are made again when needed),
+        on the host and on devices (pinned staging memory and device workspace)."""
         self._workspace = _Workspace()
+        for ctx in self._devices.values():
+            ctx.release_memory()
 
     def dup(self):
         """A new :class:`Communicator` over the same ranks with its own private MPI
@@ -243,7 +247,7 @@ class Communicator:
         """Release the private MPI communicators (collective). The object is unusable after."""
         if self._comm != MPI.COMM_NULL:
             for ctx in self._devices.values():
-                ctx.free()
+                ctx.free(self._comm.Barrier)
             self._devices = {}
             if self._node_comm is not None:
                 self._node_comm.Free()
@@ -275,7 +279,7 @@ class Communicator:
         if segment_size is not None:
             _check_segment_size(segment_size)
         timeout = self._timeout_for(timeout)
-        algorithm = self._resolve("allreduce", algorithm, x.nbytes, x.dtype)
+        algorithm = self._resolve("allreduce", algorithm, x.nbytes, x.dtype, isinstance(x, DeviceArray))
         self._gate("allreduce", timeout, algorithm, op, x.dtype, x.shape, blocking=blocking, memory=x)
         if isinstance(x, DeviceArray):
             return self._device_call("allreduce", algorithm, x, out, x.shape, op, 0, segment_size, timeout, blocking)
@@ -309,7 +313,7 @@ class Communicator:
         if out is not None:
             out = check_out(out, shape, x.dtype, like=x)
         timeout = self._timeout_for(timeout)
-        algorithm = self._resolve("reduce_scatter", algorithm, x.nbytes, x.dtype)
+        algorithm = self._resolve("reduce_scatter", algorithm, x.nbytes, x.dtype, isinstance(x, DeviceArray))
         self._gate("reduce_scatter", timeout, algorithm, op, x.dtype, x.shape, blocking=blocking, memory=x)
         counts = [bounds[r + 1] - bounds[r] for r in range(self.size)]
         if isinstance(x, DeviceArray):
@@ -342,7 +346,8 @@ class Communicator:
         if out is not None:
             out = check_out(out, shape, x.dtype, like=x)
         timeout = self._timeout_for(timeout)
-        algorithm = self._resolve("allgather", algorithm, x.nbytes * self.size, x.dtype)
+        algorithm = self._resolve("allgather", algorithm, x.nbytes * self.size, x.dtype,
+                                  isinstance(x, DeviceArray))
         self._gate("allgather", timeout, algorithm, "-", x.dtype, x.shape, blocking=blocking, memory=x)
         if isinstance(x, DeviceArray):
             return self._device_call("allgather", algorithm, x, out, shape, "sum", 0, None, timeout, blocking)
@@ -370,7 +375,7 @@ class Communicator:
         if segment_size is not None:
             _check_segment_size(segment_size)
         timeout = self._timeout_for(timeout)
-        algorithm = self._resolve("broadcast", algorithm, x.nbytes, x.dtype)
+        algorithm = self._resolve("broadcast", algorithm, x.nbytes, x.dtype, isinstance(x, DeviceArray))
         self._gate("broadcast", timeout, algorithm, "-", x.dtype, x.shape, root, blocking, memory=x)
         if isinstance(x, DeviceArray):
             return self._device_call("broadcast", algorithm, x, None, x.shape, "sum", root, segment_size, timeout,
@@ -399,7 +404,7 @@ class Communicator:
         if out is not None:
             out = check_out(out, x.shape, x.dtype, like=x)
         timeout = self._timeout_for(timeout)
-        algorithm = self._resolve("reduce", algorithm, x.nbytes, x.dtype)
+        algorithm = self._resolve("reduce", algorithm, x.nbytes, x.dtype, isinstance(x, DeviceArray))
         self._gate("reduce", timeout, algorithm, op, x.dtype, x.shape, root, blocking, memory=x)
         if isinstance(x, DeviceArray):
             return self._device_call("reduce", algorithm, x, out, x.shape, op, root, None, timeout, blocking)
@@ -475,8 +480,8 @@ class Communicator:
     def _segment(self, segment_size, itemsize):
         return max(1, (self.segment_size if segment_size is None else segment_size) // itemsize)
 
-    def _resolve(self, collective, algorithm, nbytes, dtype):
-        chosen = self._selector.choose(collective, nbytes) if algorithm == "auto" else algorithm
+    def _resolve(self, collective, algorithm, nbytes, dtype, device=False):
+        chosen = self._selector.choose(collective, nbytes, device) if algorithm == "auto" else algorithm
         if chosen == "native" and is_extra(dtype):  # MPI has no type for it: our latency-optimal algorithm
             if algorithm == "native":
                 raise ValueError(f"algorithm 'native' cannot move {dtype.name} (the MPI library has no type for it); "

@@ -43,7 +43,10 @@ from mpi4py import MPI
 from .algorithms import block_bounds
 from .communicator import Communicator, _env_seconds
 from .errors import CollectiveTimeoutError
-from .training import named_arrays
+from . import device
+from .device import DeviceArray
+from .device import ops as device_ops
+from .training import _host_copy, named_arrays
 from .transport.liveness import ranks as rank_list
 from .transport.mpi import _yield_cpu, check_timeout
 
@@ -93,7 +96,9 @@ class ParameterServer:
     naming the ranks that differ from rank 0).
 
     - ``params``: a mapping (or ``(name, array)`` pairs) of arrays of one floating
-      dtype. The first server's values are the starting point: they are copied into every
+      dtype, NumPy or device arrays (CuPy, torch CUDA tensors: every worker copies its
+      parameters and gradients through host memory, one copy each way per step; the
+      servers keep their shards and run ``update`` on the host). The first server's values are the starting point: they are copied into every
       rank's arrays here. On workers :meth:`pull` writes the current values into them.
     - ``servers``: how many server ranks (the first ones) or which ranks.
     - ``mode``: ``"sync"`` (every step averages all active workers' gradients: data-
@@ -208,7 +213,7 @@ class ParameterServer:
             raise
         self._pending = []
         self._unpack(self._flat)
-        return dict(self._named)
+        return {name: array.original if isinstance(array, DeviceArray) else array for name, array in self._named}
 
     def step(self, grads):
         """:meth:`push` then :meth:`pull`."""
@@ -319,12 +324,20 @@ class ParameterServer:
 
     def _pack(self, flat, arrays):
         for name, (lo, hi) in self._slices.items():
-            flat[lo:hi] = arrays[name].reshape(-1)
+            array = arrays[name]
+            flat[lo:hi] = (_host_copy(array) if isinstance(array, DeviceArray) else array).reshape(-1)
 
     def _unpack(self, flat):
         for name, array in self._named:
             lo, hi = self._slices[name]
-            array[...] = flat[lo:hi].reshape(array.shape)
+            if not isinstance(array, DeviceArray):
+                array[...] = flat[lo:hi].reshape(array.shape)
+            elif array.contiguous:  # device parameters: one host -> device copy each
+                device_ops.from_host(array, flat[lo:hi])
+            else:
+                staging = device_ops.empty(array, array.shape)
+                device_ops.from_host(staging, flat[lo:hi])
+                device_ops.copy(array, staging)
 
     def _check_grads(self, grads):
         if not hasattr(grads, "items"):
@@ -333,10 +346,15 @@ class ParameterServer:
         extra = [name for name in grads if name not in self._slices]
         if missing or extra:
             raise ValueError(f"grads must name exactly the parameters; missing {missing}, unknown {extra}")
+        on_device = isinstance(self._named[0][1], DeviceArray)
+        grads = dict(grads)
         for name, array in self._named:
             g = grads[name]
-            if not isinstance(g, np.ndarray) or g.shape != array.shape or g.dtype != array.dtype:
-                got = f"shape {g.shape}, dtype {g.dtype}" if isinstance(g, np.ndarray) else type(g).__name__
+            if on_device and device.is_device(g):
+                g = grads[name] = device.as_device_array(g, f"grads[{name!r}]")
+            if not isinstance(g, DeviceArray if on_device else np.ndarray) or g.shape != array.shape or \
+                    g.dtype != array.dtype:
+                got = f"shape {g.shape}, dtype {g.dtype}" if hasattr(g, "dtype") else type(g).__name__
                 raise ValueError(f"grads[{name!r}] must be an array of shape {array.shape} and dtype {array.dtype} "
                                  f"like the parameter; got {got}")
         return grads
@@ -571,7 +589,7 @@ def _check_params(params, writable):
         if array.dtype.kind not in "fc":
             raise TypeError(f"params[{name!r}] has dtype {array.dtype}: gradients are averaged, so parameters must "
                             "be floating or complex")
-        if writable and not array.flags.writeable:
+        if writable and isinstance(array, np.ndarray) and not array.flags.writeable:
             raise ValueError(f"params[{name!r}] must be writable: the parameter server writes it in place")
     return named
 

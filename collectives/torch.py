@@ -11,18 +11,19 @@
         loss_fn(model(x), y).backward()   # each gradient starts its bucket's allreduce as it is accumulated
         optimizer.step()                  # waits for the averaged gradients, then steps
 
-CPU tensors are shared with the library zero-copy through NumPy (``Tensor.numpy()``).
-torch is an optional extra (``pip install collectives[torch]``): importing
-:mod:`collectives` never imports it. CUDA tensors need the GPU path (CuPy buffers in
-the collectives), which this version does not have yet: they are refused with a clear
-error rather than copied behind the user's back.
+CPU tensors are shared with the library zero-copy through NumPy (``Tensor.numpy()``),
+CUDA tensors through DLPack as CuPy arrays (``pip install collectives[torch,cuda12]``):
+then the gradient buckets live on the GPU, and the reducer's copies, casts and
+collectives follow torch's current stream. torch is an optional extra (``pip install
+collectives[torch]``): importing :mod:`collectives` never imports it.
 """
 
 import collections
+import contextlib
 
 import torch
 
-from . import training
+from . import device, training
 from .training import _BFLOAT16, TrainingError, default_communicator
 
 __all__ = ["DistributedOptimizer", "TrainingError", "broadcast_optimizer_state", "broadcast_parameters",
@@ -34,12 +35,17 @@ _BIT_TWINS = {torch.bfloat16: torch.int16, torch.bool: torch.uint8}
 
 
 def _numpy(tensor, name, what):
-    """A NumPy view sharing ``tensor``'s memory (no copy)."""
+    """A NumPy view sharing ``tensor``'s memory (no copy); for a CUDA tensor a
+    :class:`~collectives.device.DeviceArray` (CuPy, through DLPack)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what}[{name!r}] must be a torch.Tensor; got {type(tensor).__name__}")
+    if tensor.device.type == "cuda":
+        tensor = tensor.detach()
+        if tensor.dtype == torch.bool:  # moved as bytes (broadcast); never reduced
+            tensor = tensor.view(torch.uint8)
+        return device.as_device_array(tensor, f"{what}[{name!r}]")
     if tensor.device.type != "cpu":
-        raise TypeError(f"{what}[{name!r}] is on {tensor.device}: this version of collectives works on CPU "
-                        "tensors only (the GPU path is not built yet); move the model to the CPU")
+        raise TypeError(f"{what}[{name!r}] is on {tensor.device}: collectives takes CPU and CUDA tensors")
     tensor = tensor.detach()
     if tensor.dtype == torch.bfloat16 and _BFLOAT16 is None and what in ("named_parameters", "grad"):
         raise TypeError(f"{what}[{name!r}] is bfloat16: averaging bfloat16 gradients needs ml_dtypes "
@@ -55,11 +61,27 @@ def _named(params, what):
     return training.named_arrays(params, what, convert=lambda name, tensor: _numpy(tensor, name, what))
 
 
+def _by_place(named):
+    """``named`` split into its CPU and its CUDA tensors (each group broadcast on its own:
+    a ``state_dict`` or optimizer state may hold both, e.g. Adam's step counts)."""
+    cpu = [(n, t) for n, t in named if not (isinstance(t, torch.Tensor) and t.device.type == "cuda")]
+    cuda = [(n, t) for n, t in named if isinstance(t, torch.Tensor) and t.device.type == "cuda"]
+    return [group for group in (cpu, cuda) if group]
+
+
+def _pairs(params):
+    items = list(params.items()) if hasattr(params, "items") else list(params)
+    return [item if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) else (str(i), item)
+            for i, item in enumerate(items)]
+
+
 def broadcast_parameters(params, root=0, comm=None):
     """Overwrite ``params`` on every rank with ``root``'s values, in place: a
     ``state_dict()`` (parameters and buffers), ``named_parameters()`` or a list of
-    tensors. Collective; every rank must pass the same names, shapes and dtypes."""
-    training.broadcast_parameters(_named(params, "params"), root=root, comm=comm)
+    tensors, on the CPU or on a GPU. Collective; every rank must pass the same names,
+    shapes, dtypes and devices."""
+    for group in _by_place(_pairs(params)):
+        training.broadcast_parameters(_named(group, "params"), root=root, comm=comm)
     return params
 
 
@@ -70,7 +92,7 @@ def check_parameters(params, comm=None):
     training.check_parameters(_named(params, "params"), comm)
 
 
-_Placeholder = collections.namedtuple("_Placeholder", "shape dtype")  # a tensor, in traversal order
+_Placeholder = collections.namedtuple("_Placeholder", "shape dtype device")  # a tensor, in traversal order
 _Refused = collections.namedtuple("_Refused", "reason")
 
 
@@ -95,21 +117,22 @@ def broadcast_optimizer_state(optimizer, root=0, comm=None):
     def strip(value):  # tensors -> placeholders, on root
         if isinstance(value, torch.Tensor):
             tensors.append(value)
-            return _Placeholder(tuple(value.shape), str(value.dtype).replace("torch.", ""))
+            return _Placeholder(tuple(value.shape), str(value.dtype).replace("torch.", ""), value.device.type)
         if isinstance(value, dict):
             return {k: strip(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             return _rebuild(value, [strip(v) for v in value])
         return value
 
-    def as_arrays(tensors):
-        return _named([(f"state.{i}", t) for i, t in enumerate(tensors)], "optimizer state")
+    def as_arrays(tensors):  # CPU and CUDA tensors in two groups
+        return [_named(group, "optimizer state") for group in _by_place([(f"state.{i}", t)
+                                                                        for i, t in enumerate(tensors)])]
 
     skeleton = None
     if comm.rank == root:
         try:  # the root's tensors are checked before any message, and a refusal reaches every rank
             skeleton = strip(optimizer.state_dict())
-            arrays = as_arrays(tensors)
+            groups = as_arrays(tensors)
         except (TypeError, ValueError) as exc:
             skeleton = _Refused(str(exc))
     skeleton = comm.broadcast_object(skeleton, root=root)
@@ -118,9 +141,13 @@ def broadcast_optimizer_state(optimizer, root=0, comm=None):
     if comm.rank != root:
         tensors = []
 
-        def fill(value):  # placeholders -> new tensors, on the other ranks
+        here = next((p.device for g in optimizer.param_groups for p in g["params"] if p.device.type == "cuda"),
+                    torch.device("cuda") if torch.cuda.is_available() else None)
+
+        def fill(value):  # placeholders -> new tensors, on the other ranks (CUDA ones on this rank's GPU)
             if isinstance(value, _Placeholder):
-                tensors.append(torch.empty(value.shape, dtype=getattr(torch, value.dtype)))
+                where = here if value.device == "cuda" else "cpu"
+                tensors.append(torch.empty(value.shape, dtype=getattr(torch, value.dtype), device=where))
                 return tensors[-1]
             if isinstance(value, dict):
                 return {k: fill(v) for k, v in value.items()}
@@ -129,8 +156,9 @@ def broadcast_optimizer_state(optimizer, root=0, comm=None):
             return value
 
         state = fill(skeleton)
-        arrays = as_arrays(tensors)
-    training.broadcast_parameters(arrays, root=root, comm=comm)
+        groups = as_arrays(tensors)
+    for arrays in groups:
+        training.broadcast_parameters(arrays, root=root, comm=comm)
     if comm.rank != root:
         optimizer.load_state_dict(state)
 
@@ -157,12 +185,14 @@ class _Distributed:
 
     def _make_hook(self, name):
         def hook(param):  # after autograd accumulated this backward pass into param.grad
-            self._reducer.gradient_ready(name, _numpy(param.grad, name, "grad"))
+            with _torch_stream(param):
+                self._reducer.gradient_ready(name, _numpy(param.grad, name, "grad"))
         return hook
 
     def synchronize(self):
-        """Wait for the averaged gradients (now in every ``.grad``). ``step()`` calls it
-        unless it was called since the last step (e.g. to clip the averaged gradients)."""
+        """Wait for the averaged gradients (now in every ``.grad``; on a GPU, ready on
+        torch's current stream). ``step()`` calls it unless it was called since the last
+        step (e.g. to clip the averaged gradients)."""
         self._reducer.synchronize()
         self._synchronized = True
 
@@ -190,6 +220,16 @@ class _Distributed:
             handle.remove()
         self._hooks = []
         self._reducer.close()
+
+
+def _torch_stream(tensor):
+    """For a CUDA tensor, CuPy's current stream made torch's current one (the reducer's
+    kernels and copies then follow the backward pass's work); else nothing."""
+    if tensor.device.type != "cuda":
+        return contextlib.nullcontext()
+    import cupy
+
+    return cupy.cuda.ExternalStream(torch.cuda.current_stream(tensor.device).cuda_stream, tensor.device.index or 0)
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, comm=None, *, backward_passes_per_step=1,

@@ -43,9 +43,12 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from . import device
 from .algorithms import check_algorithm
 from .arrays import EXTRA_DTYPES, is_extra
 from .communicator import Communicator, _check_nbytes, _check_root
+from .device import DeviceArray
+from .device import ops as device_ops
 
 FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
@@ -62,8 +65,10 @@ class TrainingError(RuntimeError):
 
 
 def named_arrays(params, what="params", convert=None):
-    """``params`` as a list of ``(name, ndarray)``: a mapping, a sequence of
-    ``(name, array)`` pairs, or a sequence of arrays (named "0", "1", ...).
+    """``params`` as a list of ``(name, array)``: a mapping, a sequence of
+    ``(name, array)`` pairs, or a sequence of arrays (named "0", "1", ...). Host arrays
+    stay NumPy arrays; device arrays (CuPy, torch CUDA tensors ...) become
+    :class:`~collectives.device.DeviceArray`; all of one kind, on one device.
     ``convert(name, value)``, if given, turns each value into its array first (the
     PyTorch adapter's tensors)."""
     items = list(params.items()) if hasattr(params, "items") else list(params)
@@ -76,8 +81,15 @@ def named_arrays(params, what="params", convert=None):
         if convert is not None:
             array = convert(name, array)
         if not isinstance(array, np.ndarray):
-            raise TypeError(f"{what}[{name!r}] must be a numpy.ndarray; got {type(array).__name__}")
+            if not device.is_device(array):
+                raise TypeError(f"{what}[{name!r}] must be a numpy.ndarray or a device array; got "
+                                f"{type(array).__name__}")
+            array = device.as_device_array(array, f"{what}[{name!r}]")
         named.append((name, array))
+    places = {a.where if isinstance(a, DeviceArray) else "the host" for _, a in named}
+    if len(places) > 1:
+        raise TypeError(f"{what} are on {' and '.join(sorted(places))}: pass them all on the host or all on one "
+                        "device")
     names = [name for name, _ in named]
     if len(set(names)) != len(names):
         duplicates = sorted({name for name in names if names.count(name) > 1})
@@ -128,13 +140,18 @@ class Bucket:
         self.shapes[name] = tuple(shape)
         self.count += size
 
-    def allocate(self):
-        self.data = np.empty(self.count, self.dtype)
+    def allocate(self, like=None):
+        """Allocate the flat buffer: on the host, or on the device of ``like`` (a
+        :class:`~collectives.device.DeviceArray`)."""
+        self.data = np.empty(self.count, self.dtype) if like is None else device_ops.empty(like, (self.count,),
+                                                                                           self.dtype)
         return self
 
     def view(self, name):
         """The slot of ``name`` in the flat buffer, shaped like its array."""
         start, stop = self.slices[name]
+        if isinstance(self.data, DeviceArray):
+            return device_ops.part(self.data, start, stop, self.shapes[name])
         return self.data[start:stop].reshape(self.shapes[name])
 
 
@@ -218,7 +235,7 @@ def check_parameters(params, comm=None):
     comm = _communicator(comm)
     named = named_arrays(params)
     check_same_layout(named, comm)
-    everyone = _digest_rows(comm, [np.ascontiguousarray(array).tobytes() for _, array in named])
+    everyone = _digest_rows(comm, [_host_copy(array).tobytes() for _, array in named])
     problems = []
     for i, (name, _) in enumerate(named):
         ranks = [r for r in range(comm.size) if not np.array_equal(everyone[r, i], everyone[0, i])]
@@ -245,13 +262,17 @@ def broadcast_parameters(params, root=0, comm=None, bucket_bytes=BUCKET_BYTES):
     root = _check_root(root, comm.size)
     named = named_arrays(params)
     for name, array in named:
-        if not array.flags.writeable:
+        if isinstance(array, np.ndarray) and not array.flags.writeable:
             raise ValueError(f"params[{name!r}] must be writable: broadcast_parameters fills it in place")
         if array.dtype.hasobject:
             raise TypeError(f"params[{name!r}] holds Python objects (dtype {array.dtype}): only arrays of numbers "
                             "and other plain data can be broadcast")
     _check_nbytes(bucket_bytes, "bucket_bytes")
     check_same_layout(named, comm)
+    if named and isinstance(named[0][1], DeviceArray):  # in place on the device, one call per array
+        for _, array in named:
+            comm.broadcast(array, root=root)
+        return params
     arrays = dict(named)
     entries = [(name, (array.nbytes,), np.uint8) for name, array in named]
     for bucket in plan_buckets(entries, bucket_bytes, bucket_bytes):
@@ -270,6 +291,22 @@ def broadcast_parameters(params, root=0, comm=None, bucket_bytes=BUCKET_BYTES):
 
 def _bytes_of(array):
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def _host_copy(array):
+    """A host NumPy copy of a device array (a view of a host one)."""
+    if not isinstance(array, DeviceArray):
+        return np.ascontiguousarray(array)
+    flat = array if array.contiguous else _contiguous(array)
+    host = np.empty(array.shape, array.dtype)
+    device_ops.to_host(flat, host)
+    return host
+
+
+def _contiguous(array):
+    flat = device_ops.empty(array, array.shape)
+    device_ops.copy(flat, array)
+    return flat
 
 
 # -- gradient reduction ------------------------------------------------------------------
@@ -340,13 +377,18 @@ class GradientReducer:
         self.names = [name for name, _ in named]
         # Backward produces the last parameters' gradients first: lay them out first.
         entries = [(name, array.shape, array.dtype) for name, array in reversed(named)]
-        self.buckets = [b.allocate() for b in plan_buckets(entries, first_bucket_bytes, bucket_bytes)]
+        # On a device, the buckets (and compression's wire buffers) live on that device.
+        self._on_device = named[0][1] if named and isinstance(named[0][1], DeviceArray) else None
+        like = self._on_device
+        self.buckets = [b.allocate(like) for b in plan_buckets(entries, first_bucket_bytes, bucket_bytes)]
         self._bucket_of = {name: b for b in self.buckets for name in b.names}
-        self._wire = [None if wire is None else np.empty(b.count, wire) for b in self.buckets]
+        self._wire = [None if wire is None else np.empty(b.count, wire) if like is None
+                      else device_ops.empty(like, (b.count,), wire) for b in self.buckets]
         # A private communicator: the buckets' calls start when gradients arrive, which
         # may interleave differently with the caller's own async calls on each rank.
         self._comm = comm.dup()
         self._no_sync = False
+        self._stream = like.stream if like is not None else None  # device: the stream gradients come on
         self._reset()
 
         self._lock = threading.Condition()
@@ -368,8 +410,14 @@ class GradientReducer:
         bucket = self._bucket_of.get(name)
         if bucket is None:
             raise ValueError(f"name {name!r} is not one of the reducer's parameters")
-        if not isinstance(grad, np.ndarray):
-            raise TypeError(f"grad for {name!r} must be a numpy.ndarray; got {type(grad).__name__}")
+        if self._on_device is None:
+            if not isinstance(grad, np.ndarray):
+                raise TypeError(f"grad for {name!r} must be a numpy.ndarray; got {type(grad).__name__}")
+        elif not isinstance(grad, DeviceArray):
+            if not device.is_device(grad):
+                raise TypeError(f"grad for {name!r} must be a device array on {self._on_device.where} like the "
+                                f"parameters; got {type(grad).__name__}")
+            grad = device.as_device_array(grad, f"grad for {name!r}")
         if grad.shape != bucket.shapes[name] or grad.dtype != bucket.dtype:
             raise ValueError(f"grad for {name!r} must have shape {bucket.shapes[name]} and dtype {bucket.dtype.name} "
                              f"like the parameter; got shape {grad.shape}, dtype {grad.dtype.name}")
@@ -386,7 +434,11 @@ class GradientReducer:
             )
         self._passes[name] = passes
         if passes == self.backward_passes_per_step:
-            np.copyto(bucket.view(name), grad)
+            if isinstance(grad, DeviceArray):  # on the stream the gradient was computed on
+                self._stream = grad.stream
+                device_ops.copy(bucket.view(name), grad, grad.stream)
+            else:
+                np.copyto(bucket.view(name), grad)
             self._grads[name] = grad
             self._waiting[bucket.index] -= 1
             if self._waiting[bucket.index] == 0:
@@ -470,12 +522,19 @@ class GradientReducer:
             while self._next < len(self.buckets) and self._waiting[self._next] == 0:
                 bucket, wire = self.buckets[self._next], self._wire[self._next]
                 try:
+                    if isinstance(bucket.data, DeviceArray):  # the calls follow the gradients' stream
+                        bucket.data.stream = self._stream
+                        if wire is not None:
+                            wire.stream = self._stream
                     if wire is None:
                         handle = self._comm.allreduce_async(bucket.data, op="avg", algorithm=self.algorithm,
                                                             out=bucket.data)
                     else:  # divide first: the sum of the ranks' shares cannot overflow 16 bits
-                        np.divide(bucket.data, self._comm.size, out=bucket.data)
-                        np.copyto(wire, bucket.data, casting="same_kind")
+                        if isinstance(wire, DeviceArray):
+                            device_ops.cast(wire, bucket.data, self._comm.size)  # one kernel: divide and cast
+                        else:
+                            np.divide(bucket.data, self._comm.size, out=bucket.data)
+                            np.copyto(wire, bucket.data, casting="same_kind")
                         handle = self._comm.allreduce_async(wire, op="sum", algorithm=self.algorithm, out=wire)
                 except Exception as exc:
                     self._error = exc
@@ -515,6 +574,14 @@ class GradientReducer:
                 self._unpacked += 1
 
     def _unpack(self, bucket, wire):
+        if isinstance(bucket.data, DeviceArray):  # kernels on the gradients' stream
+            if wire is not None:
+                device_ops.cast(bucket.data, wire)
+            for name in bucket.names:
+                grad = self._grads[name]
+                device_ops.copy(grad, bucket.view(name), grad.stream)
+                self._averaged[name] = grad.original
+            return
         if wire is not None:
             np.copyto(bucket.data, wire)
         for name in bucket.names:

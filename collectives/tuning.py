@@ -84,15 +84,19 @@ class TuningTable:
         return starts, names
 
     @classmethod
-    def load(cls, path):
-        """Read a tuning file; raises ``ValueError`` naming the file on anything malformed."""
+    def load(cls, path, key="tables"):
+        """Read a tuning file's ``tables`` (or, with ``key="device_tables"``, the ones
+        measured on device arrays: None if the file has none); raises ``ValueError``
+        naming the file on anything malformed."""
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, ValueError) as exc:
             raise ValueError(f"cannot read tuning file {path}: {exc}") from exc
         if not isinstance(data, dict) or type(data.get("format")) is not int or data["format"] != FORMAT:
             raise ValueError(f"tuning file {path}: expected an object with \"format\": {FORMAT}")
-        return cls(data.get("tables"), source=path)
+        if key != "tables" and key not in data:
+            return None
+        return cls(data.get(key), source=f"{path} ({key})" if key != "tables" else path)
 
     def world_sizes(self, collective):
         return sorted(size for c, size in self._ranges if c == collective)
@@ -109,9 +113,10 @@ class TuningTable:
 class Selector:
     """Resolves ``auto`` for one communicator's world size (decisions are cached)."""
 
-    def __init__(self, world_size, table=None, overrides=None):
+    def __init__(self, world_size, table=None, overrides=None, device_table=None):
         self.world_size = world_size
         self.table = table
+        self.device_table = device_table  # measured on device arrays (collectives-bench --device --tune)
         self.overrides = dict(overrides or {})
         self._cache = {}
 
@@ -126,31 +131,30 @@ class Selector:
                 if value not in _concrete(collective):
                     raise ValueError(f"{variable} must be one of {', '.join(_concrete(collective))}; got {value!r}")
                 overrides[collective] = value
-        path = environ.get(TUNING_ENV, "").strip()
-        if path:
-            table = TuningTable.load(path)
-        elif DEFAULT_TABLE.exists():
-            table = TuningTable.load(DEFAULT_TABLE)
-        else:
-            table = None
-        return cls(world_size, table, overrides)
+        path = environ.get(TUNING_ENV, "").strip() or (DEFAULT_TABLE if DEFAULT_TABLE.exists() else "")
+        table = TuningTable.load(path) if path else None
+        device_table = TuningTable.load(path, "device_tables") if path else None
+        return cls(world_size, table, overrides, device_table)
 
-    def choose(self, collective, nbytes):
-        key = (collective, nbytes)
+    def choose(self, collective, nbytes, device=False):
+        key = (collective, nbytes, device)
         choice = self._cache.get(key)
         if choice is None:
-            choice = self.explain(collective, nbytes)[0]
+            choice = self.explain(collective, nbytes, device)[0]
             if len(self._cache) > 4096:  # many distinct sizes: do not grow without bound
                 self._cache.clear()
             self._cache[key] = choice
         return choice
 
-    def explain(self, collective, nbytes):
-        """``(algorithm, why)``: what ``auto`` picks and which rule decided."""
+    def explain(self, collective, nbytes, device=False):
+        """``(algorithm, why)``: what ``auto`` picks and which rule decided. Device
+        arrays have tables of their own (a host table says nothing of them)."""
         if collective in self.overrides:
             return self.overrides[collective], f"forced by {override_variable(collective)}"
-        if self.table is not None:
-            choice = self.table.lookup(collective, nbytes, self.world_size)
+        table = self.device_table if device else self.table
+        if table is not None:
+            choice = table.lookup(collective, nbytes, self.world_size)
             if choice is not None:
-                return choice, f"measured table {self.table.source}"
-        return cost_model_choice(collective, nbytes, self.world_size), "cost-model rule"
+                return choice, f"measured table {table.source}"
+        why = "cost-model rule" + (" (no measured table for device arrays)" if device else "")
+        return cost_model_choice(collective, nbytes, self.world_size), why

@@ -316,3 +316,110 @@ def test_the_stand_in_catches_a_missing_wait(mpi_comm, monkeypatch):
     monkeypatch.undo()
     comm.free()
     assert wrong > 0, "the stand-in let a missing wait pass: it is not adversarial enough"
+
+
+# -- the training adapter and the parameter server on device arrays ---------------------------------
+def _reduce_steps(comm, params, on_device, steps=2, **options):
+    """Data-parallel SGD steps (test_training's MLP) with the reducer on host or device
+    parameters; returns the parameters after each step, on the host."""
+    from collectives.training import GradientReducer
+    from test_training import LR, backward, data
+
+    from conftest import shard
+
+    host = {n: a.copy() for n, a in params.items()}
+    device_params = {n: si.asarray(a) for n, a in host.items()} if on_device else None
+    history = []
+    with GradientReducer(device_params if on_device else host, comm, **options) as reducer:
+        k = options.get("backward_passes_per_step", 1)
+        for step in range(steps):
+            x, y = shard(comm, *data(step))
+            for _ in range(k):
+                for name, g in backward(host, x, y):
+                    reducer.gradient_ready(name, si.asarray(g) if on_device else g)
+            averaged = reducer.synchronize()
+            for name, g in averaged.items():
+                host[name] -= LR * (si.asnumpy(g) if on_device else g)
+            history.append({n: a.copy() for n, a in host.items()})
+            if on_device:
+                for name in host:  # keep the device parameters in step (the reducer averages grads only)
+                    device_params[name] = si.asarray(host[name])
+    return history
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"first_bucket_bytes": 64, "bucket_bytes": 512, "algorithm": "ring"},
+    {"compression": "fp16", "first_bucket_bytes": 300},
+    {"compression": "bf16"},
+    {"backward_passes_per_step": 2},
+    {"progress_thread": True},
+], ids=["default", "many-buckets", "fp16", "bf16", "accumulate", "thread"])
+def test_gradient_reducer_on_the_device_equals_the_host(mpi_comm, options):
+    """Gradient buckets on the device (copies and casts as kernels on the gradients'
+    stream), bit for bit what the host reducer gives."""
+    from test_training import init_params
+
+    if options.get("compression") == "bf16":
+        pytest.importorskip("ml_dtypes")
+    comm = device_communicator("ipc")
+    params = init_params(0)
+    want = _reduce_steps(comm, params, False, **options)
+    got = _reduce_steps(comm, params, True, **options)
+    problems = [f"step {t} {n}" for t in range(len(want)) for n in want[t]
+                if want[t][n].tobytes() != got[t][n].tobytes()]
+    comm.free()
+    agree(mpi_comm, problems)
+
+
+def test_broadcast_and_check_parameters_on_the_device(mpi_comm):
+    from collectives.training import TrainingError, broadcast_parameters, check_parameters
+
+    comm = device_communicator("staged")
+    host = {"w": rank_input(comm.rank, 30, "float32").reshape(5, 6), "n": np.arange(4, dtype=np.int64) * comm.rank}
+    params = {n: si.asarray(a) for n, a in host.items()}
+    root = comm.size - 1
+    broadcast_parameters(params, root=root, comm=comm)
+    problems = []
+    if not np.array_equal(si.asnumpy(params["w"]), rank_input(root, 30, "float32").reshape(5, 6)) or \
+            not np.array_equal(si.asnumpy(params["n"]), np.arange(4) * root):
+        problems.append("broadcast_parameters")
+    check_parameters(params, comm)
+    if comm.size > 1:
+        if comm.rank == 1:
+            params["w"] = si.asarray(np.zeros((5, 6), np.float32))
+        with pytest.raises(TrainingError, match="'w' on rank"):
+            check_parameters(params, comm)
+    with pytest.raises(TypeError, match="all on the host or all on one device"):
+        broadcast_parameters({"a": np.ones(2), "b": si.asarray(np.ones(2))}, comm=comm)
+    comm.free()
+    agree(mpi_comm, problems)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_parameter_server_with_device_parameters_equals_the_host(mpi_comm):
+    from collectives.ps import ParameterServer
+    from test_training import LR, backward, data, init_params
+
+    comm = device_communicator("ipc")
+    results = []
+    for on_device in (False, True):
+        host = init_params(0)
+        params = {n: si.asarray(a) for n, a in host.items()} if on_device else host
+        ps = ParameterServer(params, comm, servers=1, lr=LR)
+        if ps.is_worker:
+            workers = len(ps.workers)
+            index = ps.workers.index(comm.rank)
+            for t in range(2):
+                x, y = data(t)
+                share = len(y) // workers
+                grads = dict(backward(host, x[index * share:(index + 1) * share], y[index * share:(index + 1) * share]))
+                pulled = ps.step({n: si.asarray(g) for n, g in grads.items()} if on_device else grads)
+                host = {n: si.asnumpy(a) if on_device else a.copy() for n, a in pulled.items()}
+        else:
+            ps.serve()
+        ps.close()
+        results.append(host)
+    comm.free()
+    problems = [n for n in results[0] if results[0][n].tobytes() != results[1][n].tobytes()]
+    agree(mpi_comm, problems)

@@ -12,7 +12,8 @@ The device interface (a *backend*: one object per device) is what the executor m
 use, and all it may use:
 
 - memory: ``empty(shape, dtype)`` (device), ``pinned(nbytes)`` (page-locked host,
-  a NumPy uint8 array);
+  a NumPy uint8 array), ``storage_dtype(dtype)`` (what it stores a dtype in: CuPy
+  keeps bfloat16 in uint16);
 - streams and events: ``stream()``, ``current_stream()``, ``event(interprocess)``,
   ``record(event, stream)``, ``wait(stream, event)`` (the GPU waits, not the host),
   ``query(event)``, ``synchronize(event)``, ``synchronize_stream(stream)``, ``poll()``;
@@ -21,8 +22,9 @@ use, and all it may use:
 - kernel launches on a stream, one method per kernel of ``kernels/collectives.cu``:
   ``reduce2``, ``reduce_n``, ``divide``, ``cast_divide``, ``pack``, ``unpack``;
 - MPI and IPC: ``mpi_buffer(array)`` (what a CUDA-aware MPI is given),
-  ``ipc_alloc(nbytes)``, ``ipc_open(handle)``, ``ipc_event_handle(event)``,
-  ``ipc_open_event(handle)``, ``can_access_peer(uuid)``, and the attributes
+  ``ipc_alloc(nbytes)``, ``ipc_open(handle, nbytes)``, ``ipc_event_handle(event)``,
+  ``ipc_open_event(handle)``, ``ipc_free(array)``, ``ipc_close(array)``,
+  ``can_access_peer(uuid)``, and the attributes
   ``kind``, ``id``, ``name``, ``uuid``, ``ipc_capable``.
 
 Two backends implement it: :mod:`.cupy_backend` (a real GPU) and :mod:`.standin`.
@@ -63,11 +65,12 @@ class DeviceArray:
     new result on the user's stream (``rewrap`` makes it what the user gets)."""
 
     __slots__ = ("backend", "data", "dtype", "stream", "rewrap", "where", "original", "allocate")
+    __collectives_device__ = True
 
     def __init__(self, backend, data, dtype, stream, rewrap, where, original=None, allocate=None):
         self.backend, self.data, self.dtype, self.stream, self.rewrap = backend, data, np.dtype(dtype), stream, rewrap
         self.where = where  # "cuda:0", "standin:0": for messages
-        self.original = data if original is None else original
+        self.original = self if original is None else original
         self.allocate = allocate or (lambda shape: backend.empty(shape, data.dtype))
 
     shape = property(lambda self: tuple(self.data.shape))

@@ -107,7 +107,6 @@ class CupyDevice:
         self.uuid = "pci:%04x:%02x:%02x" % self.pci
         self.ipc_capable = True
         self._modules = {}
-        self._ipc_allocations = []
 
     def __repr__(self):
         return f"<cuda:{self.id} {self.name}>"
@@ -116,6 +115,11 @@ class CupyDevice:
     def empty(self, shape, dtype):
         with cupy.cuda.Device(self.id):
             return cupy.empty(shape, dtype)
+
+    def storage_dtype(self, dtype):
+        """CuPy has no bfloat16: its bits live in uint16."""
+        dtype = np.dtype(dtype)
+        return np.dtype(np.uint16) if dtype.name == "bfloat16" else dtype
 
     def pinned(self, nbytes):
         memory = cupy.cuda.alloc_pinned_memory(max(int(nbytes), 1))
@@ -230,7 +234,6 @@ class CupyDevice:
     def ipc_alloc(self, nbytes):
         with cupy.cuda.Device(self.id):
             ptr = runtime.malloc(max(int(nbytes), 1))
-            self._ipc_allocations.append(ptr)
             handle = bytes(runtime.ipcGetMemHandle(ptr))
             return _wrap(ptr, int(nbytes), self.id), handle
 
@@ -238,6 +241,14 @@ class CupyDevice:
         with cupy.cuda.Device(self.id):
             ptr = runtime.ipcOpenMemHandle(bytes(handle), _IPC_LAZY_PEER_ACCESS)
             return _wrap(ptr, int(nbytes), self.id)
+
+    def ipc_free(self, array):
+        with cupy.cuda.Device(self.id):
+            runtime.free(array.data.ptr)
+
+    def ipc_close(self, array):
+        with cupy.cuda.Device(self.id):
+            runtime.ipcCloseMemHandle(array.data.ptr)
 
     def ipc_event_handle(self, event):
         return bytes(runtime.ipcGetEventHandle(event.ptr))

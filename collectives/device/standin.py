@@ -203,6 +203,7 @@ class StandInDevice:
         self._current = threading.local()
         self._owned_files = []
         self._maps = []
+        self._ipc_paths = {}
         self.copies = deque(maxlen=1 << 16)  # (direction, bytes) of the latest copies queued, for tests
         atexit.register(self._remove_files)
 
@@ -215,6 +216,9 @@ class StandInDevice:
         memory = np.empty(shape, dtype)
         memory.view(np.uint8).reshape(-1)[...] = GARBAGE if memory.size else 0
         return StandInArray(self, memory)
+
+    def storage_dtype(self, dtype):
+        return np.dtype(dtype)  # NumPy (with ml_dtypes) has every dtype, bfloat16 included
 
     def pinned(self, nbytes):
         """Page-locked host memory (here: ordinary memory, filled with garbage)."""
@@ -342,7 +346,9 @@ class StandInDevice:
         self._maps.append(mapping)
         memory = np.frombuffer(mapping, np.uint8)[:nbytes]
         memory[...] = GARBAGE
-        return StandInArray(self, memory), _handle(path)
+        array = StandInArray(self, memory)
+        self._ipc_paths[id(array)] = path
+        return array, _handle(path)
 
     def ipc_open(self, handle, nbytes):
         """Map another process's :meth:`ipc_alloc` memory (its first ``nbytes``)."""
@@ -355,6 +361,19 @@ class StandInDevice:
             os.close(fd)
         self._maps.append(mapping)
         return StandInArray(self, np.frombuffer(mapping, np.uint8)[:nbytes])
+
+    def ipc_free(self, array):
+        """Give back :meth:`ipc_alloc` memory: its file goes (mappings stay valid)."""
+        path = self._ipc_paths.pop(id(array), None)
+        if path is not None:
+            try:
+                os.unlink(path)
+                self._owned_files.remove(path)
+            except (OSError, ValueError):
+                pass
+
+    def ipc_close(self, array):
+        """Unmap another process's memory (here: once nothing refers to it)."""
 
     def ipc_event_handle(self, event):
         return _handle(event.path)

@@ -199,6 +199,11 @@ class DeviceContext:
         self.backend.wait(user_stream, done)
         self._last_end = done
 
+    def release_memory(self):
+        """Drop the pooled pinned and device buffers (new ones are made when needed)."""
+        self.pinned = _Pool(self.backend, self.backend.pinned)
+        self.workspace = _Pool(self.backend, lambda n: self.backend.empty(n, np.uint8))
+
     def take_workspace(self, count, dtype):
         """A device buffer of ``count`` elements of ``dtype`` (and the raw buffer to give back)."""
         if count == 0:
@@ -228,7 +233,16 @@ class DeviceContext:
             self._opened[key] = (self.backend.ipc_open(handle, capacity), self.backend.ipc_open_event(event_handle))
         return self._opened[key]
 
-    def free(self):
+    def free(self, barrier):
+        """Give back the IPC memory (the peers' it opened, then, once every rank has
+        (``barrier()``), its own slots) and the acknowledgement communicator.
+        Collective, as Communicator.free."""
+        for array, _ in self._opened.values():
+            self.backend.ipc_close(array)
+        barrier()
+        for slot in self._slots:
+            self.backend.ipc_free(slot.array)
+        self._opened, self._slots, self._free_slots = {}, [], []
         if self.ack_comm is not None and self.ack_comm != MPI.COMM_NULL:
             self.ack_comm.Free()
 
