@@ -40,7 +40,7 @@ SOAK_RANKS    ?= 4
 SOAK_CALLS    ?= 20000
 SOAK_ARGS     ?= --max-growth-mib 32
 
-.PHONY: install test test-serial test-mpi demo bench bench-training bench-reliability bench-ps examples examples-ps soak tune project clean
+.PHONY: install test test-serial test-mpi test-gpu demo bench bench-gpu bench-training bench-reliability bench-ps examples examples-ps soak tune project clean
 
 install: $(VENV)/.installed
 
@@ -62,6 +62,31 @@ test-mpi: install
 	  echo "== mpiexec -n $$n"; \
 	  timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m pytest -q --with-mpi -m "not serial" tests || exit 1; \
 	done
+
+# The GPU suite, on a machine with a CUDA GPU and CuPy (pip install -e ".[test,cuda12]", or
+# cuda13): the device tests on the GPU and the tests marked gpu, at GPU_SIZES ranks
+# sharing the GPUs. No install step (a GPU machine may have no network): pass PYTHON=
+# and MPIEXEC= for an environment that has the package. It fails, rather than skips,
+# where no GPU is visible.
+GPU_SIZES     ?= 1 2 3 4
+GPU_TESTS     ?= tests/test_device.py tests/test_gpu.py
+test-gpu:
+	@$(PYTHON) -c "import cupy, sys; n = cupy.cuda.runtime.getDeviceCount(); print(f'{n} GPU(s):', cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()); sys.exit(n == 0)"
+	@for n in $(GPU_SIZES); do \
+	  echo "== GPU, mpiexec -n $$n"; \
+	  if [ $$n = 1 ]; then only=""; else only="not serial"; fi; \
+	  timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m pytest -q --with-mpi --device cuda \
+	    -m "$$only" $(GPU_TESTS) || exit 1; \
+	done
+
+# The GPU path against its references (kernels vs the device copy, pipelined vs whole
+# messages, IPC vs staging) and collectives-bench on device buffers, at GPU_BENCH_RANKS.
+GPU_BENCH_RANKS ?= 2
+bench-gpu:
+	mkdir -p $(RESULTS)
+	$(MPIEXEC) $(MPIEXEC_FLAGS) -n $(GPU_BENCH_RANKS) $(PYTHON) -m collectives.bench.gpu --json $(RESULTS)/latest-gpu-n$(GPU_BENCH_RANKS).json
+	$(MPIEXEC) $(MPIEXEC_FLAGS) -n $(GPU_BENCH_RANKS) $(PYTHON) -m collectives.bench --device cuda -c allreduce,allgather,broadcast \
+	  -b 64K -e 256M -f 4 --check --no-progress --json $(RESULTS)/latest-gpu-bench-n$(GPU_BENCH_RANKS).json
 
 demo: install
 	$(MPIEXEC) $(MPIEXEC_FLAGS) -n 4 $(PYTHON) -m collectives.demo

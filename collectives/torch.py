@@ -227,9 +227,10 @@ def _torch_stream(tensor):
     kernels and copies then follow the backward pass's work); else nothing."""
     if tensor.device.type != "cuda":
         return contextlib.nullcontext()
-    import cupy
+    from .device.cupy_backend import external_stream
 
-    return cupy.cuda.ExternalStream(torch.cuda.current_stream(tensor.device).cuda_stream, tensor.device.index or 0)
+    index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+    return external_stream(torch.cuda.current_stream(tensor.device).cuda_stream, index)
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, comm=None, *, backward_passes_per_step=1,

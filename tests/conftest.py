@@ -102,6 +102,22 @@ def same(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--device", default="standin", choices=("standin", "cuda"),
+                     help="the device the device tests run on: the CPU stand-in (default) or a GPU through CuPy")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip, with the reason, where no GPU can run them."""
+    from device_under_test import gpu_reason
+
+    marked = [item for item in items if "gpu" in item.keywords]
+    reason = gpu_reason() if marked else None
+    if reason:
+        for item in marked:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
 @pytest.fixture(scope="session")
 def mpi_comm():
     return MPI.COMM_WORLD

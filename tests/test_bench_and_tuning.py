@@ -742,6 +742,68 @@ def test_main_tune(mpi_comm, tmp_path, monkeypatch, no_default_table):
     agree(mpi_comm, problems)
 
 
+def test_main_on_the_stand_in_device(mpi_comm, tmp_path, monkeypatch, no_default_table):
+    """--device standin: every collective and algorithm on device buffers, checked against
+    MPI; native is MPI on host copies; memory is not measured (tracemalloc cannot see a
+    device); --tune writes device tables, which choose(device=True) then follows."""
+    p, rank = mpi_comm.Get_size(), mpi_comm.Get_rank()
+    json_path, path = tmp_path / "rows.json", tmp_path / "tuning.json"
+    problems = []
+    run_main(["-c", "all", "-b", "8", "-e", "4K", "-f", "8", "--check", "--device", "standin",
+              "--json", str(json_path)] + FAST, problems)
+    run_main(["-c", "allreduce", "-b", "8", "-e", "4K", "-f", "8", "--device", "standin", "--tune", str(path)]
+             + FAST, problems)
+    text = None
+    if rank == 0:
+        with reported(problems):
+            rows = json.loads(json_path.read_text())
+            check_rows(rows, p, [8, 64, 512, 4096], problems)
+            for r in rows:
+                if r["device"] != "standin" or r["extra_mem_bytes"] is not None:
+                    problems.append(f"{r['collective']}/{r['algorithm']}: device {r['device']}, "
+                                    f"mem {r['extra_mem_bytes']}")
+            data = json.loads(path.read_text())
+            if data.get("tables") or str(p) not in data.get("device_tables", {}).get("allreduce", {}):
+                problems.append(f"--tune --device wrote {sorted(data)}: expected device tables only")
+            text = path.read_text()
+    agree(mpi_comm, problems)
+    text = mpi_comm.bcast(text, root=0)
+    mine = tmp_path / "copy.json"
+    mine.write_text(text)
+    monkeypatch.setenv("COLLECTIVES_TUNING", str(mine))
+    with fresh_communicator() as comm:
+        chosen, why = comm.choose("allreduce", 100, device=True)
+        host = comm.choose("allreduce", 100)
+    table = TuningTable.load(mine, "device_tables")
+    if (chosen, why) != (table.lookup("allreduce", 100, p), f"measured table {mine} (device_tables)") or \
+            host[1] != "cost-model rule":
+        problems.append(f"choose: device {chosen, why}, host {host}")
+    agree(mpi_comm, problems)
+
+
+def test_gpu_benchmark_runs_on_the_stand_in(mpi_comm, tmp_path):
+    """python -m collectives.bench.gpu --quick on the stand-in: kernels against the copy,
+    pipelined against whole messages, IPC against staging, written as JSON."""
+    from collectives.bench import gpu
+
+    path = tmp_path / "gpu.json"
+    problems = []
+    with reported(problems):
+        if gpu.main(["--device", "standin", "--quick", "--json", str(path)]) != 0:
+            problems.append("bench.gpu returned non-zero")
+    if mpi_comm.Get_rank() == 0:
+        with reported(problems):
+            rows = json.loads(path.read_text())["rows"]
+            kernels = {r["contender"] for r in rows if r["measure"] == "kernels"}
+            if "device-to-device copy" not in kernels or "reduce sum bfloat16" not in kernels:
+                problems.append(f"kernel rows {sorted(kernels)}")
+            allreduce = {r["contender"] for r in rows if r["measure"] == "allreduce"}
+            if mpi_comm.Get_size() > 1 and allreduce != {"staged, pipelined", "staged, whole messages",
+                                                          "ipc, pipelined"}:
+                problems.append(f"allreduce rows {sorted(allreduce)}")
+    agree(mpi_comm, problems)
+
+
 def test_check_catches_a_wrong_result(mpi_comm, tmp_path, monkeypatch):
     """One algorithm's result is corrupted on rank 0 and on the last rank (one element
     each, every call, after the real call): every rank must report it and exit 1."""

@@ -1,5 +1,6 @@
 """The device path, through the stand-in GPU (``collectives.device.standin``), at every
-world size the MPI suite runs (1 serially, 2-8 under mpiexec).
+world size the MPI suite runs (1 serially, 2-8 under mpiexec); ``--device cuda`` runs
+the same tests on a GPU (``make test-gpu``).
 
 The stand-in runs queued copies and kernels only when something waits for them, and
 then in a random order across streams; new memory holds garbage. So a wait missing
@@ -13,11 +14,30 @@ import os
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 import collectives as cc
-from collectives.device import standin as si
 from collectives.device import bfloat16
 from conftest import ALL_DTYPES, agree, counts_for, expected_result, ops_for, rank_input
+from device_under_test import select
+
+D = None  # the device under test: the stand-in, or a GPU with --device cuda
+
+
+@pytest.fixture(scope="module", autouse=True)
+def device_under_test(request):
+    global D
+    D = select(request.config.getoption("--device"), MPI.COMM_WORLD.Get_rank())
+    if D.name == "cuda":  # on a GPU, the paths the machine has
+        from collectives.transport.device import cuda_aware_mpi
+        if not cuda_aware_mpi():
+            PATHS.pop("cuda-aware", None)
+    yield D
+
+
+def stand_in_only(what):
+    if D.name != "standin":
+        pytest.skip(f"{what}: a property of the stand-in itself")
 
 PATHS = {
     "ipc": {},
@@ -36,7 +56,7 @@ def device_communicator(path, **options):
     os.environ.update(PATHS[path])
     try:
         comm = cc.Communicator(device_segment_size=options.pop("device_segment_size", SEGMENT), **options)
-        comm.allreduce(si.asarray(np.ones(1, np.float32)))  # the negotiation
+        comm.allreduce(D.asarray(np.ones(1, np.float32)))  # the negotiation
     finally:
         for key, value in saved.items():
             if value is None:
@@ -47,7 +67,9 @@ def device_communicator(path, **options):
 
 
 @pytest.fixture(scope="module", params=list(PATHS))
-def dcomm(request):
+def dcomm(request, device_under_test):
+    if request.param not in PATHS:
+        pytest.skip(f"MPI here is not CUDA-aware: no {request.param} path to test")
     comm = device_communicator(request.param)
     expected = {"ipc": "ipc", "staged": "staged", "cuda-aware": "cuda-aware"}[request.param]
     ctx = next(iter(comm._devices.values()))
@@ -72,10 +94,10 @@ def host_and_device(comm, collective, algorithm, host_x, op="sum", root=0):
     """The same call on the host and on the stand-in device: (host result, device
     result on the host, the device input afterwards)."""
     want = call(comm, collective, host_x.copy(), algorithm, op, root)
-    x = si.asarray(host_x)
+    x = D.asarray(host_x)
     got = call(comm, collective, x, algorithm, op, root)
-    got = None if got is None else si.asnumpy(got)
-    return want, got, si.asnumpy(x)
+    got = None if got is None else D.asnumpy(got)
+    return want, got, D.asnumpy(x)
 
 
 def differs(want, got):
@@ -133,32 +155,32 @@ def test_allreduce_in_place_out_and_strided(dcomm, mpi_comm, algorithm):
     xs = [rank_input(r, 6 * 7, "int32").reshape(6, 7) for r in range(comm.size)]
     want = comm.allreduce(xs[comm.rank], algorithm="native")
     # in place
-    x = si.asarray(xs[comm.rank])
-    if comm.allreduce(x, algorithm=algorithm, out=x) is not x or differs(want, si.asnumpy(x)):
+    x = D.asarray(xs[comm.rank])
+    if comm.allreduce(x, algorithm=algorithm, out=x) is not x or differs(want, D.asnumpy(x)):
         problems.append("in place")
     # into a given out
-    out = si.empty((6, 7), np.int32)
-    if comm.allreduce(si.asarray(xs[comm.rank]), algorithm=algorithm, out=out) is not out or \
-            differs(want, si.asnumpy(out)):
+    out = D.empty((6, 7), np.int32)
+    if comm.allreduce(D.asarray(xs[comm.rank]), algorithm=algorithm, out=out) is not out or \
+            differs(want, D.asnumpy(out)):
         problems.append("out=")
     # a strided input and a strided out (every other column of a wider array)
-    wide = si.asarray(np.repeat(xs[comm.rank], 2, axis=1))
-    canvas = si.asarray(np.full((6, 14), -1, np.int32))
+    wide = D.asarray(np.repeat(xs[comm.rank], 2, axis=1))
+    canvas = D.asarray(np.full((6, 14), -1, np.int32))
     got = comm.allreduce(wide[:, ::2], algorithm=algorithm, out=canvas[:, 1::2])
-    host = si.asnumpy(canvas)
+    host = D.asnumpy(canvas)
     if differs(want, np.ascontiguousarray(host[:, 1::2])) or (host[:, ::2] != -1).any():
         problems.append(f"strided in and out: {host[0]}")
     if got is None or got.shape != (6, 7):
         problems.append("strided out: not returned")
     # in place on a strided view
-    view = si.asarray(np.repeat(xs[comm.rank], 2, axis=0))[::2]
+    view = D.asarray(np.repeat(xs[comm.rank], 2, axis=0))[::2]
     comm.allreduce(view, algorithm=algorithm, out=view)
-    if differs(want, si.asnumpy(view)):
+    if differs(want, D.asnumpy(view)):
         problems.append("in place, strided")
     # out overlapping x without being x: x is read before out is written
-    both = si.asarray(np.concatenate([xs[comm.rank].ravel(), np.zeros(3, np.int32)]))
+    both = D.asarray(np.concatenate([xs[comm.rank].ravel(), np.zeros(3, np.int32)]))
     comm.allreduce(both[:42], algorithm=algorithm, out=both[3:45])
-    if differs(want.ravel(), si.asnumpy(both)[3:45]):
+    if differs(want.ravel(), D.asnumpy(both)[3:45]):
         problems.append("out overlapping x")
     agree(mpi_comm, problems)
 
@@ -168,20 +190,19 @@ def test_results_are_ready_on_the_users_stream(dcomm, mpi_comm):
     the result is read through that stream: the collective waited for the first and
     the stream for the second. The stand-in runs neither unless someone waits."""
     comm, problems = dcomm, []
-    dev = si.device()
-    mine = dev.stream("user")
-    with dev.use_stream(mine):
+    mine = D.new_stream()
+    with D.use_stream(mine):
         for algorithm in cc.algorithms("allreduce"):
-            x = si.empty(1001, np.float64)
+            x = D.empty(1001, np.float64)
             values = rank_input(comm.rank, 1001, "float64")
-            dev.copy(x, values.copy(), mine)  # queued on the user's stream, runs only when waited for
+            D.copy_async(x, values, mine)  # queued on the user's stream (the stand-in runs it only when waited for)
             got = comm.allreduce(x, algorithm=algorithm)
             want = comm.allreduce(values, algorithm="native")
-            if differs(want, si.asnumpy(got, stream=mine)):
+            if differs(want, D.asnumpy(got, stream=mine)):
                 problems.append(algorithm)
             handle = comm.allreduce_async(x, op="max", algorithm=algorithm)
             result = handle.wait()
-            if differs(comm.allreduce(values, op="max", algorithm="native"), si.asnumpy(result, stream=mine)):
+            if differs(comm.allreduce(values, op="max", algorithm="native"), D.asnumpy(result, stream=mine)):
                 problems.append(f"{algorithm} async")
     agree(mpi_comm, problems)
 
@@ -189,18 +210,18 @@ def test_results_are_ready_on_the_users_stream(dcomm, mpi_comm):
 def test_several_calls_in_flight_together(dcomm, mpi_comm):
     comm, problems = dcomm, []
     xs = [rank_input(r, 501, "float32") for r in range(comm.size)]
-    x = si.asarray(xs[comm.rank])
+    x = D.asarray(xs[comm.rank])
     handles = [comm.allreduce_async(x, algorithm=a) for a in ("ring", "direct", "recursive_halving", "tree")]
     handles.append(comm.allgather_async(x[:7], algorithm="bruck"))
     handles.append(comm.reduce_scatter_async(x, algorithm="ring"))
     results = [h.wait() for h in reversed(handles)][::-1]
     total = sum(xs)
     for k, result in enumerate(results[:4]):
-        if not np.array_equal(si.asnumpy(result), total):
+        if not np.array_equal(D.asnumpy(result), total):
             problems.append(f"allreduce {k}")
-    if not np.array_equal(si.asnumpy(results[4]), np.stack([v[:7] for v in xs])):
+    if not np.array_equal(D.asnumpy(results[4]), np.stack([v[:7] for v in xs])):
         problems.append("allgather")
-    if not np.array_equal(si.asnumpy(results[5]), np.array_split(total, comm.size)[comm.rank]):
+    if not np.array_equal(D.asnumpy(results[5]), np.array_split(total, comm.size)[comm.rank]):
         problems.append("reduce_scatter")
     agree(mpi_comm, problems)
 
@@ -217,34 +238,35 @@ def test_bfloat16_device_arrays(dcomm, mpi_comm):
         host = xs[comm.rank].astype(ml_dtypes.bfloat16)
         if algorithm == "native":
             with pytest.raises(ValueError, match="'native' cannot move bfloat16"):
-                comm.allreduce(si.asarray(host), algorithm=algorithm)
+                comm.allreduce(bfloat16(D.asarray(host.view(np.uint16))), algorithm=algorithm)
             continue
-        got = comm.allreduce(si.asarray(host), algorithm=algorithm)
-        if got.dtype != host.dtype or not np.array_equal(si.asnumpy(got).astype(np.float32), total):
-            problems.append(f"{algorithm}: bfloat16 array")
-        marked = comm.allreduce(bfloat16(si.asarray(host.view(np.uint16))), algorithm=algorithm)
+        if D.native_bfloat16:
+            got = comm.allreduce(D.asarray(host), algorithm=algorithm)
+            if got.dtype != host.dtype or not np.array_equal(D.asnumpy(got).astype(np.float32), total):
+                problems.append(f"{algorithm}: bfloat16 array")
+        marked = comm.allreduce(bfloat16(D.asarray(host.view(np.uint16))), algorithm=algorithm)
         if not isinstance(marked, bfloat16) or \
-                not np.array_equal(si.asnumpy(marked.data).view(ml_dtypes.bfloat16).astype(np.float32), total):
+                not np.array_equal(D.asnumpy(marked.data).view(ml_dtypes.bfloat16).astype(np.float32), total):
             problems.append(f"{algorithm}: marked uint16")
     agree(mpi_comm, problems)
 
 
 def test_host_and_device_arrays_mixed_in_one_call_is_a_type_error(dcomm):
     comm = dcomm
-    with pytest.raises(TypeError, match="out is a host array but x is on standin:0"):
-        comm.allreduce(si.asarray(np.ones(4)), out=np.ones(4))
+    with pytest.raises(TypeError, match=f"out is a host array but x is on {D.where}"):
+        comm.allreduce(D.asarray(np.ones(4)), out=np.ones(4))
     with pytest.raises(TypeError, match="out is a device array but x is on the host"):
-        comm.allreduce(np.ones(4), out=si.empty(4, np.float64))
+        comm.allreduce(np.ones(4), out=D.empty(4, np.float64))
     with pytest.raises(ValueError, match=r"out must have shape \(4,\); got \(5,\)"):
-        comm.allreduce(si.asarray(np.ones(4)), out=si.empty(5, np.float64))
+        comm.allreduce(D.asarray(np.ones(4)), out=D.empty(5, np.float64))
     with pytest.raises(TypeError, match="out must have dtype float64; got float32"):
-        comm.allreduce(si.asarray(np.ones(4)), out=si.empty(4, np.float32))
+        comm.allreduce(D.asarray(np.ones(4)), out=D.empty(4, np.float32))
     with pytest.raises(TypeError, match="x has unsupported dtype bool"):
-        comm.allreduce(si.asarray(np.ones(4, bool)))
+        comm.allreduce(D.asarray(np.ones(4, bool)))
     with pytest.raises(TypeError, match="op 'max' is not defined for complex"):
-        comm.allreduce(si.asarray(np.ones(4, np.complex64)), op="max")
+        comm.allreduce(D.asarray(np.ones(4, np.complex64)), op="max")
     comm.barrier()  # nothing was sent: every rank is here, with no message left over
-    assert np.array_equal(si.asnumpy(comm.allreduce(si.asarray(np.ones(3)))), np.full(3, comm.size))
+    assert np.array_equal(D.asnumpy(comm.allreduce(D.asarray(np.ones(3)))), np.full(3, comm.size))
 
 
 def test_no_reduction_copies_a_whole_buffer_to_the_host(mpi_comm):
@@ -252,8 +274,8 @@ def test_no_reduction_copies_a_whole_buffer_to_the_host(mpi_comm):
     schedule sends, and all of them together are the bytes it sends, 2(p-1)/p of the
     buffer: never the whole buffer at once."""
     comm = device_communicator("staged", device_segment_size=4096)
-    dev = si.device()
-    x = si.asarray(np.ones(100_000, np.float32))
+    dev = D.si.device()
+    x = D.asarray(np.ones(100_000, np.float32))
     dev.copies.clear()
     comm.allreduce(x, algorithm="ring")
     to_host = [nbytes for direction, nbytes in dev.copies if direction == "device->host"]
@@ -272,11 +294,11 @@ def test_no_reduction_copies_a_whole_buffer_to_the_host(mpi_comm):
 @pytest.mark.mpi(min_size=2)
 def test_check_mode_names_a_rank_on_the_host(mpi_comm):
     comm = device_communicator("ipc", check=True)
-    x = np.ones(8, np.float32) if comm.rank == 0 else si.asarray(np.ones(8, np.float32))
-    with pytest.raises(cc.CollectiveMismatchError, match="memory: host on rank 0; standin on"):
+    x = np.ones(8, np.float32) if comm.rank == 0 else D.asarray(np.ones(8, np.float32))
+    with pytest.raises(cc.CollectiveMismatchError, match=f"memory: host on rank 0; {D.name} on"):
         comm.allreduce(x)
-    got = comm.allreduce(si.asarray(np.ones(8, np.float32)))  # the communicator stays usable
-    assert np.array_equal(si.asnumpy(got), np.full(8, comm.size, np.float32))
+    got = comm.allreduce(D.asarray(np.ones(8, np.float32)))  # the communicator stays usable
+    assert np.array_equal(D.asnumpy(got), np.full(8, comm.size, np.float32))
     comm.free()
 
 
@@ -286,7 +308,7 @@ def test_a_size_mismatch_raises_on_every_rank(mpi_comm, path):
     comm = device_communicator(path)
     count = 64 if comm.rank else 96  # rank 0 passes a larger buffer
     with pytest.raises(cc.MessageSizeError):
-        comm.allreduce(si.asarray(np.ones(count, np.float32)), algorithm="ring", timeout=30)
+        comm.allreduce(D.asarray(np.ones(count, np.float32)), algorithm="ring", timeout=30)
     comm.free()
 
 
@@ -295,7 +317,7 @@ def test_a_rank_that_does_not_call_times_out_the_others(mpi_comm):
     comm = device_communicator("ipc")
     if comm.rank != 0:
         with pytest.raises(cc.CollectiveTimeoutError, match="timed out"):
-            comm.allreduce(si.asarray(np.ones(1000, np.float32)), algorithm="ring", timeout=1.0)
+            comm.allreduce(D.asarray(np.ones(1000, np.float32)), algorithm="ring", timeout=1.0)
     mpi_comm.Barrier()
     comm.free()
 
@@ -306,12 +328,13 @@ def test_the_stand_in_catches_a_missing_wait(mpi_comm, monkeypatch):
     and the results are wrong."""
     from collectives.transport.device import DeviceContext
 
+    stand_in_only("a GPU may well run the copy in time")
     comm = device_communicator("staged")
     monkeypatch.setattr(DeviceContext, "begin", lambda self, user_stream: None)
     wrong = 0
     for _ in range(20):
         values = rank_input(comm.rank, 2000, "float32")
-        got = si.asnumpy(comm.allreduce(si.asarray(values), algorithm="ring"))
+        got = D.asnumpy(comm.allreduce(D.asarray(values), algorithm="ring"))
         wrong += not np.array_equal(got, comm.allreduce(values, algorithm="native"))
     monkeypatch.undo()
     comm.free()
@@ -328,7 +351,7 @@ def _reduce_steps(comm, params, on_device, steps=2, **options):
     from conftest import shard
 
     host = {n: a.copy() for n, a in params.items()}
-    device_params = {n: si.asarray(a) for n, a in host.items()} if on_device else None
+    device_params = {n: D.asarray(a) for n, a in host.items()} if on_device else None
     history = []
     with GradientReducer(device_params if on_device else host, comm, **options) as reducer:
         k = options.get("backward_passes_per_step", 1)
@@ -336,14 +359,14 @@ def _reduce_steps(comm, params, on_device, steps=2, **options):
             x, y = shard(comm, *data(step))
             for _ in range(k):
                 for name, g in backward(host, x, y):
-                    reducer.gradient_ready(name, si.asarray(g) if on_device else g)
+                    reducer.gradient_ready(name, D.asarray(g) if on_device else g)
             averaged = reducer.synchronize()
             for name, g in averaged.items():
-                host[name] -= LR * (si.asnumpy(g) if on_device else g)
+                host[name] -= LR * (D.asnumpy(g) if on_device else g)
             history.append({n: a.copy() for n, a in host.items()})
             if on_device:
                 for name in host:  # keep the device parameters in step (the reducer averages grads only)
-                    device_params[name] = si.asarray(host[name])
+                    device_params[name] = D.asarray(host[name])
     return history
 
 
@@ -377,21 +400,21 @@ def test_broadcast_and_check_parameters_on_the_device(mpi_comm):
 
     comm = device_communicator("staged")
     host = {"w": rank_input(comm.rank, 30, "float32").reshape(5, 6), "n": np.arange(4, dtype=np.int64) * comm.rank}
-    params = {n: si.asarray(a) for n, a in host.items()}
+    params = {n: D.asarray(a) for n, a in host.items()}
     root = comm.size - 1
     broadcast_parameters(params, root=root, comm=comm)
     problems = []
-    if not np.array_equal(si.asnumpy(params["w"]), rank_input(root, 30, "float32").reshape(5, 6)) or \
-            not np.array_equal(si.asnumpy(params["n"]), np.arange(4) * root):
+    if not np.array_equal(D.asnumpy(params["w"]), rank_input(root, 30, "float32").reshape(5, 6)) or \
+            not np.array_equal(D.asnumpy(params["n"]), np.arange(4) * root):
         problems.append("broadcast_parameters")
     check_parameters(params, comm)
     if comm.size > 1:
         if comm.rank == 1:
-            params["w"] = si.asarray(np.zeros((5, 6), np.float32))
+            params["w"] = D.asarray(np.zeros((5, 6), np.float32))
         with pytest.raises(TrainingError, match="'w' on rank"):
             check_parameters(params, comm)
     with pytest.raises(TypeError, match="all on the host or all on one device"):
-        broadcast_parameters({"a": np.ones(2), "b": si.asarray(np.ones(2))}, comm=comm)
+        broadcast_parameters({"a": np.ones(2), "b": D.asarray(np.ones(2))}, comm=comm)
     comm.free()
     agree(mpi_comm, problems)
 
@@ -405,7 +428,7 @@ def test_parameter_server_with_device_parameters_equals_the_host(mpi_comm):
     results = []
     for on_device in (False, True):
         host = init_params(0)
-        params = {n: si.asarray(a) for n, a in host.items()} if on_device else host
+        params = {n: D.asarray(a) for n, a in host.items()} if on_device else host
         ps = ParameterServer(params, comm, servers=1, lr=LR)
         if ps.is_worker:
             workers = len(ps.workers)
@@ -414,8 +437,8 @@ def test_parameter_server_with_device_parameters_equals_the_host(mpi_comm):
                 x, y = data(t)
                 share = len(y) // workers
                 grads = dict(backward(host, x[index * share:(index + 1) * share], y[index * share:(index + 1) * share]))
-                pulled = ps.step({n: si.asarray(g) for n, g in grads.items()} if on_device else grads)
-                host = {n: si.asnumpy(a) if on_device else a.copy() for n, a in pulled.items()}
+                pulled = ps.step({n: D.asarray(g) for n, g in grads.items()} if on_device else grads)
+                host = {n: D.asnumpy(a) if on_device else a.copy() for n, a in pulled.items()}
         else:
             ps.serve()
         ps.close()

@@ -39,9 +39,13 @@ def element_count(collective, nbytes, world_size, itemsize):
 
 
 class Case:
-    """Buffers and calls for (collective, size, dtype, op, in place) on this rank."""
+    """Buffers and calls for (collective, size, dtype, op, in place) on this rank; with
+    ``device`` (a :class:`~collectives.bench.devices.BenchDevice`) the library's calls run
+    on device copies of the buffers and ``native`` is the MPI library's collective on
+    host copies (device -> host, MPI, host -> device: what a GPU user without a
+    CUDA-aware MPI has)."""
 
-    def __init__(self, collective, nbytes, world, dtype, op, inplace, root=0):
+    def __init__(self, collective, nbytes, world, dtype, op, inplace, root=0, device=None):
         self.collective, self.dtype, self.op, self.inplace, self.root = collective, np.dtype(dtype), op, inplace, root
         self.world = world  # the mpi4py communicator the native calls run on
         self.rank, self.size = world.Get_rank(), world.Get_size()
@@ -60,15 +64,39 @@ class Case:
             self.out = self.x  # broadcast is in place by definition
         else:
             self.out = self.x if inplace else np.empty_like(self.x)
+        self.device = device
+        if device is not None:  # device twins of x and out, laid out alike
+            if collective == "allgather":
+                self.dout = device.empty(self.out.shape, self.dtype)
+                self.dx = self.dout[self.rank] if inplace else device.empty(self.x.shape, self.dtype)
+            elif collective == "reduce_scatter":
+                self.dx, self.dout = device.empty(self.x.shape, self.dtype), device.empty(self.out.shape, self.dtype)
+            else:
+                self.dx = device.empty(self.x.shape, self.dtype)
+                self.dout = self.dx if inplace or collective == "broadcast" else device.empty(self.x.shape, self.dtype)
         self._reset()
 
     def _reset(self):
         self.x[...] = self.fresh
+        if self.device is not None:
+            self.device.upload(self.dx, self.fresh)
 
     # -- the contenders ----------------------------------------------------------
     def ours(self, comm, algorithm):
-        """A no-argument callable running the collective through ``comm``."""
-        c, x, out, op, root = self.collective, self.x, self.out, self.op, self.root
+        """A no-argument callable running the collective through ``comm`` (on a device:
+        until its result is there, on the stream)."""
+        if self.device is not None:
+            run, sync = self._ours(comm, algorithm, self.dx, self.dout), self.device.sync
+
+            def on_device():
+                run()
+                sync()
+
+            return on_device
+        return self._ours(comm, algorithm, self.x, self.out)
+
+    def _ours(self, comm, algorithm, x, out):
+        c, op, root = self.collective, self.op, self.root
         if c == "allreduce":
             return lambda: comm.allreduce(x, op, algorithm, out)
         if c == "reduce_scatter":
@@ -80,17 +108,27 @@ class Case:
         return lambda: comm.reduce(x, root, op, algorithm, out)
 
     def native(self, mpi_comm):
-        """The MPI library's own collective, through mpi4py directly."""
+        """The MPI library's own collective, through mpi4py directly (on a device: on host
+        copies, the copies in the time)."""
         call = self._native(mpi_comm)
-        if self.op != "avg" or self.result() is None:
+        if self.op == "avg" and self._host_result() is not None:
+            plain, result, size = call, self._host_result(), self.size
+
+            def call():  # MPI has no average: a sum, then one division, as ours does
+                plain()
+                np.divide(result, size, out=result)
+
+        if self.device is None:
             return call
-        result, size = self.result(), self.size
+        device, dx, x, dout, out = self.device, self.dx, self.x, self.dout, self._host_result()
 
-        def average():  # MPI has no average: a sum, then one division, as ours does
+        def staged():
+            device.download(x, dx)
             call()
-            np.divide(result, size, out=result)
+            if out is not None:
+                device.upload(dout, out)
 
-        return average
+        return staged
 
     def _native(self, mpi_comm):
         c, x, out, root, mpi_op = self.collective, self.x, self.out, self.root, MPI_OPS.get(self.op, MPI.SUM)
@@ -151,7 +189,16 @@ class Case:
         return int(np.count_nonzero(~same))
 
     def result(self):
-        """This rank's result after a call (None where the collective leaves none)."""
+        """This rank's result after a call (None where the collective leaves none), on
+        the host."""
+        host = self._host_result()
+        if host is None or self.device is None:
+            return host
+        got = np.empty_like(host)
+        self.device.download(got, self.dout)
+        return got
+
+    def _host_result(self):
         if self.collective == "broadcast":
             return self.x
         if self.collective == "reduce" and self.rank != self.root:

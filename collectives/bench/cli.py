@@ -4,6 +4,7 @@ against the MPI library's own collectives measured in the same run.
     mpiexec -n 4 collectives-bench                        # all collectives, 8 B .. 64 MiB
     mpiexec -n 4 collectives-bench -c allreduce -b 1M -e 256M --check --plot ar.png
     mpiexec -n 4 collectives-bench --tune tuning.json     # then COLLECTIVES_TUNING=tuning.json
+    mpiexec -n 2 collectives-bench --device cuda -c allreduce -b 64K -e 256M --check   # on a GPU
 
 Exit status: 1 if ``--check`` found any wrong element, 2 on bad arguments.
 """
@@ -23,6 +24,7 @@ from ..ops import OPS, check_op
 from ..tuning import TuningTable
 from . import report, timing, tune
 from .cases import Case, bus_factor
+from .devices import BenchDevice
 
 _UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": 1024**2, "MB": 1024**2, "MIB": 1024**2,
           "G": 1024**3, "GB": 1024**3, "GIB": 1024**3}
@@ -75,6 +77,10 @@ def parse_args(argv):
     p.add_argument("--tune", metavar="FILE", nargs="?", const="collectives-tuning.json",
                    help="measure every algorithm and merge the winners into a tuning file for auto "
                         "(default collectives-tuning.json; use it with COLLECTIVES_TUNING=FILE)")
+    p.add_argument("--device", choices=("host", "cuda", "standin"), default="host",
+                   help="where the buffers live: host (default), cuda (a GPU through CuPy; native is then MPI on "
+                        "host copies) or standin (the CPU stand-in GPU of the tests: checks the code, times mean "
+                        "nothing)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = p.parse_args(argv)
 
@@ -95,6 +101,8 @@ def parse_args(argv):
     for peer in args.peers:
         if peer != "gloo":
             p.error(f"--peers: only 'gloo' is supported; got {peer!r}")
+    if args.peers and args.device != "host":
+        p.error("--peers gloo compares host buffers: leave --device out")
     if args.factor < 2 or args.begin < 1 or args.end < args.begin:
         p.error("need 1 <= --begin <= --end and --factor >= 2")
     if args.iters is not None:
@@ -169,10 +177,11 @@ def measure(case, comm, world, names, args, gloo_group):
             "collective": case.collective, "algorithm": name, "bytes": case.nbytes, "count": case.count,
             "world_size": case.size, "dtype": case.dtype.name, "op": case.op, "inplace": case.inplace,
             **stats, "algbw_GBps": algbw, "busbw_GBps": algbw * factor,
-            "chosen": comm.choose(case.collective, case.nbytes)[0] if name == "auto" else None,
-            "extra_mem_bytes": None, "wrong": None,
+            "chosen": comm.choose(case.collective, case.nbytes, case.device is not None)[0] if name == "auto" else None,
+            "extra_mem_bytes": None, "wrong": None, "device": args.device,
         }
-        if not args.no_memory and name not in ("native", "gloo"):  # MPI's and gloo's C memory is invisible
+        if not args.no_memory and name not in ("native", "gloo") and case.device is None:
+            # MPI's and gloo's C memory is invisible to tracemalloc, and so is a device's
             row["extra_mem_bytes"] = timing.peak_extra_memory(world, calls[name], comm.release_memory)
         if args.check:
             row["wrong"] = world.allreduce(case.count_wrong(calls[name]), op=MPI.SUM)
@@ -211,14 +220,15 @@ def main(argv=None):
         check_outputs(args, world)
         comm = Communicator(world)
         try:
-            return sweep(args, world, comm)
+            device = None if args.device == "host" else BenchDevice(args.device, world.Get_rank())
+            return sweep(args, world, comm, device)
         finally:
             comm.free()
     finally:
         world.Free()
 
 
-def sweep(args, world, comm):
+def sweep(args, world, comm, device=None):
     """Run the benchmark; write the outputs on rank 0; return the exit status."""
     rank0 = world.Get_rank() == 0
     gloo_group = start_gloo(world) if "gloo" in args.peers else None
@@ -237,12 +247,14 @@ def sweep(args, world, comm):
     if rank0:
         say(f"# collectives-bench: {world.Get_size()} ranks, {mpi_library()}, "
             f"{os.cpu_count()} cpus; budget {args.budget}s x {args.rounds} interleaved rounds per contender")
+        if device is not None:
+            say(f"# buffers on {device.name}; native = MPI on host copies (device -> host, MPI, host -> device)")
     rows = []
     for collective in args.collectives:
         names = contenders(collective, args)
         say(report.header(collective, meta))
         for nbytes in size_list:
-            case = Case(collective, nbytes, world, args.dtype, args.op, args.inplace)
+            case = Case(collective, nbytes, world, args.dtype, args.op, args.inplace, device=device)
             if bar is not None:
                 bar.set_description(f"{collective} {report.human_bytes(case.nbytes)}")
             for row in measure(case, comm, world, names, args, gloo_group):
@@ -264,8 +276,9 @@ def sweep(args, world, comm):
             report.plot(args.plot, rows, f"{args.dtype} {args.op}, {world.Get_size()} ranks, "
                                          f"{mpi_library()}")
         if args.tune:
-            settings = {"dtype": args.dtype, "op": args.op, "inplace": args.inplace, "budget_s": args.budget}
-            new = tune.write(args.tune, rows, settings)
+            settings = {"dtype": args.dtype, "op": args.op, "inplace": args.inplace, "budget_s": args.budget,
+                        "device": args.device}
+            new = tune.write(args.tune, rows, settings, "tables" if device is None else "device_tables")
             print(f"\n# tuning for world size {world.Get_size()} merged into {args.tune}:")
             for collective, by_size in new.items():
                 for world_size, entries in by_size.items():

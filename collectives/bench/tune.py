@@ -92,9 +92,10 @@ def describe_machine():
     }
 
 
-def write(path, rows, settings):
+def write(path, rows, settings, key="tables"):
     """Merge the tables measured in ``rows`` into the tuning file at ``path`` (created if
-    missing; world sizes measured before and not now are kept)."""
+    missing; world sizes measured before and not now are kept). ``key`` is
+    ``"device_tables"`` for measurements on device arrays."""
     path = Path(path)
     data = {"format": FORMAT, "measured": {}, "tables": {}}
     if path.exists():
@@ -102,12 +103,15 @@ def write(path, rows, settings):
         data = json.loads(path.read_text())
         data.setdefault("measured", {})
         data["tables"] = data.get("tables") or {}
+    data[key] = data.get(key) or {}
     new = tables_from_rows(rows)
+    where = "" if key == "tables" else " device"
     for collective, by_size in new.items():
-        data["tables"].setdefault(collective, {}).update(by_size)
+        data[key].setdefault(collective, {}).update(by_size)
         for world_size in by_size:
-            data["measured"][world_size] = {**settings, **describe_machine(), "date": datetime.date.today().isoformat()}
-    TuningTable(data["tables"], source=path)  # what auto will load must be valid
+            data["measured"][world_size + where] = {**settings, **describe_machine(),
+                                                    "date": datetime.date.today().isoformat()}
+    TuningTable(data[key], source=path)  # what auto will load must be valid
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     return new

@@ -77,7 +77,7 @@ def _torch_array(tensor, name):
         data, dtype = cupy.from_dlpack(tensor.detach()), None
         rewrap = torch.from_dlpack
     b = backend(tensor.device.index if tensor.device.index is not None else torch.cuda.current_device())
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(tensor.device).cuda_stream, b.id)
+    stream = external_stream(torch.cuda.current_stream(tensor.device).cuda_stream, b.id)
 
     def allocate(shape):  # torch's caching allocator owns results, on torch's current stream
         made = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
@@ -85,6 +85,23 @@ def _torch_array(tensor, name):
 
     return DeviceArray(b, data, dtype if dtype is not None else data.dtype, stream, rewrap, f"cuda:{b.id}",
                        allocate=allocate)
+
+
+class _StreamPointer:
+    """A raw cudaStream_t in the CUDA stream protocol (``__cuda_stream__``)."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def external_stream(ptr, device_id):
+    """A CuPy stream for someone else's ``cudaStream_t`` (torch's current stream)."""
+    if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy 14: ExternalStream is deprecated
+        return cupy.cuda.Stream.from_external(_StreamPointer(ptr))
+    return cupy.cuda.ExternalStream(ptr, device_id)
 
 
 class _OpenedEvent:
@@ -213,8 +230,8 @@ class CupyDevice:
 
     def _launch(self, dtype, name, work_items, stream, args):
         kernel = self._module(dtype).get_function(name)
-        with cupy.cuda.Device(self.id):
-            kernel((kernels.blocks(work_items, self.multiprocessors),), (kernels.THREADS,), args, stream=stream)
+        with cupy.cuda.Device(self.id), stream:  # a RawKernel launches on the current stream
+            kernel((kernels.blocks(work_items, self.multiprocessors),), (kernels.THREADS,), args)
 
     def _module(self, dtype):
         key = (dtype.name, kernels.source_hash())

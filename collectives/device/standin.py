@@ -260,7 +260,7 @@ class StandInDevice:
     def synchronize(self, event):
         with self._lock:
             generation = event._generation()
-            self._run_until(lambda: event._reached(generation), f"an event")
+            self._run_until(lambda: event._reached(generation), "an event")
 
     def synchronize_stream(self, stream):
         with self._lock:

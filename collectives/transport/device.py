@@ -37,9 +37,8 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import CollectiveError, MessageSizeError, TransportError
-from ..schedule import Copy, Recv, Reduce, Send
-from .buffers import Buffers
+from ..errors import MessageSizeError, TransportError
+from ..schedule import Copy, Send
 from .mpi import Handle, PlanHandle, _at
 
 DEFAULT_SEGMENT_SIZE = 4 << 20  # bytes per pipelining segment on the device
@@ -70,7 +69,7 @@ def _query_cuda_support():
         return False
     for path in paths:
         try:
-            query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support")
+            query = ctypes.CDLL(path).MPIX_Query_cuda_support
         except (OSError, AttributeError):
             continue
         query.restype = ctypes.c_int
@@ -200,7 +199,10 @@ class DeviceContext:
         self._last_end = done
 
     def release_memory(self):
-        """Drop the pooled pinned and device buffers (new ones are made when needed)."""
+        """Drop the pooled pinned and device buffers (new ones are made when needed),
+        once the device has stopped using them."""
+        for stream in self.streams:
+            self.backend.synchronize_stream(stream)
         self.pinned = _Pool(self.backend, self.backend.pinned)
         self.workspace = _Pool(self.backend, lambda n: self.backend.empty(n, np.uint8))
 

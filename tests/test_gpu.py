@@ -1,0 +1,186 @@
+"""What only a real GPU can show: the CUDA kernels' arithmetic on the device against
+NumPy, torch CUDA tensors through every collective, a CUDA model trained through the
+training adapter, and torch's side streams. Marked ``gpu``: they skip, with the reason,
+where CuPy sees no GPU (as on the development machine and in CI). ``make test-gpu``
+runs them with the device suite (``tests/test_device.py --device cuda``) at 1-4 ranks
+sharing one GPU.
+"""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import collectives as cc
+from conftest import agree, expected_result, ops_for, rank_input
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cupy():
+    import cupy
+
+    cupy.cuda.Device(MPI.COMM_WORLD.Get_rank() % cupy.cuda.runtime.getDeviceCount()).use()
+    return cupy
+
+
+@pytest.fixture(scope="module")
+def backend(cupy):
+    from collectives.device import cupy_backend
+
+    return cupy_backend.backend(cupy.cuda.Device().id)
+
+
+# -- the kernels on the device ---------------------------------------------------------------------
+KERNEL_DTYPES = ["int8", "uint16", "int32", "int64", "uint64", "float16", "float32", "float64", "complex64",
+                 "complex128"]
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_reduce_kernels_on_the_device_equal_numpy(cupy, backend, dtype):
+    from test_kernels import numpy_reduce, same_bits, values
+
+    dtype = np.dtype(dtype)
+    rng = np.random.default_rng(dtype.num)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    for op in ops_for(dtype):
+        if op == "avg":
+            continue
+        exact = dtype.kind == "c" and op == "prod"
+        for n, offset in ((1 << 20, 0), (4099, 1)):  # vector path and tail; unaligned
+            a, b = values(dtype, n, rng, exact), values(dtype, n, rng, exact)
+            da = cupy.asarray(np.concatenate([a[:offset], a]))[offset:]
+            db = cupy.asarray(np.concatenate([b[:offset], b]))[offset:]
+            dst = cupy.empty(n + offset, dtype)[offset:]
+            backend.reduce2(stream, op, dtype, dst, da, db)
+            stream.synchronize()
+            want = numpy_reduce(op, a, b)
+            assert same_bits(cupy.asnumpy(dst), want, zero_sign=op not in ("max", "min")), f"{dtype} {op} n={n}"
+
+
+@pytest.mark.serial
+def test_multi_input_divide_cast_and_pack_kernels_on_the_device(cupy, backend):
+    import functools
+
+    from test_kernels import BF16, numpy_reduce, same_bits, values
+
+    rng = np.random.default_rng(1)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    for dtype in (np.dtype("float32"), np.dtype("float16"), np.dtype("int64")):
+        inputs = [values(dtype, 10_001, rng) for _ in range(16)]
+        dst = cupy.empty(10_001, dtype)
+        backend.reduce_n(stream, "sum", dtype, dst, [cupy.asarray(x) for x in inputs])
+        stream.synchronize()
+        assert same_bits(cupy.asnumpy(dst), functools.reduce(lambda x, y: numpy_reduce("sum", x, y), inputs))
+    x = values(np.dtype("float32"), 100_003, rng)
+    device_x = cupy.asarray(x)
+    backend.divide(stream, np.dtype("float32"), device_x, 3)
+    stream.synchronize()
+    with np.errstate(all="ignore"):
+        assert same_bits(cupy.asnumpy(device_x), np.divide(x, 3))
+    for wire in (np.dtype("float16"), BF16):
+        out = cupy.empty(x.size, backend.storage_dtype(wire))
+        backend.cast_divide(stream, np.dtype("float32"), wire, out, cupy.asarray(x), 4)
+        stream.synchronize()
+        with np.errstate(all="ignore"):
+            want = np.divide(x, 4).astype(wire)
+        assert same_bits(cupy.asnumpy(out).view(wire), want), wire
+    base = cupy.arange(2 * 3 * 5 * 7, dtype=cupy.float64).reshape(2, 3, 5, 7)
+    view = base[:, ::2, 1:4, ::-3]
+    packed = cupy.empty(view.size, cupy.float64)
+    backend.pack(stream, packed, view)
+    stream.synchronize()
+    assert np.array_equal(cupy.asnumpy(packed), cupy.asnumpy(view).reshape(-1))
+
+
+# -- torch ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int64"])
+def test_torch_cuda_tensors_through_every_collective(comm, mpi_comm, dtype):
+    """Every collective and algorithm on torch CUDA tensors: the results are CUDA tensors
+    of the input's dtype with the host path's values (bfloat16 included: CuPy has no
+    such dtype, so the library carries its bits)."""
+    import torch
+
+    problems = []
+    for collective in cc.COLLECTIVES:
+        for algorithm in cc.algorithms(collective):
+            if dtype == "bfloat16" and algorithm == "native":
+                continue
+            xs = [rank_input(r, 1001, "float32") for r in range(comm.size)]
+            x = torch.tensor(xs[comm.rank]).to(getattr(torch, dtype)).cuda()
+            if collective == "broadcast":
+                got = comm.broadcast(x, root=comm.size - 1, algorithm=algorithm)
+            else:
+                got = getattr(comm, collective)(x, algorithm=algorithm)
+            want = expected_result(collective, comm.rank, comm.size, xs, "sum", comm.size - 1 if collective ==
+                                   "broadcast" else 0)
+            if want is None:
+                if got is not None:
+                    problems.append(f"{collective}/{algorithm}: a non-root got a result")
+                continue
+            if not isinstance(got, torch.Tensor) or got.device.type != "cuda" or got.dtype != x.dtype:
+                problems.append(f"{collective}/{algorithm}: got {type(got).__name__}")
+            elif not np.array_equal(got.float().cpu().numpy(), want.astype(np.float32)):
+                problems.append(f"{collective}/{algorithm}: wrong values")
+    agree(mpi_comm, problems)
+
+
+def test_a_torch_side_stream_is_respected(comm, mpi_comm):
+    import torch
+
+    side = torch.cuda.Stream()
+    problems = []
+    with torch.cuda.stream(side):
+        for algorithm in cc.algorithms("allreduce"):
+            x = torch.full((1 << 20,), float(comm.rank + 1), device="cuda")
+            x.mul_(2)  # queued on the side stream
+            got = comm.allreduce(x, algorithm=algorithm)
+            got.add_(1)  # after the collective, on the same stream
+            side.synchronize()
+            want = 2 * comm.size * (comm.size + 1) / 2 + 1
+            if not torch.all(got == want):
+                problems.append(algorithm)
+    agree(mpi_comm, problems)
+
+
+def test_a_cuda_model_trains_as_on_one_process(comm, mpi_comm):
+    """DistributedOptimizer on a CUDA model (buckets on the GPU) gives, step after step,
+    what single-process training gives (float64, rtol 1e-9), the same bits on every rank."""
+    import torch
+
+    import collectives.torch as cct
+    from conftest import identical_everywhere, shard
+    from test_torch import batch, loss_fn, make_model, single_process
+
+    want = single_process(torch.optim.SGD, lr=0.5, momentum=0.9)
+    model = make_model(comm.rank * 7).cuda()
+    cct.broadcast_parameters(model.state_dict(), comm=comm)
+    optimizer = cct.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+                                         named_parameters=model.named_parameters(), comm=comm,
+                                         first_bucket_bytes=256)
+    problems = []
+    for step in range(3):
+        optimizer.zero_grad()
+        x, y = shard(comm, *batch(step))
+        loss_fn(model, x.cuda(), y.cuda()).backward()
+        optimizer.step()
+        if not all(torch.allclose(p.cpu(), q, rtol=1e-9, atol=1e-9) for p, q in zip(model.parameters(), want[step])):
+            problems.append(f"step {step}: differs from single-process training")
+        if not identical_everywhere(p.detach().cpu().numpy() for p in model.parameters()):
+            problems.append(f"step {step}: parameters differ between ranks")
+    optimizer.close()
+    agree(mpi_comm, problems)
+
+
+def test_cuda_array_interface_objects(comm, mpi_comm, cupy):
+    class Exported:  # any producer of __cuda_array_interface__ (Numba, PyCUDA ...)
+        def __init__(self, array):
+            self.array = array
+            self.__cuda_array_interface__ = array.__cuda_array_interface__
+
+    x = cupy.arange(1000, dtype=cupy.float32) * (comm.rank + 1)
+    got = comm.allreduce(Exported(x))
+    problems = [] if isinstance(got, cupy.ndarray) and np.array_equal(
+        cupy.asnumpy(got), np.arange(1000, dtype=np.float32) * comm.size * (comm.size + 1) / 2) else ["CAI"]
+    agree(mpi_comm, problems)
