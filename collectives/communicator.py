@@ -20,7 +20,7 @@ from .algorithms import NATIVE_BELOW, SEGMENTED, block_bounds, build, check_algo
 from .errors import CollectiveError, TransportError
 from .arrays import as_array, check_out, flat_input, flat_view, is_extra, overlaps, same_memory
 from .device import DeviceArray
-from .schedule import compile_plan, split_schedule
+from .schedule import compile_plan, fuse_reductions, split_schedule
 from .transport.buffers import Buffers
 from .transport.liveness import Liveness
 from .transport.mpi import PlanHandle, Progress, RequestHandle, check_timeout
@@ -40,8 +40,9 @@ def _plan(collective, algorithm, rank, size, count, root, segment, inplace):
 
 @lru_cache(maxsize=256)
 def _device_plan(collective, algorithm, rank, size, count, root, segment, inplace, split):
-    """The plan for device buffers: cut into segments of ``split`` elements (0: not cut)."""
-    schedule = build(collective, algorithm, rank, size, count, root=root, segment=segment)
+    """The plan for device buffers: chains of reductions fused into one multi-input
+    kernel each, cut into segments of ``split`` elements (0: not cut)."""
+    schedule = fuse_reductions(build(collective, algorithm, rank, size, count, root=root, segment=segment))
     if split:
         schedule = split_schedule(schedule, split)
     return compile_plan(schedule, inplace=inplace)

@@ -7,6 +7,9 @@ they ran one after another:
     Recv(peer, dst)        receive from ``peer`` into slice ``dst``
     Reduce(dst, a, b)      dst = a op b (the collective's op), elementwise
     Copy(dst, src)         dst = src
+    ReduceMany(dst, srcs)  dst = srcs[0] op srcs[1] op ... folded left: no algorithm
+                           writes it; :func:`fuse_reductions` makes it of a chain of
+                           Reduce for the device, where it is one kernel
 
 A slice names a buffer and an element range: ``("in", lo, hi)``, ``("out", lo, hi)`` or
 ``("tmp", lo, hi)``. ``in`` is the caller's input (read only), ``out`` the result and
@@ -32,6 +35,7 @@ Send = namedtuple("Send", "peer src")
 Recv = namedtuple("Recv", "peer dst")
 Reduce = namedtuple("Reduce", "dst a b")
 Copy = namedtuple("Copy", "dst src")
+ReduceMany = namedtuple("ReduceMany", "dst srcs")
 
 BUFFERS = ("in", "out", "tmp")
 _END = 1 << 62  # past the end of any buffer
@@ -136,6 +140,8 @@ def _reads_writes(op):
         return (), (op.dst,)
     if isinstance(op, Reduce):
         return (op.a, op.b), (op.dst,)
+    if isinstance(op, ReduceMany):
+        return tuple(op.srcs), (op.dst,)
     return (op.src,), (op.dst,)
 
 
@@ -159,7 +165,7 @@ def compile_plan(schedule, inplace=False):
     ops = [
         op
         for op in schedule.ops
-        if _length(op.dst if isinstance(op, (Reduce, Copy)) else op[1]) > 0
+        if _length(op.dst if isinstance(op, (Reduce, Copy, ReduceMany)) else op[1]) > 0
         and not (isinstance(op, Copy) and same_elements(op.dst, op.src))
     ]
     accesses = {}
@@ -210,7 +216,7 @@ def split_schedule(schedule, segment):
     segment = max(1, int(segment))
     out = Schedule([], schedule.tmp)
     for op in schedule.ops:
-        first = op.dst if isinstance(op, (Reduce, Copy)) else op[1]
+        first = op.dst if isinstance(op, (Reduce, Copy, ReduceMany)) else op[1]
         length = first.hi - first.lo
         if length <= segment:
             out.ops.append(op)
@@ -222,7 +228,31 @@ def split_schedule(schedule, segment):
 
 
 def _piece(field, lo, hi):
-    """Elements ``[lo, hi)`` of a slice (relative to its start); a peer stays as it is."""
+    """Elements ``[lo, hi)`` of a slice (relative to its start), or of each slice of a
+    tuple of them; a peer stays as it is."""
     if isinstance(field, Slice):
         return Slice(field.buf, field.lo + lo, field.lo + hi)
+    if isinstance(field, tuple):
+        return tuple(_piece(f, lo, hi) for f in field)
     return field
+
+
+def fuse_reductions(schedule, limit=16):
+    """``schedule`` with each run of consecutive reductions that fold one more workspace
+    input into the same slice — ``d = a op b; d = d op c; d = d op e`` — made one
+    ``ReduceMany(d, (a, b, c, e))`` of at most ``limit`` inputs: the same values, in the
+    same order (a left fold), in one pass over memory instead of one per input. The
+    device uses it (the direct algorithm's p-1 reductions become one kernel); the host's
+    NumPy has no multi-input ufunc, so it keeps the chain."""
+    out = Schedule([], schedule.tmp)
+    for op in schedule.ops:
+        last = out.ops[-1] if out.ops else None
+        if (isinstance(op, Reduce) and isinstance(last, (Reduce, ReduceMany)) and last.dst == op.dst
+                and op.a == op.dst and op.b.buf == "tmp"
+                and (isinstance(last, ReduceMany) or last.b.buf == "tmp")):
+            inputs = last.srcs if isinstance(last, ReduceMany) else (last.a, last.b)
+            if len(inputs) < limit:
+                out.ops[-1] = ReduceMany(op.dst, inputs + (op.b,))
+                continue
+        out.ops.append(op)
+    return out

@@ -13,6 +13,7 @@ is missing.
 
 import ctypes
 import functools
+from concurrent.futures import ThreadPoolExecutor
 import shutil
 import subprocess
 from pathlib import Path
@@ -313,7 +314,7 @@ def test_every_kernel_compiles_with_nvcc_for_sm80_and_sm90(tmp_path):
     source.write_text('#include "collectives.cu"\n' + kernels.explicit_instantiations())
     command = [nvcc, "-std=c++17", "--fmad=false", "-Werror", "all-warnings", f"-I{KERNELS}",
                "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
-               "-c", str(source), "-o", str(tmp_path / "every_kernel.o")]
+               "--threads", "2", "-c", str(source), "-o", str(tmp_path / "every_kernel.o")]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stdout}\n{result.stderr}"
     assert (tmp_path / "every_kernel.o").stat().st_size > 0
@@ -350,7 +351,8 @@ def test_nvrtc_compiles_what_the_cupy_backend_asks_for(arch):
         pytest.skip("libnvrtc is not installed (pip install nvidia-cuda-nvrtc, in the test extra on Linux)")
     char_pp = ctypes.POINTER(ctypes.c_char_p)
     source = kernels.inlined_source().encode()
-    for dtype in DTYPES:
+
+    def compile_module(dtype):  # NVRTC is thread-safe and ctypes lets go of the GIL: two at a time
         names = kernels.for_dtype(dtype)
         program = ctypes.c_void_p()
         assert lib.nvrtcCreateProgram(ctypes.byref(program), source, b"collectives.cu", 0, None, None) == 0
@@ -367,3 +369,6 @@ def test_nvrtc_compiles_what_the_cupy_backend_asks_for(arch):
             lowered = ctypes.c_char_p()
             assert lib.nvrtcGetLoweredName(program, name.encode(), char_pp(lowered)) == 0 and lowered.value, name
         lib.nvrtcDestroyProgram(ctypes.byref(program))
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(compile_module, DTYPES))

@@ -168,3 +168,35 @@ def test_property_results_equal_numpy(algorithm, size, count, dtype, data):
     segment = data.draw(st.integers(1, 64))
     inplace = data.draw(st.booleans()) and collective in ("allreduce", "reduce")
     assert not check(collective, name, size, count, dtype, op, root, segment, inplace)
+
+
+@pytest.mark.parametrize("collective,algorithm", ALGORITHMS)
+def test_device_plans_equal_the_plain_ones_bit_for_bit(collective, algorithm):
+    """The device runs each plan with its reduction chains fused (``fuse_reductions``) and
+    cut into segments (``split_schedule``): the same values, bit for bit (random floats,
+    so any change in the order of the operations would show), in place too."""
+    from collectives.schedule import ReduceMany, fuse_reductions, split_schedule
+
+    rng = np.random.default_rng(len(algorithm))
+    problems = []
+    fused_somewhere = False
+    for size in (1, 2, 3, 5, 8, 17):
+        for count in (0, 1, size + 1, 100):
+            for inplace in ([False, True] if collective in ("allreduce", "reduce") else [False]):
+                inputs = [rng.standard_normal(count) for _ in range(size)]
+                plain = run_collective(collective, algorithm, [x.copy() for x in inputs], "sum", size - 1, 3,
+                                       inplace)
+                plans = []
+                for r in range(size):
+                    schedule = fuse_reductions(build(collective, algorithm, r, size, count, root=size - 1, segment=3))
+                    fused_somewhere |= any(isinstance(op, ReduceMany) for op in schedule.ops)
+                    plans.append(compile_plan(split_schedule(schedule, 7), inplace=inplace))
+                device = run_collective(collective, algorithm, [x.copy() for x in inputs], "sum", size - 1, 3,
+                                        inplace, plans=plans)
+                for r in range(size):
+                    if (plain[r] is None) != (device[r] is None) or \
+                            (plain[r] is not None and plain[r].tobytes() != device[r].tobytes()):
+                        problems.append(f"p={size} n={count} inplace={inplace} rank {r}")
+    assert not problems, problems[:5]
+    if algorithm == "direct" and collective in ("allreduce", "reduce_scatter"):
+        assert fused_somewhere, "direct's p-1 reductions were not fused into one"

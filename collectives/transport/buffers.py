@@ -3,7 +3,7 @@
 import numpy as np
 
 from .. import ops as ops_layer
-from ..schedule import Copy
+from ..schedule import Copy, ReduceMany
 
 
 class Buffers:
@@ -16,8 +16,13 @@ class Buffers:
         return self.arrays[s.buf][s.lo : s.hi]
 
     def run_local(self, op_name, op):
-        """Run a Reduce or Copy operation of the plan."""
+        """Run a Reduce, ReduceMany or Copy operation of the plan."""
         if isinstance(op, Copy):
             np.copyto(self.view(op.dst), self.view(op.src))
+        elif isinstance(op, ReduceMany):  # a left fold, pairwise
+            dst, srcs = self.view(op.dst), [self.view(s) for s in op.srcs]
+            ops_layer.combine(op_name, srcs[0], srcs[1], dst)
+            for src in srcs[2:]:
+                ops_layer.combine(op_name, dst, src, dst)
         else:
             ops_layer.combine(op_name, self.view(op.a), self.view(op.b), self.view(op.dst))

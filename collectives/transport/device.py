@@ -38,7 +38,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import MessageSizeError, TransportError
-from ..schedule import Copy, Send
+from ..schedule import Copy, ReduceMany, Send
 from .mpi import Handle, PlanHandle, _at
 
 DEFAULT_SEGMENT_SIZE = 4 << 20  # bytes per pipelining segment on the device
@@ -327,6 +327,8 @@ class DevicePlanHandle(PlanHandle):
         view = self._buffers.view
         if isinstance(op, Copy):
             self._backend.copy(view(op.dst), view(op.src), stream)
+        elif isinstance(op, ReduceMany):  # one kernel, one pass over every input
+            self._backend.reduce_n(stream, self._op, self._dtype, view(op.dst), [view(s) for s in op.srcs])
         else:
             self._backend.reduce2(stream, self._op, self._dtype, view(op.dst), view(op.a), view(op.b))
         self._queued(i, stream)
