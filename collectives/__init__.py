@@ -13,6 +13,7 @@ from .errors import (CollectiveError, CollectiveMismatchError, CollectiveTimeout
                      TransportError)
 from .ops import OPS
 from .transport.mpi import Handle
+from . import device  # noqa: E402 (device arrays: cc.device.bfloat16, the stand-in GPU)
 from . import sim  # noqa: E402 (the simulator: cc.sim.run)
 from . import training  # noqa: E402 (data-parallel training: cc.training.GradientReducer)
 from . import ps  # noqa: E402 (parameter server: cc.ps.ParameterServer)
@@ -31,6 +32,7 @@ __all__ = [
     "MessageSizeError",
     "TransportError",
     "algorithms",
+    "device",
     "sim",
     "ps",
     "training",

@@ -449,3 +449,14 @@ def test_parameter_server_with_device_parameters_equals_the_host(mpi_comm):
     comm.free()
     problems = [n for n in results[0] if results[0][n].tobytes() != results[1][n].tobytes()]
     agree(mpi_comm, problems)
+
+
+@pytest.mark.serial
+def test_importing_collectives_imports_neither_cupy_nor_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, collectives, collectives.training, collectives.ps, collectives.device.ops; "
+            "print(sorted(m for m in ('cupy', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
