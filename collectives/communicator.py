@@ -533,7 +533,7 @@ class Communicator:
             def request(start, nbytes):
                 self._request("the device set-up", start, self.timeout, nbytes)
 
-            ctx = negotiate(self._comm, self._node_comm, backend, self.device_segment_size, request)
+            ctx = negotiate(self._comm, self._node_comm, backend, request)
             self._devices[backend] = ctx
             self._progress.backends.append(backend)
         return ctx

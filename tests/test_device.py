@@ -155,7 +155,8 @@ def test_every_dtype_and_op_equals_the_host_path(dcomm, mpi_comm, collective, al
 @pytest.mark.parametrize("algorithm", cc.algorithms("allreduce"))
 def test_allreduce_in_place_out_and_strided(dcomm, mpi_comm, algorithm):
     comm, problems = dcomm, []
-    xs = [rank_input(r, 6 * 7, "int32").reshape(6, 7) for r in range(comm.size)]
+    shift = len(algorithm)  # other values than the previous algorithm's: stale workspace cannot pass
+    xs = [(rank_input(r, 6 * 7, "int32") + shift).reshape(6, 7) for r in range(comm.size)]
     want = comm.allreduce(xs[comm.rank], algorithm="native")
     # in place
     x = D.asarray(xs[comm.rank])
@@ -207,6 +208,29 @@ def test_results_are_ready_on_the_users_stream(dcomm, mpi_comm):
             result = handle.wait()
             if differs(comm.allreduce(values, op="max", algorithm="native"), D.asnumpy(result, stream=mine)):
                 problems.append(f"{algorithm} async")
+    agree(mpi_comm, problems)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "bruck", "direct"])
+def test_calls_from_two_user_streams_share_workspace_safely(dcomm, mpi_comm, algorithm):
+    """Two calls in a row from different user streams, each unpacking into a strided
+    out: the second reuses the first's workspace, so it must wait for the first call's
+    device work, not only for its own stream's."""
+    comm, problems = dcomm, []
+    first, second = D.new_stream(), D.new_stream()
+    p = comm.size
+    for k in range(6):
+        xs = [rank_input(r, 70, "int32") + k for r in range(p)]
+        ys = [rank_input(r, 70, "int32") * 3 - k for r in range(p)]
+        results = []
+        for stream, values in ((first, xs), (second, ys)):
+            with D.use_stream(stream):
+                canvas = D.asarray(np.full((p, 140), -1, np.int32), stream=stream)
+                comm.allgather(D.asarray(values[comm.rank], stream=stream), algorithm=algorithm, out=canvas[:, 1::2])
+                results.append((canvas, stream, values))
+        for canvas, stream, values in results:
+            if not np.array_equal(D.asnumpy(canvas, stream=stream)[:, 1::2], np.stack(values)):
+                problems.append(f"round {k}: a call's result was overwritten")
     agree(mpi_comm, problems)
 
 

@@ -179,7 +179,8 @@ class CupyDevice:
         if nbytes != _nbytes(src):
             raise ValueError(f"copy of {_nbytes(src)} bytes into {nbytes}")
         if nbytes:
-            runtime.memcpyAsync(_ptr(dst), _ptr(src), nbytes, _MEMCPY_DEFAULT, stream.ptr)
+            with cupy.cuda.Device(self.id):  # the stream's device (a progress thread starts on device 0)
+                runtime.memcpyAsync(_ptr(dst), _ptr(src), nbytes, _MEMCPY_DEFAULT, stream.ptr)
 
     def reduce2(self, stream, op, dtype, dst, a, b):
         n = int(dst.size)

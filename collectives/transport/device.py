@@ -41,9 +41,7 @@ from ..errors import MessageSizeError, TransportError
 from ..schedule import Copy, ReduceMany, Send
 from .mpi import Handle, PlanHandle, _at
 
-DEFAULT_SEGMENT_SIZE = 4 << 20  # bytes per pipelining segment on the device
 _CONTROL_WORDS = 20  # int64s of an IPC control message: slot, bytes, capacity, -, 8 + 8 of handles
-_HANDLE_WORDS = 8  # a 64-byte IPC handle in int64s
 
 
 def cuda_aware_mpi():
@@ -138,12 +136,11 @@ class DeviceContext:
     """What one communicator keeps per device: its four streams, pools, and the path to
     every peer. Made by :func:`negotiate` (collectively) at the first device call."""
 
-    def __init__(self, backend, paths, ack_comm, segment_size, cuda_aware=False):
+    def __init__(self, backend, paths, ack_comm, cuda_aware=False):
         self.backend = backend
         self.cuda_aware = cuda_aware  # MPI takes device memory (for native, and the non-IPC peers)
         self.paths = paths  # rank -> "staged" | "cuda-aware" | "ipc" ("self" for this rank)
         self.ack_comm = ack_comm  # IPC acknowledgements travel here (their own matching)
-        self.segment_size = segment_size
         self.compute = backend.stream("compute")
         self.d2h = backend.stream("d2h")
         self.h2d = backend.stream("h2d")
@@ -249,7 +246,7 @@ class DeviceContext:
             self.ack_comm.Free()
 
 
-def negotiate(comm, node_comm, backend, segment_size, request):
+def negotiate(comm, node_comm, backend, request):
     """The device context of ``comm`` (an mpi4py communicator, the library's private
     one) for ``backend``. Collective: every rank says whether it can use CUDA IPC and
     which device it uses, and checks whether it can reach each same-node peer's device;
@@ -278,8 +275,8 @@ def negotiate(comm, node_comm, backend, segment_size, request):
             paths[peer] = "ipc"
         else:
             paths[peer] = "cuda-aware" if aware else "staged"
-    ack_comm = comm.Dup() if "ipc" in paths.values() or size > 1 else None
-    return DeviceContext(backend, paths, ack_comm, segment_size, aware)
+    ack_comm = comm.Dup() if size > 1 else None  # collective: every rank alike
+    return DeviceContext(backend, paths, ack_comm, aware)
 
 
 # -- running a plan on device buffers ---------------------------------------------------------------
