@@ -519,21 +519,25 @@ class Communicator:
         return handle.wait() if blocking else handle
 
     # -- device arrays ---------------------------------------------------------------------
-    def _device_context(self, backend):
+    def _device_context(self, backend, timeout):
         """This communicator's state for ``backend``'s device, negotiated with the other
-        ranks at the first call on a device (collective: every rank makes that call)."""
+        ranks at the first call on a device (collective: every rank makes that call;
+        bounded by its ``timeout`` like the call itself)."""
         ctx = self._devices.get(backend)
         if ctx is None:
             from .transport.device import negotiate
 
-            self._finish_in_flight()  # the negotiation below blocks in MPI
-            if self._node_comm is None:
-                self._node_comm = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
+            self._finish_in_flight()  # the negotiation blocks in MPI once every rank is in it
 
             def request(start, nbytes):
-                self._request("the device set-up", start, self.timeout, nbytes)
+                self._request("the device set-up", start, timeout, nbytes)
 
-            ctx = negotiate(self._comm, self._node_comm, backend, request)
+            def node_comm():
+                if self._node_comm is None:
+                    self._node_comm = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
+                return self._node_comm
+
+            ctx = negotiate(self._comm, node_comm, backend, request)
             self._devices[backend] = ctx
             self._progress.backends.append(backend)
         return ctx
@@ -545,7 +549,8 @@ class Communicator:
         its :class:`Handle`. See :mod:`collectives.transport.device`."""
         from .transport import device_call
 
-        ctx = self._device_context(x.backend)
+        ctx = self._device_context(x.backend, timeout)
+        x.backend.prepare(x.dtype)  # compiles its kernels at the first call on a dtype, before any message
         describe = f"{collective}(algorithm={algorithm!r}, {x.where}) call #{self._sequence}"
         call = device_call.DeviceCall(ctx, x, x.dtype)
         call.begin()

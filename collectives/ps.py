@@ -335,7 +335,7 @@ class ParameterServer:
             elif array.contiguous:  # device parameters: one host -> device copy each
                 device_ops.from_host(array, flat[lo:hi])
             else:
-                staging = device_ops.empty(array, array.shape)
+                staging = device_ops.empty(array, array.shape, stream=array.stream)
                 device_ops.from_host(staging, flat[lo:hi])
                 device_ops.copy(array, staging)
 

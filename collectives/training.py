@@ -388,7 +388,6 @@ class GradientReducer:
         # may interleave differently with the caller's own async calls on each rank.
         self._comm = comm.dup()
         self._no_sync = False
-        self._stream = like.stream if like is not None else None  # device: the stream gradients come on
         self._reset()
 
         self._lock = threading.Condition()
@@ -435,8 +434,10 @@ class GradientReducer:
         self._passes[name] = passes
         if passes == self.backward_passes_per_step:
             if isinstance(grad, DeviceArray):  # on the stream the gradient was computed on
-                self._stream = grad.stream
+                if self._stream is None:
+                    self._stream = grad.stream  # the step's stream: the buckets' calls follow it
                 device_ops.copy(bucket.view(name), grad, grad.stream)
+                device_ops.follow(self._stream, grad.stream, grad.backend)  # a gradient of another stream
             else:
                 np.copyto(bucket.view(name), grad)
             self._grads[name] = grad
@@ -507,6 +508,7 @@ class GradientReducer:
 
     # -- machinery -------------------------------------------------------------------
     def _reset(self):
+        self._stream = None  # device: the stream of the step's first gradient, which the buckets follow
         self._passes = dict.fromkeys(self.names, 0)
         self._grads = {}
         self._waiting = [len(b.names) for b in self.buckets]
@@ -574,11 +576,12 @@ class GradientReducer:
                 self._unpacked += 1
 
     def _unpack(self, bucket, wire):
-        if isinstance(bucket.data, DeviceArray):  # kernels on the gradients' stream
+        if isinstance(bucket.data, DeviceArray):  # kernels on the step's stream, then each gradient's
             if wire is not None:
                 device_ops.cast(bucket.data, wire)
             for name in bucket.names:
                 grad = self._grads[name]
+                device_ops.follow(grad.stream, bucket.data.stream, grad.backend)
                 device_ops.copy(grad, bucket.view(name), grad.stream)
                 self._averaged[name] = grad.original
             return

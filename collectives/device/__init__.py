@@ -11,19 +11,21 @@ CuPy nor torch; they are imported when such an array is first seen.
 The device interface (a *backend*: one object per device) is what the executor may
 use, and all it may use:
 
-- memory: ``empty(shape, dtype)`` (device), ``pinned(nbytes)`` (page-locked host,
-  a NumPy uint8 array), ``storage_dtype(dtype)`` (what it stores a dtype in: CuPy
-  keeps bfloat16 in uint16);
+- memory: ``empty(shape, dtype, stream=None)`` (device), ``pinned(nbytes)``
+  (page-locked host, a NumPy uint8 array), ``storage_dtype(dtype)`` (what it stores a
+  dtype in: CuPy keeps bfloat16 in uint16);
 - streams and events: ``stream()``, ``current_stream()``, ``event(interprocess)``,
   ``record(event, stream)``, ``wait(stream, event)`` (the GPU waits, not the host),
   ``query(event)``, ``synchronize(event)``, ``synchronize_stream(stream)``, ``poll()``;
 - asynchronous copies on a stream: ``copy(dst, src, stream)``, device or pinned host
   on either side, contiguous;
 - kernel launches on a stream, one method per kernel of ``kernels/collectives.cu``:
-  ``reduce2``, ``reduce_n``, ``divide``, ``cast_divide``, ``pack``, ``unpack``;
+  ``reduce2``, ``reduce_n``, ``divide``, ``cast_divide``, ``pack``, ``unpack``; and
+  ``prepare(dtype)``, which compiles a dtype's kernels ahead of their first launch;
 - MPI and IPC: ``mpi_buffer(array)`` (what a CUDA-aware MPI is given),
   ``ipc_alloc(nbytes)``, ``ipc_open(handle, nbytes)``, ``ipc_event_handle(event)``,
   ``ipc_open_event(handle)``, ``ipc_free(array)``, ``ipc_close(array)``,
+  ``ipc_close_event(event)``,
   ``can_access_peer(uuid)``, and the attributes
   ``kind``, ``id``, ``name``, ``uuid``, ``ipc_capable``.
 

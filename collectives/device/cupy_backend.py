@@ -10,6 +10,7 @@ the sources (CuPy also keeps the compiled code on disk). Copies are
 This module is imported only when a device array is first seen.
 """
 
+import contextlib
 import threading
 
 import numpy as np
@@ -129,9 +130,17 @@ class CupyDevice:
         return f"<cuda:{self.id} {self.name}>"
 
     # -- memory ---------------------------------------------------------------------------------
-    def empty(self, shape, dtype):
-        with cupy.cuda.Device(self.id):
+    def empty(self, shape, dtype, stream=None):
+        """Device memory from CuPy's pool. ``stream``: the stream it is used on, if not
+        the library's long-lived buffers: the pool hands freed memory out again only in
+        that stream's order, so a temporary freed while its work is queued stays safe."""
+        with cupy.cuda.Device(self.id), (stream if stream is not None else contextlib.nullcontext()):
             return cupy.empty(shape, dtype)
+
+    def prepare(self, dtype):
+        """Compile ``dtype``'s kernels now (NVRTC, at the first call on a dtype), before
+        the call sends anything, not inside the progress engine."""
+        self._module(np.dtype(dtype))
 
     def storage_dtype(self, dtype):
         """CuPy has no bfloat16: its bits live in uint16."""
@@ -155,20 +164,28 @@ class CupyDevice:
         with cupy.cuda.Device(self.id):
             return cupy.cuda.Event(block=False, disable_timing=True, interprocess=interprocess)
 
+    # Each under this device: a stream handle 0 (CuPy's and torch's default stream) means
+    # the null stream of the calling thread's current device, and a progress thread
+    # starts on device 0.
     def record(self, event, stream):
-        runtime.eventRecord(event.ptr, stream.ptr)
+        with cupy.cuda.Device(self.id):
+            runtime.eventRecord(event.ptr, stream.ptr)
 
     def wait(self, stream, event):
-        runtime.streamWaitEvent(stream.ptr, event.ptr, 0)
+        with cupy.cuda.Device(self.id):
+            runtime.streamWaitEvent(stream.ptr, event.ptr, 0)
 
     def query(self, event):
-        return runtime.eventQuery(event.ptr) == 0
+        with cupy.cuda.Device(self.id):
+            return runtime.eventQuery(event.ptr) == 0
 
     def synchronize(self, event):
-        runtime.eventSynchronize(event.ptr)
+        with cupy.cuda.Device(self.id):
+            runtime.eventSynchronize(event.ptr)
 
     def synchronize_stream(self, stream):
-        runtime.streamSynchronize(stream.ptr)
+        with cupy.cuda.Device(self.id):
+            runtime.streamSynchronize(stream.ptr)
 
     def poll(self):
         """A GPU progresses by itself: nothing to do."""
@@ -267,6 +284,10 @@ class CupyDevice:
     def ipc_close(self, array):
         with cupy.cuda.Device(self.id):
             runtime.ipcCloseMemHandle(array.data.ptr)
+
+    def ipc_close_event(self, event):
+        with cupy.cuda.Device(self.id):
+            runtime.eventDestroy(event.ptr)
 
     def ipc_event_handle(self, event):
         return bytes(runtime.ipcGetEventHandle(event.ptr))

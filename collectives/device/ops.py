@@ -17,12 +17,13 @@ def wrap(x, name):
     return as_device_array(x, name)
 
 
-def empty(like, shape, dtype=None):
+def empty(like, shape, dtype=None, stream=None):
     """A new device array on ``like``'s device, of ``dtype`` (default: ``like``'s),
     returned as a :class:`DeviceArray` (collectives on it return DeviceArrays too). Its
-    ``stream`` is ``like``'s: set it to the stream the next call should follow."""
+    ``stream`` is ``like``'s: set it to the stream the next call should follow. Give
+    ``stream`` for a temporary that may be freed while work on it is queued there."""
     dtype = like.dtype if dtype is None else np.dtype(dtype)
-    data = like.backend.empty(shape, like.backend.storage_dtype(dtype))
+    data = like.backend.empty(shape, like.backend.storage_dtype(dtype), stream)
     return DeviceArray(like.backend, data, dtype, like.stream, _same_kind(like.backend, dtype), like.where)
 
 
@@ -41,10 +42,20 @@ def copy(dst, src, stream=None):
         backend.pack(stream, dst.data.reshape(-1), src.data)
     elif src.data.flags.c_contiguous:
         backend.unpack(stream, dst.data, src.data.reshape(-1))
-    else:  # both strided: through a contiguous buffer
-        flat = backend.empty(src.size, src.data.dtype)
+    else:  # both strided: through a contiguous buffer (of this stream: freed while queued)
+        flat = backend.empty(src.size, src.data.dtype, stream)
         backend.pack(stream, flat, src.data)
         backend.unpack(stream, dst.data, flat)
+
+
+def follow(later, earlier, backend):
+    """Make stream ``later`` wait for the work queued on ``earlier`` so far (nothing if
+    they are the same stream)."""
+    if getattr(later, "ptr", later) is not getattr(earlier, "ptr", earlier) and \
+            getattr(later, "ptr", later) != getattr(earlier, "ptr", earlier):
+        event = backend.event()
+        backend.record(event, earlier)
+        backend.wait(later, event)
 
 
 def cast(dst, src, divisor=1, stream=None):

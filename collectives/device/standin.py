@@ -211,11 +211,15 @@ class StandInDevice:
         return f"<{self.name}>"
 
     # -- memory -------------------------------------------------------------------------------
-    def empty(self, shape, dtype):
-        """Device memory (contents: garbage)."""
+    def empty(self, shape, dtype, stream=None):
+        """Device memory (contents: garbage). ``stream``: the stream it will be used on
+        (CuPy's pool cares; the stand-in does not)."""
         memory = np.empty(shape, dtype)
-        memory.view(np.uint8).reshape(-1)[...] = GARBAGE if memory.size else 0
+        memory.reshape(-1).view(np.uint8)[...] = GARBAGE
         return StandInArray(self, memory)
+
+    def prepare(self, dtype):
+        """Get ``dtype``'s kernels ready (the stand-in's are NumPy: nothing to do)."""
 
     def storage_dtype(self, dtype):
         return np.dtype(dtype)  # NumPy (with ml_dtypes) has every dtype, bfloat16 included
@@ -374,6 +378,9 @@ class StandInDevice:
 
     def ipc_close(self, array):
         """Unmap another process's memory (here: once nothing refers to it)."""
+
+    def ipc_close_event(self, event):
+        """Forget another process's event (its mapping goes with the object)."""
 
     def ipc_event_handle(self, event):
         return _handle(event.path)

@@ -42,6 +42,7 @@ from ..schedule import Copy, ReduceMany, Send
 from .mpi import Handle, PlanHandle, _at
 
 _CONTROL_WORDS = 20  # int64s of an IPC control message: slot, bytes, capacity, -, 8 + 8 of handles
+_HANDLE_BYTES = 64  # a CUDA IPC memory or event handle
 
 
 def cuda_aware_mpi():
@@ -236,8 +237,9 @@ class DeviceContext:
         """Give back the IPC memory (the peers' it opened, then, once every rank has
         (``barrier()``), its own slots) and the acknowledgement communicator.
         Collective, as Communicator.free."""
-        for array, _ in self._opened.values():
+        for array, event in self._opened.values():
             self.backend.ipc_close(array)
+            self.backend.ipc_close_event(event)
         barrier()
         for slot in self._slots:
             self.backend.ipc_free(slot.array)
@@ -248,24 +250,41 @@ class DeviceContext:
 
 def negotiate(comm, node_comm, backend, request):
     """The device context of ``comm`` (an mpi4py communicator, the library's private
-    one) for ``backend``. Collective: every rank says whether it can use CUDA IPC and
-    which device it uses, and checks whether it can reach each same-node peer's device;
-    a pair uses IPC only where both ranks can. ``request(start, nbytes)`` runs one
-    non-blocking MPI call to completion through the communicator's progress engine."""
+    one) for ``backend``. Collective; ``request(start, nbytes)`` runs one non-blocking
+    MPI call to completion through the communicator's progress engine, bounded by the
+    call's timeout, and ``node_comm()`` gives the communicator of this rank's node.
+
+    1. Every rank says whether it may use CUDA IPC (a timed exchange: a rank that never
+       makes the call times the others out here, as in any call).
+    2. Ranks of one node that may, try it: each exports a small IPC buffer and event,
+       and opens every same-node peer's. A pair uses IPC only where both ranks opened
+       the other's, so a node where IPC cannot work (no shared IPC namespace, no peer
+       access between the GPUs) falls back to staging instead of failing later.
+    3. Every other pair is staged, or CUDA-aware where MPI takes device memory.
+    """
     rank, size = comm.Get_rank(), comm.Get_size()
-    node = node_comm.Get_group().Translate_ranks(list(range(node_comm.Get_size())), comm.Get_group())
-    same_node = set(node)
-    ipc = bool(backend.ipc_capable and _ipc_wanted())
-    uuid = np.frombuffer(backend.uuid.encode().ljust(64, b"\0")[:64], np.uint8)
-    mine = np.concatenate([np.array([ipc], np.uint8), uuid])
-    everyone = np.empty((size, mine.size), np.uint8)
-    request(lambda: comm.Iallgather(mine, everyone), everyone.nbytes)
-    reach = np.zeros(size, np.uint8)
+    wanted = np.array([bool(backend.ipc_capable and _ipc_wanted())], np.uint8)
+    everyone = np.empty(size, np.uint8)
+    request(lambda: comm.Iallgather(wanted, everyone), everyone.nbytes)  # every rank is here from now on
+    node = node_comm()
+    same_node = set(node.Get_group().Translate_ranks(list(range(node.Get_size())), comm.Get_group()))
+    probe, reach = None, np.zeros(size, np.uint8)
+    handles = np.zeros(2 * _HANDLE_BYTES, np.uint8)
+    if wanted[0]:
+        try:
+            probe = _Slot(backend, -1, 64)
+            handles[:] = np.frombuffer(probe.handle + probe.event_handle, np.uint8)
+        except Exception:  # noqa: BLE001 - this GPU or process cannot export: no IPC from here
+            probe, wanted[0] = None, 0
+    all_handles = np.empty((size, handles.size), np.uint8)
+    request(lambda: comm.Iallgather(handles, all_handles), all_handles.nbytes)
     for peer in same_node:
-        if peer != rank and ipc and everyone[peer, 0]:
-            reach[peer] = backend.can_access_peer(everyone[peer, 1:].tobytes().rstrip(b"\0").decode())
+        if peer != rank and probe is not None and all_handles[peer].any():
+            reach[peer] = _can_open(backend, all_handles[peer])
     reaches = np.empty((size, size), np.uint8)
-    request(lambda: comm.Iallgather(reach, reaches), reaches.nbytes)
+    request(lambda: comm.Iallgather(reach, reaches), reaches.nbytes)  # every peer has closed ours
+    if probe is not None:
+        backend.ipc_free(probe.array)
     aware = cuda_aware_mpi()
     paths = {}
     for peer in range(size):
@@ -275,8 +294,20 @@ def negotiate(comm, node_comm, backend, request):
             paths[peer] = "ipc"
         else:
             paths[peer] = "cuda-aware" if aware else "staged"
-    ack_comm = comm.Dup() if size > 1 else None  # collective: every rank alike
+    ack_comm = comm.Dup() if size > 1 else None  # blocking, but every rank is here
     return DeviceContext(backend, paths, ack_comm, aware)
+
+
+def _can_open(backend, handles):
+    """Whether this process can open another's IPC buffer and event (then closed)."""
+    try:
+        array = backend.ipc_open(handles[:_HANDLE_BYTES].tobytes(), 64)
+        event = backend.ipc_open_event(handles[_HANDLE_BYTES:].tobytes())
+    except Exception:  # noqa: BLE001 - whatever the driver says, the answer is no
+        return 0
+    backend.ipc_close(array)
+    backend.ipc_close_event(event)
+    return 1
 
 
 # -- running a plan on device buffers ---------------------------------------------------------------
