@@ -82,11 +82,13 @@ test-gpu:
 # The GPU path against its references (kernels vs the device copy, pipelined vs whole
 # messages, IPC vs staging) and collectives-bench on device buffers, at GPU_BENCH_RANKS.
 GPU_BENCH_RANKS ?= 2
+GPU_RESULTS   ?= $(RESULTS)/$(shell $(PYTHON) -c "import cupy; print(cupy.cuda.runtime.getDeviceProperties(0)['name'].decode().replace(' ', '-'))" 2>/dev/null || echo no-gpu)
 bench-gpu:
-	mkdir -p $(RESULTS)
-	$(MPIEXEC) $(MPIEXEC_FLAGS) -n $(GPU_BENCH_RANKS) $(PYTHON) -m collectives.bench.gpu --json $(RESULTS)/latest-gpu-n$(GPU_BENCH_RANKS).json
+	mkdir -p $(GPU_RESULTS)
+	$(MPIEXEC) $(MPIEXEC_FLAGS) -n $(GPU_BENCH_RANKS) $(PYTHON) -m collectives.bench.gpu --json $(GPU_RESULTS)/gpu-n$(GPU_BENCH_RANKS).json
 	$(MPIEXEC) $(MPIEXEC_FLAGS) -n $(GPU_BENCH_RANKS) $(PYTHON) -m collectives.bench --device cuda -c allreduce,allgather,broadcast \
-	  -b 64K -e 256M -f 4 --check --no-progress --json $(RESULTS)/latest-gpu-bench-n$(GPU_BENCH_RANKS).json
+	  -b 64K -e 256M -f 4 --check --no-progress --json $(GPU_RESULTS)/bench-n$(GPU_BENCH_RANKS).json \
+	  --plot $(GPU_RESULTS)/bench-n$(GPU_BENCH_RANKS).png
 
 demo: install
 	$(MPIEXEC) $(MPIEXEC_FLAGS) -n 4 $(PYTHON) -m collectives.demo

@@ -79,7 +79,9 @@ class Plan:
     the same peer, or -1) has been posted. ``dependents[i]`` lists the operations that
     wait for ``i``; ``fifo_next[i]`` the one that waits for ``i`` to be posted;
     ``predecessors[i]`` the operations ``i`` waits for (the device executor makes its
-    streams wait on their events).
+    streams wait on their events); ``readers[i]`` the operations that read what ``i``
+    wrote (the device executor lets a reduction read a peer's memory in place of a
+    receive that only it reads).
     """
 
     ops: tuple
@@ -89,6 +91,7 @@ class Plan:
     fifo_next: tuple
     tmp: int
     predecessors: tuple = ()
+    readers: tuple = ()
 
     def initial_pending(self):
         return [w + (p >= 0) for w, p in zip(self.waits, self.fifo_prev)]
@@ -114,12 +117,14 @@ class _Accesses:
         j = self._split(hi)
         return i, j
 
-    def read(self, op, lo, hi, deps):
+    def read(self, op, lo, hi, deps, read_from=None):
         i, j = self._pieces(lo, hi)
         for k in range(i, j):
             writer, readers = self.states[k]
             if writer >= 0:
                 deps.add(writer)
+                if read_from is not None:
+                    read_from.add(writer)
             self.states[k] = (writer, readers + (op,))
 
     def write(self, op, lo, hi, deps):
@@ -169,7 +174,7 @@ def compile_plan(schedule, inplace=False):
         and not (isinstance(op, Copy) and same_elements(op.dst, op.src))
     ]
     accesses = {}
-    waits, dependents, predecessors = [], [[] for _ in ops], []
+    waits, dependents, predecessors, readers = [], [[] for _ in ops], [], [[] for _ in ops]
     fifo_prev, fifo_next = [-1] * len(ops), [-1] * len(ops)
     last_message = {}
     for index, op in enumerate(ops):
@@ -178,8 +183,11 @@ def compile_plan(schedule, inplace=False):
         for s in reads + writes:
             if s.buf not in BUFFERS or not 0 <= s.lo <= s.hi or (s.buf == "tmp" and s.hi > schedule.tmp):
                 raise ValueError(f"schedule slice {s} is outside its buffer (tmp holds {schedule.tmp})")
+        read_from = set()
         for s in reads:
-            accesses.setdefault(alias.get(s.buf, s.buf), _Accesses()).read(index, s.lo, s.hi, deps)
+            accesses.setdefault(alias.get(s.buf, s.buf), _Accesses()).read(index, s.lo, s.hi, deps, read_from)
+        for writer in read_from:
+            readers[writer].append(index)
         for s in writes:
             accesses.setdefault(alias.get(s.buf, s.buf), _Accesses()).write(index, s.lo, s.hi, deps)
         deps.discard(index)
@@ -202,6 +210,7 @@ def compile_plan(schedule, inplace=False):
         fifo_next=tuple(fifo_next),
         tmp=schedule.tmp,
         predecessors=tuple(predecessors),
+        readers=tuple(tuple(r) for r in readers),
     )
 
 

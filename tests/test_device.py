@@ -41,6 +41,7 @@ def stand_in_only(what):
 
 PATHS = {
     "ipc": {},
+    "ipc-capped": {"COLLECTIVES_IPC_MEMORY": str(128 << 10)},  # two slots: most segments go staged
     "staged": {"COLLECTIVES_CUDA_IPC": "0"},
     "cuda-aware": {"COLLECTIVES_CUDA_IPC": "0", "COLLECTIVES_CUDA_AWARE": "1"},
 }
@@ -52,7 +53,7 @@ REDUCING = ("allreduce", "reduce_scatter", "reduce")
 def device_communicator(path, **options):
     """A communicator whose device messages go ``path``'s way (the choice is made at
     its first device call, from the environment, on every rank alike)."""
-    saved = {k: os.environ.get(k) for k in ("COLLECTIVES_CUDA_IPC", "COLLECTIVES_CUDA_AWARE")}
+    saved = {k: os.environ.get(k) for k in ("COLLECTIVES_CUDA_IPC", "COLLECTIVES_CUDA_AWARE", "COLLECTIVES_IPC_MEMORY")}
     os.environ.update(PATHS[path])
     try:
         comm = cc.Communicator(device_segment_size=options.pop("device_segment_size", SEGMENT), **options)
@@ -67,16 +68,44 @@ def device_communicator(path, **options):
     return comm
 
 
-@pytest.fixture(scope="module", params=list(PATHS))
+_COMMS = {}  # path -> its communicator, made once per module run
+
+
+def _communicator_for(path):
+    if path not in PATHS:
+        pytest.skip(f"MPI here is not CUDA-aware: no {path} path to test")
+    if path not in _COMMS:
+        comm = _COMMS[path] = device_communicator(path)
+        expected = "ipc" if path.startswith("ipc") else path
+        ctx = next(iter(comm._devices.values()))
+        assert all(p == expected for peer, p in ctx.paths.items() if peer != comm.rank), ctx.paths
+    return _COMMS[path]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_communicators():
+    yield
+    for comm in _COMMS.values():
+        comm.free()
+    _COMMS.clear()
+
+
+@pytest.fixture(params=["ipc", "staged", "cuda-aware"])
 def dcomm(request, device_under_test):
-    if request.param not in PATHS:
-        pytest.skip(f"MPI here is not CUDA-aware: no {request.param} path to test")
-    comm = device_communicator(request.param)
-    expected = {"ipc": "ipc", "staged": "staged", "cuda-aware": "cuda-aware"}[request.param]
-    ctx = next(iter(comm._devices.values()))
-    assert all(path == expected for peer, path in ctx.paths.items() if peer != comm.rank), ctx.paths
-    yield comm
-    comm.free()
+    """A device communicator for each way of moving device messages."""
+    return _communicator_for(request.param)
+
+
+@pytest.fixture(params=["ipc", "ipc-capped", "staged", "cuda-aware"])
+def dcomm_sweep(request, device_under_test):
+    """Those, and IPC with slots for two segments only (the rest go staged beside them)."""
+    return _communicator_for(request.param)
+
+
+@pytest.fixture
+def dcomm_ipc(device_under_test):
+    """The IPC communicator alone: where dtypes, not message paths, are what is tested."""
+    return _communicator_for("ipc")
 
 
 def call(comm, collective, x, algorithm, op="sum", root=0, out=None):
@@ -113,8 +142,8 @@ def differs(want, got):
 
 
 @pytest.mark.parametrize("collective,algorithm", ALGORITHMS)
-def test_every_collective_and_algorithm_equals_the_host_path(dcomm, mpi_comm, collective, algorithm):
-    comm, problems = dcomm, []
+def test_every_collective_and_algorithm_equals_the_host_path(dcomm_sweep, mpi_comm, collective, algorithm):
+    comm, problems = dcomm_sweep, []
     roots = sorted({0, comm.size - 1}) if collective in ("broadcast", "reduce") else [0]
     # every count on the IPC path; the other two move the same segments, so fewer there
     counts = counts_for(comm.size, large=False) + [1000] if comm.test_path == "ipc" else [0, comm.size + 1, 1000]
@@ -138,10 +167,9 @@ def test_every_collective_and_algorithm_equals_the_host_path(dcomm, mpi_comm, co
 
 
 @pytest.mark.parametrize("collective,algorithm", [ca for ca in ALGORITHMS if ca[0] in REDUCING])
-def test_every_dtype_and_op_equals_the_host_path(dcomm, mpi_comm, collective, algorithm):
-    if next(iter(dcomm._devices.values())).paths.get((dcomm.rank + 1) % dcomm.size) not in ("ipc", "self"):
-        pytest.skip("the dtype sweep runs once, on the IPC path (the paths move bytes; dtypes matter to kernels)")
-    comm, problems = dcomm, []
+def test_every_dtype_and_op_equals_the_host_path(dcomm_ipc, mpi_comm, collective, algorithm):
+    """Once, on the IPC path: the paths move bytes, dtypes matter to the kernels."""
+    comm, problems = dcomm_ipc, []
     for dtype in ALL_DTYPES:
         for op in ops_for(dtype):
             xs = [rank_input(r, 37, dtype, op) for r in range(comm.size)]
@@ -153,8 +181,8 @@ def test_every_dtype_and_op_equals_the_host_path(dcomm, mpi_comm, collective, al
 
 
 @pytest.mark.parametrize("algorithm", cc.algorithms("allreduce"))
-def test_allreduce_in_place_out_and_strided(dcomm, mpi_comm, algorithm):
-    comm, problems = dcomm, []
+def test_allreduce_in_place_out_and_strided(dcomm_sweep, mpi_comm, algorithm):
+    comm, problems = dcomm_sweep, []
     shift = len(algorithm)  # other values than the previous algorithm's: stale workspace cannot pass
     xs = [(rank_input(r, 6 * 7, "int32") + shift).reshape(6, 7) for r in range(comm.size)]
     want = comm.allreduce(xs[comm.rank], algorithm="native")

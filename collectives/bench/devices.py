@@ -39,7 +39,7 @@ class BenchDevice:
         return self.backend.current_stream()
 
     def empty(self, shape, dtype):
-        return self.backend.empty(shape, dtype)
+        return self.backend.empty(shape, self.backend.storage_dtype(dtype))
 
     def upload(self, dst, host):
         """``dst`` (device) = ``host``, finished when this returns."""

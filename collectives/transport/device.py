@@ -11,8 +11,12 @@ per peer once per communicator (:func:`negotiate`), every rank agreeing:
     ipc         ranks of one node: the sender copies the segment into a slot of its own
                 IPC memory (stream p2p) and records an interprocess event; a 160-byte
                 control message tells the receiver the slot, its handles and the size;
-                the receiver's stream waits for that event and copies straight out of
-                the sender's memory, then acknowledges so the slot can be reused.
+                the receiver's stream waits for that event, and the reduction that
+                alone reads the segment reads it straight from the sender's memory (or,
+                where more than a reduction reads it, it is copied out first); then an
+                acknowledgement frees the slot. Slots are pooled up to
+                COLLECTIVES_IPC_MEMORY bytes (256 MiB); a segment that finds none free
+                goes staged, on a communicator of its own, instead of waiting.
 
 Plans for the device are cut into segments (``split_schedule``: any algorithm, each
 message and reduction in pieces of ``device_segment_size`` bytes), and every
@@ -38,11 +42,12 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import MessageSizeError, TransportError
-from ..schedule import Copy, ReduceMany, Send
+from ..schedule import Copy, Reduce, ReduceMany, Send
 from .mpi import Handle, PlanHandle, _at
 
 _CONTROL_WORDS = 20  # int64s of an IPC control message: slot, bytes, capacity, -, 8 + 8 of handles
 _HANDLE_BYTES = 64  # a CUDA IPC memory or event handle
+_STAGED = 1  # control word 3: the segment comes staged on the bulk communicator, not in a slot
 
 
 def cuda_aware_mpi():
@@ -74,6 +79,21 @@ def _query_cuda_support():
         query.restype = ctypes.c_int
         return bool(query())
     return False
+
+
+DEFAULT_IPC_MEMORY = 256 << 20  # bytes of IPC slots per communicator and device
+
+
+def ipc_memory_limit():
+    """Bytes of device memory a communicator may hold in IPC send slots
+    (``COLLECTIVES_IPC_MEMORY``, default 256 MiB); a segment that finds none free
+    beyond that goes staged through host memory instead of waiting."""
+    text = os.environ.get("COLLECTIVES_IPC_MEMORY", "").strip()
+    if not text:
+        return DEFAULT_IPC_MEMORY
+    if not text.isdigit():
+        raise ValueError(f"COLLECTIVES_IPC_MEMORY must be a number of bytes; got {text!r}")
+    return int(text)
 
 
 def _ipc_wanted():
@@ -137,11 +157,14 @@ class DeviceContext:
     """What one communicator keeps per device: its four streams, pools, and the path to
     every peer. Made by :func:`negotiate` (collectively) at the first device call."""
 
-    def __init__(self, backend, paths, ack_comm, cuda_aware=False):
+    def __init__(self, backend, paths, ack_comm, bulk_comm=None, cuda_aware=False, ipc_memory=None):
         self.backend = backend
         self.cuda_aware = cuda_aware  # MPI takes device memory (for native, and the non-IPC peers)
         self.paths = paths  # rank -> "staged" | "cuda-aware" | "ipc" ("self" for this rank)
         self.ack_comm = ack_comm  # IPC acknowledgements travel here (their own matching)
+        self.bulk_comm = bulk_comm  # IPC segments that found no slot travel here, staged
+        self.ipc_memory = ipc_memory if ipc_memory is not None else ipc_memory_limit()
+        self._ipc_bytes = 0  # in slots so far
         self.compute = backend.stream("compute")
         self.d2h = backend.stream("d2h")
         self.h2d = backend.stream("h2d")
@@ -213,12 +236,17 @@ class DeviceContext:
 
     # -- IPC slots -------------------------------------------------------------------------------
     def take_slot(self, nbytes):
+        """A free IPC slot of at least ``nbytes``, a new one if the slots stay within
+        ``ipc_memory`` bytes, else None (the segment then goes staged)."""
         for k, slot in enumerate(self._free_slots):
             if slot.capacity >= nbytes:
                 return self._free_slots.pop(k)
         capacity = max(1 << max(int(nbytes) - 1, 0).bit_length(), 64 << 10)
+        if self._ipc_bytes + capacity > self.ipc_memory:
+            return None
         slot = _Slot(self.backend, len(self._slots), capacity)
         self._slots.append(slot)
+        self._ipc_bytes += capacity
         return slot
 
     def give_slot(self, slot):
@@ -243,9 +271,10 @@ class DeviceContext:
         barrier()
         for slot in self._slots:
             self.backend.ipc_free(slot.array)
-        self._opened, self._slots, self._free_slots = {}, [], []
-        if self.ack_comm is not None and self.ack_comm != MPI.COMM_NULL:
-            self.ack_comm.Free()
+        self._opened, self._slots, self._free_slots, self._ipc_bytes = {}, [], [], 0
+        for comm in (self.ack_comm, self.bulk_comm):
+            if comm is not None and comm != MPI.COMM_NULL:
+                comm.Free()
 
 
 def negotiate(comm, node_comm, backend, request):
@@ -295,7 +324,8 @@ def negotiate(comm, node_comm, backend, request):
         else:
             paths[peer] = "cuda-aware" if aware else "staged"
     ack_comm = comm.Dup() if size > 1 else None  # blocking, but every rank is here
-    return DeviceContext(backend, paths, ack_comm, aware)
+    bulk_comm = comm.Dup() if size > 1 else None
+    return DeviceContext(backend, paths, ack_comm, bulk_comm, aware)
 
 
 def _can_open(backend, handles):
@@ -332,6 +362,7 @@ class DevicePlanHandle(PlanHandle):
         self._aux = 0  # messages beside the plan's (IPC acknowledgements) still in flight
         self._pinned = {}  # op -> the whole pinned buffer it stages through
         self._messages = {}  # token -> small host buffers of IPC control messages and acknowledgements
+        self._remote = {}  # workspace slice -> (receive, slot, the peer's slot, its event) read in its place
         super().__init__(progress, describe, finish, comm, tag, plan, buffers, op, timeout, call)
 
     # -- device work ordered after what it depends on --------------------------------------------
@@ -353,13 +384,18 @@ class DevicePlanHandle(PlanHandle):
         stream = self._ctx.compute
         self._after_predecessors(i, stream)
         view = self._buffers.view
+        remote = []  # (receive, slot) of operands read straight from a peer's IPC slot
         if isinstance(op, Copy):
             self._backend.copy(view(op.dst), view(op.src), stream)
         elif isinstance(op, ReduceMany):  # one kernel, one pass over every input
-            self._backend.reduce_n(stream, self._op, self._dtype, view(op.dst), [view(s) for s in op.srcs])
+            sources = [self._operand(s, stream, remote) for s in op.srcs]
+            self._backend.reduce_n(stream, self._op, self._dtype, view(op.dst), sources)
         else:
-            self._backend.reduce2(stream, self._op, self._dtype, view(op.dst), view(op.a), view(op.b))
-        self._queued(i, stream)
+            a, b = self._operand(op.a, stream, remote), self._operand(op.b, stream, remote)
+            self._backend.reduce2(stream, self._op, self._dtype, view(op.dst), a, b)
+        event = self._queued(i, stream)
+        for receive, index in remote:  # the slots are free once this kernel has read them
+            self._progress.add_device(self, ("ipc-copied", receive, index), self._backend, event)
 
     # -- posting, in schedule order per peer ------------------------------------------------------
     def _enlist(self, kind, peer, i):
@@ -418,6 +454,9 @@ class DevicePlanHandle(PlanHandle):
             raise TransportError(f"{self._describe}: MPI failed to post a message: {exc}") from exc
         self._add_request(request, token)
 
+    def _mpi_on(self, comm, method, buffer, peer, token):
+        self._mpi(getattr(comm, method), buffer, peer, token)
+
     def _post_device_memory(self, i):
         op = self._execution.plan.ops[i]
         if isinstance(op, Send):
@@ -427,20 +466,38 @@ class DevicePlanHandle(PlanHandle):
 
     # -- IPC --------------------------------------------------------------------------------------------
     def _ipc_send(self, i, op, view):
-        ctx, stream = self._ctx, self._ctx.p2p
-        self._after_predecessors(i, stream)
+        ctx = self._ctx
         slot = ctx.take_slot(view.nbytes)
+        control = np.zeros(_CONTROL_WORDS, np.int64)
+        control[1] = view.nbytes
+        self._messages[("control", i)] = control
+        self._parts[i] = 2  # the control message sent, and the acknowledgement (or the staged copy) done
+        if slot is None:  # the slots are at their limit: this segment goes staged, on the bulk communicator
+            control[3] = _STAGED
+            stream = ctx.d2h
+            self._after_predecessors(i, stream)
+            pinned = self._pinned[i] = ctx.pinned.take(view.nbytes)
+            self._backend.copy(pinned[: view.nbytes], view, stream)
+            self._enlist("bulk", op.peer, i)
+            self._mpi(self._comm.Isend, control, op.peer, ("ipc-sent", i))
+            self._progress.add_device(self, ("staged-bulk", i), self._backend, self._queued(i, stream))
+            return
+        stream = ctx.p2p
+        self._after_predecessors(i, stream)
         self._backend.copy(slot.array[: view.nbytes], view, stream)
         self._backend.record(slot.event, stream)  # before the control message: the receiver waits for it
-        control = np.zeros(_CONTROL_WORDS, np.int64)
-        control[:3] = (slot.index, view.nbytes, slot.capacity)
+        control[0], control[2] = slot.index, slot.capacity
         control[4:12] = np.frombuffer(slot.handle, np.int64)
         control[12:20] = np.frombuffer(slot.event_handle, np.int64)
-        ack = np.empty(1, np.int64)
-        self._messages[("control", i)], self._messages[("ack", i)] = control, ack
+        # The send is done once its data is in the slot (its source may then be
+        # overwritten) and the control message is out. The acknowledgement only frees the
+        # slot: nothing in the plan waits for it, else a reduction that reads a peer's
+        # slot in place and this rank's own send could wait for each other.
         self._slot_of[i], self._op_of_slot[slot.index] = slot, i
-        self._parts[i] = 2
+        self._progress.add_device(self, ("slot-filled", i), self._backend, self._queued(i, stream))
         self._mpi(self._comm.Isend, control, op.peer, ("ipc-sent", i))
+        ack = self._messages[("ack", i)] = np.empty(1, np.int64)
+        self._aux += 1
         self._mpi(ctx.ack_comm.Irecv, ack, op.peer, ("ipc-ack", i))
 
     def _ipc_recv_post(self, i, op, view):
@@ -448,6 +505,10 @@ class DevicePlanHandle(PlanHandle):
         self._mpi(self._comm.Irecv, control, op.peer, ("ipc-recv", i))
 
     def _ipc_received(self, i, status):
+        """A control message: the segment is in the peer's slot (or comes staged). Where
+        one reduction alone reads this receive's data, it reads the peer's slot itself
+        (no copy); else the segment is copied out of it. Either way the slot is
+        acknowledged once the device has read it."""
         op = self._execution.plan.ops[i]
         control = self._messages.pop(("control", i))
         got, expected = status.Get_count(MPI.BYTE), self._in_flight[i]
@@ -455,17 +516,52 @@ class DevicePlanHandle(PlanHandle):
             raise self._size_error(i, op, got, f"a {control.nbytes}-byte IPC control message")
         if int(control[1]) != expected:
             raise self._size_error(i, op, int(control[1]), f"{expected} B")
+        if control[3] == _STAGED:
+            pinned = self._pinned[i] = self._ctx.pinned.take(expected)
+            self._mpi_on(self._ctx.bulk_comm, "Irecv", pinned[:expected], op.peer, ("recv", i))
+            return
         index, nbytes, capacity = (int(v) for v in control[:3])
         peer_array, peer_event = self._ctx.open_peer_slot(op.peer, index, capacity, control[4:12].tobytes(),
                                                           control[12:20].tobytes())
+        self._aux += 1  # the acknowledgement, sent in order once the device has read the slot
+        self._enlist("ack", op.peer, i)
+        local = self._buffers.view(op.dst)
+        reader = self._direct_reader(i, op)
+        if reader is not None:
+            self._remote[op.dst] = (i, index, peer_array[:nbytes].view(local.dtype), peer_event)
+            self._complete(i)
+            return
         stream = self._ctx.p2p
         self._backend.wait(stream, peer_event)  # the sender's copy into its slot has run
         self._after_predecessors(i, stream)
-        self._backend.copy(self._buffers.view(op.dst), peer_array[:nbytes], stream)
-        self._aux += 1  # the acknowledgement, sent once the copy has run, in order
-        self._enlist("ack", op.peer, i)
+        self._backend.copy(local, peer_array[:nbytes], stream)
         self._progress.add_device(self, ("ipc-copied", i, index), self._backend, self._queued(i, stream))
         self._complete(i)
+
+    def _direct_reader(self, i, op):
+        """The reduction that alone reads receive ``i``'s data, as one whole operand, in
+        workspace; else None."""
+        plan = self._execution.plan
+        readers = plan.readers[i] if plan.readers else ()
+        if op.dst.buf != "tmp" or len(readers) != 1:
+            return None
+        reader = plan.ops[readers[0]]
+        if isinstance(reader, Reduce) and op.dst in (reader.a, reader.b):
+            return readers[0]
+        if isinstance(reader, ReduceMany) and op.dst in reader.srcs:
+            return readers[0]
+        return None
+
+    def _operand(self, s, stream, remote):
+        """The view a kernel reads for slice ``s``: a peer's slot where it stands in for a
+        receive (``stream`` waits for the peer's event; noted in ``remote``)."""
+        standing_in = self._remote.pop(s, None)
+        if standing_in is None:
+            return self._buffers.view(s)
+        i, index, view, event = standing_in
+        self._backend.wait(stream, event)
+        remote.append((i, index))
+        return view
 
     def _ipc_acknowledge(self, i, index):
         op = self._execution.plan.ops[i]
@@ -476,9 +572,6 @@ class DevicePlanHandle(PlanHandle):
         self._parts[i] -= 1
         if self._parts[i] == 0:
             del self._parts[i]
-            slot = self._slot_of.pop(i)
-            del self._op_of_slot[slot.index]
-            self._ctx.give_slot(slot)
             self._complete(i)
 
     # -- completions ------------------------------------------------------------------------------------
@@ -505,12 +598,17 @@ class DevicePlanHandle(PlanHandle):
         elif kind == "ipc-sent":
             self._messages.pop(("control", i))
             self._ipc_part_done(i)
-        elif kind == "ipc-ack":
+        elif kind == "bulk-sent":  # a staged segment to an IPC peer (no slot was free)
+            self._ctx.pinned.give(self._pinned.pop(i))
+            self._ipc_part_done(i)
+        elif kind == "ipc-ack":  # the receiver has read the slot: it is free again
             ack = self._messages.pop(("ack", i))
             op = self._execution.plan.ops[i]
             if status.Get_count(MPI.BYTE) != ack.nbytes or int(ack[0]) not in self._op_of_slot:
                 raise self._size_error(i, op, status.Get_count(MPI.BYTE), "an acknowledgement of an IPC slot in use")
-            self._ipc_part_done(self._op_of_slot[int(ack[0])])
+            slot = self._slot_of.pop(self._op_of_slot.pop(int(ack[0])))
+            self._ctx.give_slot(slot)
+            self._aux -= 1
         elif kind == "ack-sent":
             self._messages.pop(("sent ack", i))
             self._aux -= 1
@@ -529,6 +627,12 @@ class DevicePlanHandle(PlanHandle):
                 self._ready(kind, op.peer, i, lambda: self._post_device_memory(i))
         elif kind == "ipc-copied":
             self._ipc_acknowledge(i, token[2])
+        elif kind == "slot-filled":
+            self._ipc_part_done(i)
+        elif kind == "staged-bulk":  # in pinned memory: send it on the bulk communicator, in order
+            buffer = self._pinned[i][: self._in_flight[i]]
+            self._ready("bulk", op.peer, i, lambda: self._mpi_on(self._ctx.bulk_comm, "Isend", buffer, op.peer,
+                                                                 ("bulk-sent", i)))
 
     def _complete(self, i):
         self._bytes_done += self._in_flight.pop(i, 0)
