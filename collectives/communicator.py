@@ -33,20 +33,16 @@ _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "m
 
 
 @lru_cache(maxsize=512)
-def _plan(collective, algorithm, rank, size, count, root, segment, inplace):
+def _plan(collective, algorithm, rank, size, count, root, segment, inplace, device_split=None):
+    """The compiled plan of one rank. For device buffers (``device_split`` not None)
+    its chains of reductions are fused into multi-input kernels and it is cut into
+    segments of ``device_split`` elements (0: not cut)."""
     schedule = build(collective, algorithm, rank, size, count, root=root, segment=segment)
+    if device_split is not None:
+        schedule = fuse_reductions(schedule)
+        if device_split:
+            schedule = split_schedule(schedule, device_split)
     return compile_plan(schedule, inplace=inplace)
-
-
-@lru_cache(maxsize=256)
-def _device_plan(collective, algorithm, rank, size, count, root, segment, inplace, split):
-    """The plan for device buffers: chains of reductions fused into one multi-input
-    kernel each, cut into segments of ``split`` elements (0: not cut)."""
-    schedule = fuse_reductions(build(collective, algorithm, rank, size, count, root=root, segment=segment))
-    if split:
-        schedule = split_schedule(schedule, split)
-    return compile_plan(schedule, inplace=inplace)
-
 
 
 def _check_nbytes(value, name):
@@ -136,8 +132,11 @@ class Communicator:
     Every collective also takes device arrays (CuPy, torch CUDA tensors, anything with
     ``__cuda_array_interface__``): see :mod:`collectives.transport.device`. Messages on
     the device are pipelined in segments of ``device_segment_size`` bytes
-    (``COLLECTIVES_DEVICE_SEGMENT_SIZE``, else 4 MiB; 0: whole messages). Every rank
-    passes device arrays to a call, or every rank host arrays.
+    (``COLLECTIVES_DEVICE_SEGMENT_SIZE``, else 4 MiB; 0: whole messages). ``cuda_ipc``
+    and ``cuda_aware`` (True/False; None: ``COLLECTIVES_CUDA_IPC``,
+    ``COLLECTIVES_CUDA_AWARE``, else detected) choose how device messages move, and
+    ``ipc_memory`` bounds the IPC send slots (``COLLECTIVES_IPC_MEMORY``, 256 MiB). Every
+    rank passes device arrays to a call, or every rank host arrays.
 
     Every rank must call the same collectives in the same order, as with MPI. What
     protects against the ways that goes wrong (see the README's "When things go wrong"):
@@ -160,7 +159,7 @@ class Communicator:
     """
 
     def __init__(self, mpi_comm=None, *, segment_size=None, check=None, timeout=None, stall_warn=None,
-                 device_segment_size=None):
+                 device_segment_size=None, cuda_ipc=None, cuda_aware=None, ipc_memory=None):
         if mpi_comm is None:
             mpi_comm = MPI.COMM_WORLD
         if not isinstance(mpi_comm, MPI.Intracomm) or mpi_comm == MPI.COMM_NULL:
@@ -176,6 +175,21 @@ class Communicator:
         self.timeout = _env_seconds("COLLECTIVES_TIMEOUT") if timeout is None else check_timeout(timeout)
         self.stall_warn = (_env_seconds("COLLECTIVES_STALL_WARN") if stall_warn is None
                            else check_timeout(stall_warn, "stall_warn"))
+        if device_segment_size is None:
+            text = os.environ.get("COLLECTIVES_DEVICE_SEGMENT_SIZE", "").strip()
+            if text and not text.isdigit():
+                raise ValueError(f"COLLECTIVES_DEVICE_SEGMENT_SIZE must be a number of bytes; got {text!r}")
+            device_segment_size = int(text) if text else DEFAULT_DEVICE_SEGMENT_SIZE
+        if device_segment_size != 0:  # 0: whole messages
+            _check_nbytes(device_segment_size, "device_segment_size")
+        self.device_segment_size = int(device_segment_size)
+        for name, value in (("cuda_ipc", cuda_ipc), ("cuda_aware", cuda_aware)):
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"{name} must be True, False or None (the environment's); got {value!r}")
+        if ipc_memory is not None and (isinstance(ipc_memory, bool) or not isinstance(ipc_memory, (int, np.integer))
+                                       or ipc_memory < 0):
+            raise ValueError(f"ipc_memory must be a non-negative number of bytes; got {ipc_memory!r}")
+        self._device_options = dict(cuda_ipc=cuda_ipc, cuda_aware=cuda_aware, ipc_memory=ipc_memory)
         self._selector = Selector.from_environment(mpi_comm.Get_size())
         self._comm = mpi_comm.Dup()
         self.rank = self._comm.Get_rank()
@@ -184,12 +198,6 @@ class Communicator:
         self._sequence = 0
         self._progress = Progress(Liveness(mpi_comm.Dup()), self.stall_warn)
         self._workspace = _Workspace()
-        if device_segment_size is None:
-            text = os.environ.get("COLLECTIVES_DEVICE_SEGMENT_SIZE", "").strip()
-            device_segment_size = int(text) if text else DEFAULT_DEVICE_SEGMENT_SIZE
-        if device_segment_size != 0:
-            _check_nbytes(device_segment_size, "device_segment_size")
-        self.device_segment_size = int(device_segment_size)
         self._devices = {}  # backend -> DeviceContext, made at the first call on that device
         self._node_comm = None
 
@@ -219,7 +227,7 @@ class Communicator:
         self._finish_in_flight()
         return Communicator(self._comm, segment_size=self.segment_size, check=self.check,
                             timeout=self.timeout or math.inf, stall_warn=self.stall_warn or math.inf,
-                            device_segment_size=self.device_segment_size)
+                            device_segment_size=self.device_segment_size, **self._device_options)
 
     def broadcast_object(self, obj, root=0, *, timeout=None):
         """``obj`` from ``root`` on every rank: a small picklable Python object (metadata
@@ -537,7 +545,7 @@ class Communicator:
                     self._node_comm = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
                 return self._node_comm
 
-            ctx = negotiate(self._comm, node_comm, backend, request)
+            ctx = negotiate(self._comm, node_comm, backend, request, **self._device_options)
             self._devices[backend] = ctx
             self._progress.backends.append(backend)
         return ctx
@@ -586,9 +594,8 @@ class Communicator:
                                               collective == "broadcast", timeout, tag, inp.nbytes)
         else:
             segment = self._segment(segment_size, x.itemsize) if (collective, algorithm) in SEGMENTED else 1
-            split = self.device_segment_size // x.itemsize if self.device_segment_size else 0
-            plan = _device_plan(collective, algorithm, self.rank, self.size, x.size, root, segment, inplace,
-                                max(split, 1) if self.device_segment_size else 0)
+            split = max(self.device_segment_size // x.itemsize, 1) if self.device_segment_size else 0
+            plan = _plan(collective, algorithm, self.rank, self.size, x.size, root, segment, inplace, split)
             handle = device_call.start_plan(self._progress, describe, finish, self._comm, tag, plan, inp,
                                             result if result is not None else inp[:0], op, x.dtype, call, timeout)
         return handle.wait() if blocking else handle

@@ -10,8 +10,6 @@ with NumPy; the three ways of moving device messages (CUDA IPC between ranks of 
 node, staging through pinned host memory, and CUDA-aware MPI) each run everything.
 """
 
-import os
-
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -39,11 +37,11 @@ def stand_in_only(what):
     if D.name != "standin":
         pytest.skip(f"{what}: a property of the stand-in itself")
 
-PATHS = {
+PATHS = {  # Communicator options for each way of moving device messages
     "ipc": {},
-    "ipc-capped": {"COLLECTIVES_IPC_MEMORY": str(128 << 10)},  # two slots: most segments go staged
-    "staged": {"COLLECTIVES_CUDA_IPC": "0"},
-    "cuda-aware": {"COLLECTIVES_CUDA_IPC": "0", "COLLECTIVES_CUDA_AWARE": "1"},
+    "ipc-capped": {"ipc_memory": 128 << 10},  # two slots: most segments go staged beside them
+    "staged": {"cuda_ipc": False},
+    "cuda-aware": {"cuda_ipc": False, "cuda_aware": True},
 }
 SEGMENT = 256  # bytes per device segment: the larger calls here are cut into several
 ALGORITHMS = [(c, a) for c in cc.COLLECTIVES for a in cc.algorithms(c)]
@@ -51,20 +49,11 @@ REDUCING = ("allreduce", "reduce_scatter", "reduce")
 
 
 def device_communicator(path, **options):
-    """A communicator whose device messages go ``path``'s way (the choice is made at
-    its first device call, from the environment, on every rank alike)."""
-    saved = {k: os.environ.get(k) for k in ("COLLECTIVES_CUDA_IPC", "COLLECTIVES_CUDA_AWARE", "COLLECTIVES_IPC_MEMORY")}
-    os.environ.update(PATHS[path])
-    try:
-        comm = cc.Communicator(device_segment_size=options.pop("device_segment_size", SEGMENT), **options)
-        comm.allreduce(D.asarray(np.ones(1, np.float32)))  # the negotiation
-        comm.test_path = path
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    """A communicator whose device messages go ``path``'s way (agreed by the ranks at its
+    first device call, made here)."""
+    comm = cc.Communicator(device_segment_size=options.pop("device_segment_size", SEGMENT), **PATHS[path], **options)
+    comm.allreduce(D.asarray(np.ones(1, np.float32)))  # the negotiation
+    comm.test_path = path
     return comm
 
 
@@ -322,6 +311,19 @@ def test_host_and_device_arrays_mixed_in_one_call_is_a_type_error(dcomm):
         comm.allreduce(D.asarray(np.ones(4, np.complex64)), op="max")
     comm.barrier()  # nothing was sent: every rank is here, with no message left over
     assert np.array_equal(D.asnumpy(comm.allreduce(D.asarray(np.ones(3)))), np.full(3, comm.size))
+
+
+def test_bad_device_options_are_refused_before_any_message(mpi_comm, monkeypatch):
+    with pytest.raises(TypeError, match="cuda_ipc must be True, False or None"):
+        cc.Communicator(cuda_ipc="yes")
+    with pytest.raises(ValueError, match="ipc_memory must be a non-negative number of bytes"):
+        cc.Communicator(ipc_memory=-1)
+    with pytest.raises(ValueError, match="device_segment_size must be a positive number of bytes"):
+        cc.Communicator(device_segment_size=-4)
+    monkeypatch.setenv("COLLECTIVES_DEVICE_SEGMENT_SIZE", "4M")
+    with pytest.raises(ValueError, match="COLLECTIVES_DEVICE_SEGMENT_SIZE must be a number of bytes"):
+        cc.Communicator()
+    mpi_comm.Barrier()
 
 
 def test_no_reduction_copies_a_whole_buffer_to_the_host(mpi_comm):

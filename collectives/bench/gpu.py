@@ -21,9 +21,7 @@ whose times mean nothing.
 """
 
 import argparse
-import contextlib
 import json
-import os
 import sys
 import time
 
@@ -37,7 +35,7 @@ from .cli import parse_bytes
 from .report import human_bytes
 from .devices import BenchDevice
 
-_PATH_ENV = {"staged": {"COLLECTIVES_CUDA_IPC": "0"}, "ipc": {}}
+_PATHS = {"staged": {"cuda_ipc": False}, "ipc": {"cuda_ipc": True}}
 
 
 def parse_args(argv):
@@ -123,33 +121,13 @@ def kernel_rows(device, args):
 
 
 # -- pipeline and IPC ------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _environment(values):
-    saved = {k: os.environ.get(k) for k in ("COLLECTIVES_CUDA_IPC",)}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def communicator(path, device, segment):
-    """A communicator whose device messages go ``path``'s way (chosen at its first
-    device call, from the environment, alike on every rank)."""
-    comm = Communicator(device_segment_size=segment)
-    with _environment(_PATH_ENV[path]):
-        comm.allreduce(device.backend.empty(1, np.float32) if device.kind == "cuda" else _one(device))
+    """A communicator whose device messages go ``path``'s way, agreed by the ranks now."""
+    comm = Communicator(device_segment_size=segment, **_PATHS[path])
+    one = device.empty(1, np.float32)
+    device.upload(one, np.ones(1, np.float32))
+    comm.allreduce(one)
     return comm
-
-
-def _one(device):
-    x = device.empty(1, np.float32)
-    device.upload(x, np.ones(1, np.float32))
-    return x
 
 
 def collective_rows(device, args, world):

@@ -277,7 +277,7 @@ class DeviceContext:
                 comm.Free()
 
 
-def negotiate(comm, node_comm, backend, request):
+def negotiate(comm, node_comm, backend, request, cuda_ipc=None, cuda_aware=None, ipc_memory=None):
     """The device context of ``comm`` (an mpi4py communicator, the library's private
     one) for ``backend``. Collective; ``request(start, nbytes)`` runs one non-blocking
     MPI call to completion through the communicator's progress engine, bounded by the
@@ -290,9 +290,14 @@ def negotiate(comm, node_comm, backend, request):
        the other's, so a node where IPC cannot work (no shared IPC namespace, no peer
        access between the GPUs) falls back to staging instead of failing later.
     3. Every other pair is staged, or CUDA-aware where MPI takes device memory.
+
+    ``cuda_ipc``, ``cuda_aware`` (bools) and ``ipc_memory`` (bytes) override the
+    environment's ``COLLECTIVES_CUDA_IPC``, ``COLLECTIVES_CUDA_AWARE`` and
+    ``COLLECTIVES_IPC_MEMORY``.
     """
     rank, size = comm.Get_rank(), comm.Get_size()
-    wanted = np.array([bool(backend.ipc_capable and _ipc_wanted())], np.uint8)
+    ipc = _ipc_wanted() if cuda_ipc is None else cuda_ipc
+    wanted = np.array([bool(backend.ipc_capable and ipc)], np.uint8)
     everyone = np.empty(size, np.uint8)
     request(lambda: comm.Iallgather(wanted, everyone), everyone.nbytes)  # every rank is here from now on
     node = node_comm()
@@ -314,7 +319,7 @@ def negotiate(comm, node_comm, backend, request):
     request(lambda: comm.Iallgather(reach, reaches), reaches.nbytes)  # every peer has closed ours
     if probe is not None:
         backend.ipc_free(probe.array)
-    aware = cuda_aware_mpi()
+    aware = cuda_aware_mpi() if cuda_aware is None else cuda_aware
     paths = {}
     for peer in range(size):
         if peer == rank:
@@ -325,7 +330,7 @@ def negotiate(comm, node_comm, backend, request):
             paths[peer] = "cuda-aware" if aware else "staged"
     ack_comm = comm.Dup() if size > 1 else None  # blocking, but every rank is here
     bulk_comm = comm.Dup() if size > 1 else None
-    return DeviceContext(backend, paths, ack_comm, bulk_comm, aware)
+    return DeviceContext(backend, paths, ack_comm, bulk_comm, aware, ipc_memory)
 
 
 def _can_open(backend, handles):
