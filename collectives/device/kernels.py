@@ -139,6 +139,7 @@ def sources():
     return {name: (folder / name).read_text(encoding="utf-8") for name in (SOURCE,) + HEADERS}
 
 
+@lru_cache(maxsize=None)
 def source_hash():
     """A hash of the kernel sources (the compile cache's key, with the device)."""
     digest = hashlib.sha256()
