@@ -1,7 +1,8 @@
 // The kernels' loop bodies (kernels/elementwise.cuh), compiled for the host: the
 // tests (test_kernels.py) build this with g++ into a shared library, call it through
-// ctypes and compare every op x dtype with NumPy. Each entry point runs a body with
-// (start, stride) = (0, 1), the whole range on one "thread", vectorised path included.
+// ctypes and compare every op x dtype with NumPy. The reductions run their body as a
+// grid of `threads` threads would, one after the other: (start, stride) = (t, threads)
+// for t = 0 .. threads-1, vectorised path and tail included.
 #include <cstring>
 
 #include "elementwise.cuh"
@@ -12,51 +13,44 @@ namespace {
 
 bool is(const char* a, const char* b) { return std::strcmp(a, b) == 0; }
 
-template <class T>
-int reduce2_op(const char* op, void* dst, const void* a, const void* b, i64 n) {
+template <class T, class Op>
+void reduce2_grid(T* d, const T* x, const T* y, i64 n, int threads) {
+    for (int t = 0; t < threads; ++t) reduce2_body<T, Op>(d, x, y, n, t, threads);
+}
+
+// Ordered: the dtype has max and min (complex numbers do not).
+template <class T, bool Ordered>
+int reduce2_op(const char* op, void* dst, const void* a, const void* b, i64 n, int threads) {
     T* d = static_cast<T*>(dst);
     const T* x = static_cast<const T*>(a);
     const T* y = static_cast<const T*>(b);
-    if (is(op, "sum")) reduce2_body<T, Sum>(d, x, y, n, 0, 1);
-    else if (is(op, "prod")) reduce2_body<T, Prod>(d, x, y, n, 0, 1);
-    else if (is(op, "max")) reduce2_body<T, Max>(d, x, y, n, 0, 1);
-    else if (is(op, "min")) reduce2_body<T, Min>(d, x, y, n, 0, 1);
-    else return -2;
+    if (is(op, "sum")) reduce2_grid<T, Sum>(d, x, y, n, threads);
+    else if (is(op, "prod")) reduce2_grid<T, Prod>(d, x, y, n, threads);
+    else if constexpr (Ordered) {
+        if (is(op, "max")) reduce2_grid<T, Max>(d, x, y, n, threads);
+        else if (is(op, "min")) reduce2_grid<T, Min>(d, x, y, n, threads);
+        else return -2;
+    } else return -2;
     return 0;
 }
 
-template <class T>
-int reduce2_complex(const char* op, void* dst, const void* a, const void* b, i64 n) {
-    T* d = static_cast<T*>(dst);
-    const T* x = static_cast<const T*>(a);
-    const T* y = static_cast<const T*>(b);
-    if (is(op, "sum")) reduce2_body<T, Sum>(d, x, y, n, 0, 1);
-    else if (is(op, "prod")) reduce2_body<T, Prod>(d, x, y, n, 0, 1);
-    else return -2;
-    return 0;
+template <class T, class Op>
+void reduce_n_grid(T* d, const T* const* s, int k, i64 n, int threads) {
+    for (int t = 0; t < threads; ++t) reduce_n_body<T, Op>(d, s, k, n, t, threads);
 }
 
-template <class T>
-int reduce_n_op(const char* op, void* dst, const void* const* srcs, int k, i64 n) {
+template <class T, bool Ordered>
+int reduce_n_op(const char* op, void* dst, const void* const* srcs, int k, i64 n, int threads) {
     const T* s[16];
     for (int q = 0; q < k; ++q) s[q] = static_cast<const T*>(srcs[q]);
     T* d = static_cast<T*>(dst);
-    if (is(op, "sum")) reduce_n_body<T, Sum>(d, s, k, n, 0, 1);
-    else if (is(op, "prod")) reduce_n_body<T, Prod>(d, s, k, n, 0, 1);
-    else if (is(op, "max")) reduce_n_body<T, Max>(d, s, k, n, 0, 1);
-    else if (is(op, "min")) reduce_n_body<T, Min>(d, s, k, n, 0, 1);
-    else return -2;
-    return 0;
-}
-
-template <class T>
-int reduce_n_complex(const char* op, void* dst, const void* const* srcs, int k, i64 n) {
-    const T* s[16];
-    for (int q = 0; q < k; ++q) s[q] = static_cast<const T*>(srcs[q]);
-    T* d = static_cast<T*>(dst);
-    if (is(op, "sum")) reduce_n_body<T, Sum>(d, s, k, n, 0, 1);
-    else if (is(op, "prod")) reduce_n_body<T, Prod>(d, s, k, n, 0, 1);
-    else return -2;
+    if (is(op, "sum")) reduce_n_grid<T, Sum>(d, s, k, n, threads);
+    else if (is(op, "prod")) reduce_n_grid<T, Prod>(d, s, k, n, threads);
+    else if constexpr (Ordered) {
+        if (is(op, "max")) reduce_n_grid<T, Max>(d, s, k, n, threads);
+        else if (is(op, "min")) reduce_n_grid<T, Min>(d, s, k, n, threads);
+        else return -2;
+    } else return -2;
     return 0;
 }
 
@@ -83,23 +77,23 @@ void unpack_e(void* dst, const void* src, i64 n, int ndim, const i64* shape, con
 
 extern "C" {
 
-// 0: done; -1: unknown dtype; -2: op not defined for it.
-int cc_reduce2(const char* dtype, const char* op, void* dst, const void* a, const void* b, i64 n) {
-#define X(name, T) if (is(dtype, #name)) return reduce2_op<T>(op, dst, a, b, n);
+// 0: done; -1: unknown dtype; -2: op not defined for it (complex max/min).
+int cc_reduce2(const char* dtype, const char* op, void* dst, const void* a, const void* b, i64 n, int threads) {
+#define X(name, T) if (is(dtype, #name)) return reduce2_op<T, true>(op, dst, a, b, n, threads);
     COLLECTIVES_REAL_TYPES(X)
 #undef X
-    if (is(dtype, "complex64")) return reduce2_complex<c64>(op, dst, a, b, n);
-    if (is(dtype, "complex128")) return reduce2_complex<c128>(op, dst, a, b, n);
+    if (is(dtype, "complex64")) return reduce2_op<c64, false>(op, dst, a, b, n, threads);
+    if (is(dtype, "complex128")) return reduce2_op<c128, false>(op, dst, a, b, n, threads);
     return -1;
 }
 
-int cc_reduce_n(const char* dtype, const char* op, void* dst, const void* const* srcs, int k, i64 n) {
+int cc_reduce_n(const char* dtype, const char* op, void* dst, const void* const* srcs, int k, i64 n, int threads) {
     if (k < 1 || k > 16) return -3;
-#define X(name, T) if (is(dtype, #name)) return reduce_n_op<T>(op, dst, srcs, k, n);
+#define X(name, T) if (is(dtype, #name)) return reduce_n_op<T, true>(op, dst, srcs, k, n, threads);
     COLLECTIVES_REAL_TYPES(X)
 #undef X
-    if (is(dtype, "complex64")) return reduce_n_complex<c64>(op, dst, srcs, k, n);
-    if (is(dtype, "complex128")) return reduce_n_complex<c128>(op, dst, srcs, k, n);
+    if (is(dtype, "complex64")) return reduce_n_op<c64, false>(op, dst, srcs, k, n, threads);
+    if (is(dtype, "complex128")) return reduce_n_op<c128, false>(op, dst, srcs, k, n, threads);
     return -1;
 }
 

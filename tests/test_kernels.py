@@ -46,8 +46,8 @@ def harness(tmp_path_factory):
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stderr}"
     lib = ctypes.CDLL(str(library))
     p, i64, c = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_char_p
-    lib.cc_reduce2.argtypes = [c, c, p, p, p, i64]
-    lib.cc_reduce_n.argtypes = [c, c, p, ctypes.POINTER(p), ctypes.c_int, i64]
+    lib.cc_reduce2.argtypes = [c, c, p, p, p, i64, ctypes.c_int]
+    lib.cc_reduce_n.argtypes = [c, c, p, ctypes.POINTER(p), ctypes.c_int, i64, ctypes.c_int]
     lib.cc_divide.argtypes = [c, p, i64, ctypes.c_double]
     lib.cc_cast_divide.argtypes = [c, c, p, p, i64, ctypes.c_double]
     lib.cc_pack.argtypes = lib.cc_unpack.argtypes = [ctypes.c_int, p, p, i64, ctypes.c_int, p, p]
@@ -105,7 +105,8 @@ def same_bits(got, want, zero_sign=True):
         return same_bits(got.real, want.real, zero_sign) and same_bits(got.imag, want.imag, zero_sign)
     if got.dtype.kind in "iu":
         return np.array_equal(got, want)
-    g, w = got.astype(np.float64), want.astype(np.float64)
+    with np.errstate(invalid="ignore"):  # ml_dtypes warns when casting a NaN
+        g, w = got.astype(np.float64), want.astype(np.float64)
     nan = np.isnan(g)
     if not np.array_equal(nan, np.isnan(w)):
         return False
@@ -126,7 +127,7 @@ def numpy_reduce(op, a, b):
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
 def test_reduce2_equals_numpy(harness, dtype, op, offset):
     if dtype.kind == "c" and op in ("max", "min"):
-        assert harness.cc_reduce2(name_of(dtype), op.encode(), None, None, None, 0) == -2
+        assert harness.cc_reduce2(name_of(dtype), op.encode(), None, None, None, 0, 1) == -2
         return
     rng = np.random.default_rng([dtype.num, len(op), offset])
     n = 4099  # not a multiple of any vector width: the tail runs too
@@ -136,9 +137,11 @@ def test_reduce2_equals_numpy(harness, dtype, op, offset):
     want = numpy_reduce(op, a, b)
     out = placed(np.zeros(n, dtype), offset)
     a_in_place, b_in_place = placed(a, offset), placed(b, offset)
-    for dst, x, y in ((out, a, b), (a_in_place, a_in_place, b), (b_in_place, a, b_in_place)):  # dst may be a or b
-        assert harness.cc_reduce2(name_of(dtype), op.encode(), ptr(dst), ptr(x), ptr(y), n) == 0
-        assert same_bits(dst, want, zero_sign=op not in ("max", "min")), f"{dtype} {op}: {dst[:6]} != {want[:6]}"
+    cases = ((out, a, b, 1), (a_in_place, a_in_place, b, 7), (b_in_place, a, b_in_place, 256))
+    for dst, x, y, threads in cases:  # dst may be a or b; one thread, or a grid of 7 or 256
+        assert harness.cc_reduce2(name_of(dtype), op.encode(), ptr(dst), ptr(x), ptr(y), n, threads) == 0
+        assert same_bits(dst, want, zero_sign=op not in ("max", "min")), \
+            f"{dtype} {op} {threads} threads: {dst[:6]} != {want[:6]}"
 
 
 def placed(x, offset):
@@ -157,7 +160,7 @@ def test_max_min_signed_zeros_follow_numpy(harness):
         b = np.array([-0.0, 0.0, -0.0, 0.0], dtype)
         for op in ("max", "min"):
             got = np.empty_like(a)
-            harness.cc_reduce2(name_of(dtype), op.encode(), ptr(got), ptr(a), ptr(b), a.size)
+            harness.cc_reduce2(name_of(dtype), op.encode(), ptr(got), ptr(a), ptr(b), a.size, 1)
             want = numpy_reduce(op, a, b)
             assert np.array_equal(np.signbit(got.astype(np.float32)), np.signbit(want.astype(np.float32))), \
                 f"{np.dtype(dtype).name} {op}"
@@ -174,9 +177,9 @@ def test_reduce_n_is_the_left_fold(harness, dtype):
             want = functools.reduce(lambda x, y: numpy_reduce(op, x, y), inputs)
             got = np.empty(n, dtype)
             pointers = (ctypes.c_void_p * 16)(*[ptr(x) for x in inputs])
-            assert harness.cc_reduce_n(name_of(dtype), op.encode(), ptr(got), pointers, k, n) == 0
+            assert harness.cc_reduce_n(name_of(dtype), op.encode(), ptr(got), pointers, k, n, k + 2) == 0
             assert same_bits(got, want, zero_sign=op not in ("max", "min")), f"{dtype} {op} k={k}"
-    assert harness.cc_reduce_n(name_of(dtype), b"sum", None, None, 17, 0) == -3
+    assert harness.cc_reduce_n(name_of(dtype), b"sum", None, None, 17, 0, 1) == -3
 
 
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if kernels.divides(d)], ids=lambda d: d.name)
@@ -221,13 +224,14 @@ def _float_midpoints(half_bits):
     """float32 values at, and one ulp either side of, every midpoint between adjacent
     float16 values (where rounding decides), plus each float16 value itself."""
     h = np.arange(1 << 15, dtype=np.uint16)  # positive halves; signs below
-    lo = h.view(np.float16).astype(np.float32)
-    hi = (h + 1).view(np.float16).astype(np.float32)
-    finite = np.isfinite(hi) & np.isfinite(lo)
-    mid = ((lo[finite].astype(np.float64) + hi[finite]) / 2).astype(np.float32)
-    below, above = np.nextafter(mid, np.float32(0)), np.nextafter(mid, np.float32(np.inf))
-    x = np.concatenate([lo, mid, below, above, [65504, 65519.996, 65520, 65536, 1e30, 5.96e-8, 2.98e-8, 2.99e-8]])
-    x = x.astype(np.float32)
+    with np.errstate(invalid="ignore"):  # the NaNs among them
+        lo = h.view(np.float16).astype(np.float32)
+        hi = (h + 1).view(np.float16).astype(np.float32)
+        finite = np.isfinite(hi) & np.isfinite(lo)
+        mid = ((lo[finite].astype(np.float64) + hi[finite]) / 2).astype(np.float32)
+        below, above = np.nextafter(mid, np.float32(0)), np.nextafter(mid, np.float32(np.inf))
+        edges = np.array([65504, 65519.996, 65520, 65536, 1e30, 5.96e-8, 2.98e-8, 2.99e-8], np.float32)
+        x = np.concatenate([lo, mid, below, above, edges])
     return np.concatenate([x, -x])
 
 
