@@ -246,22 +246,55 @@ def _piece(field, lo, hi):
     return field
 
 
-def fuse_reductions(schedule, limit=16):
-    """``schedule`` with each run of consecutive reductions that fold one more workspace
-    input into the same slice — ``d = a op b; d = d op c; d = d op e`` — made one
-    ``ReduceMany(d, (a, b, c, e))`` of at most ``limit`` inputs: the same values, in the
-    same order (a left fold), in one pass over memory instead of one per input. The
-    device uses it (the direct algorithm's p-1 reductions become one kernel); the host's
-    NumPy has no multi-input ufunc, so it keeps the chain."""
+def fuse_reductions(schedule, limit=16, inplace=False):
+    """``schedule`` with each run of consecutive reductions that carry one fold on —
+    ``d = a op b; d = d op c; d = d op e`` — made one ``ReduceMany(d, (a, b, c, e))`` of
+    at most ``limit`` inputs: the same values, in the same order (a left fold), in one
+    pass over memory instead of one per input. The device uses it (the direct
+    algorithm's p-1 reductions become one kernel); the host's NumPy has no multi-input
+    ufunc, so it keeps the chain.
+
+    A step may also move the fold to a new destination (``t = a op b; d = t op c``)
+    where no later operation touches ``t``. A run is fused only where each input either
+    is the destination's very elements or shares no memory with it (``inplace``: ``in``
+    and ``out`` are one buffer), as the one-pass kernel reads every input of an element
+    before it writes that element."""
+
+    def memory(x):
+        return "out" if inplace and x.buf == "in" else x.buf
+
+    def overlap(x, y):
+        return memory(x) == memory(y) and x.lo < y.hi and y.lo < x.hi
+
+    def safe_input(x, dst):
+        return not overlap(x, dst) or (memory(x) == memory(dst) and (x.lo, x.hi) == (dst.lo, dst.hi))
+
+    def untouched_after(index, x):
+        return not any(overlap(x, y) for later in schedule.ops[index + 1:] for y in _slices(later))
+
     out = Schedule([], schedule.tmp)
-    for op in schedule.ops:
+    for index, op in enumerate(schedule.ops):
         last = out.ops[-1] if out.ops else None
-        if (isinstance(op, Reduce) and isinstance(last, (Reduce, ReduceMany)) and last.dst == op.dst
-                and op.a == op.dst and op.b.buf == "tmp"
-                and (isinstance(last, ReduceMany) or last.b.buf == "tmp")):
+        if isinstance(op, Reduce) and isinstance(last, (Reduce, ReduceMany)) and op.a == last.dst:
             inputs = last.srcs if isinstance(last, ReduceMany) else (last.a, last.b)
-            if len(inputs) < limit:
-                out.ops[-1] = ReduceMany(op.dst, inputs + (op.b,))
+            inputs += (op.b,)
+            if (len(inputs) <= limit and not overlap(op.b, last.dst)
+                    and all(safe_input(x, op.dst) for x in inputs)
+                    and (op.dst == last.dst or untouched_after(index, last.dst))):
+                out.ops[-1] = ReduceMany(op.dst, inputs)
                 continue
         out.ops.append(op)
     return out
+
+
+def _slices(op):
+    """Every slice ``op`` reads or writes."""
+    if isinstance(op, Send):
+        return (op.src,)
+    if isinstance(op, Recv):
+        return (op.dst,)
+    if isinstance(op, ReduceMany):
+        return (op.dst,) + tuple(op.srcs)
+    if isinstance(op, Reduce):
+        return (op.dst, op.a, op.b)
+    return (op.dst, op.src)

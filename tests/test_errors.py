@@ -112,7 +112,7 @@ def test_algorithms_lists_native_and_auto():
     assert cc.algorithms("reduce_scatter") == ("ring", "recursive_halving", "direct", "native", "auto")
     assert cc.algorithms("allgather") == ("ring", "recursive_doubling", "bruck", "direct", "native", "auto")
     assert cc.algorithms("broadcast") == ("binomial", "pipeline", "scatter_allgather", "direct", "native", "auto")
-    assert cc.algorithms("reduce") == ("binomial", "native", "auto")
+    assert cc.algorithms("reduce") == ("binomial", "direct", "native", "auto")
     with pytest.raises(ValueError, match="collective must be one of"):
         cc.algorithms("alltoall")
 

@@ -179,6 +179,11 @@ def test_reduce_n_is_the_left_fold(harness, dtype):
             pointers = (ctypes.c_void_p * 16)(*[ptr(x) for x in inputs])
             assert harness.cc_reduce_n(name_of(dtype), op.encode(), ptr(got), pointers, k, n, k + 2) == 0
             assert same_bits(got, want, zero_sign=op not in ("max", "min")), f"{dtype} {op} k={k}"
+            if k >= 2:  # dst may be a later input (the deterministic direct in place): read before written
+                inputs[k // 2] = dst = inputs[k // 2].copy()
+                pointers = (ctypes.c_void_p * 16)(*[ptr(x) for x in inputs])
+                assert harness.cc_reduce_n(name_of(dtype), op.encode(), ptr(dst), pointers, k, n, 7) == 0
+                assert same_bits(dst, want, zero_sign=op not in ("max", "min")), f"{dtype} {op} k={k} in place"
     assert harness.cc_reduce_n(name_of(dtype), b"sum", None, None, 17, 0, 1) == -3
 
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import collectives as cc
 import collectives.sim as sim
-from collectives.algorithms import BUILDERS
+from collectives.algorithms import BUILDERS, ORDERED
 
 from conftest import ALL_DTYPES, expected_everywhere, ops_for
 
@@ -132,6 +132,8 @@ def expected_counters(collective, algorithm, p, count, root=0, segments=1):
             row = (children + p - 1, (subtree - 1) * b + (p - 1) * b, (subtree * b if vr else 0) + (p - 1) * b, 0)
         elif key == ("broadcast", "direct"):
             row = (2 * (p - 1), 2 * (p - 1) * b, 0, 0) if r == root else (p - 2, (p - 2) * b, n, 0)
+        elif key == ("reduce", "direct"):  # reduce_scatter, then every block to the root
+            row = (p - 1, (p - 1) * b, 2 * (p - 1) * b, (p - 1) * b) if r == root else (p, p * b, (p - 1) * b, (p - 1) * b)
         else:
             raise AssertionError(f"no formula for {key}")
         rows.append(row)
@@ -227,6 +229,8 @@ def closed_form(collective, algorithm, p, n, gamma=G, segments=1):
         return (p - 1) * c(b) + max((p - 1) * c(b) + g(b, gamma), c(b) + (p - 1) * g(b, gamma))
     if key == ("reduce_scatter", "direct"):
         return max((p - 1) * c(b) + g(b, gamma), c(b) + (p - 1) * g(b, gamma))
+    if key == ("reduce", "direct"):  # the reduce_scatter, then the root receives p-1 blocks in turn
+        return max((p - 1) * c(b) + g(b, gamma), c(b) + (p - 1) * g(b, gamma)) + (p - 1) * c(b)
     if key == ("allgather", "bruck"):
         return lg_ceil * A + (p - 1) * b * B
     if key == ("broadcast", "binomial"):
@@ -281,6 +285,33 @@ def test_time_equals_the_closed_form(collective, algorithm, gamma):
         if got != want:
             problems.append(f"p={p}: simulated {got}, closed form {want}")
     assert not problems, "\n".join(problems[:10])
+
+
+ORDERED_ALGORITHMS = [(c, a) for c, names in ORDERED.items() for a in names]
+
+
+@pytest.mark.parametrize("collective,algorithm", ORDERED_ALGORITHMS)
+def test_ordered_schedules_cost_the_same_messages_and_reductions(collective, algorithm):
+    for p in (1, 2, 3, 5, 8, 17):
+        for root in ([0, p - 1] if collective == "reduce" else [0]):
+            got = counters(sim.costs(collective, algorithm, p, 3 * p, root=root, ordered=True))
+            assert got == expected_counters(collective, algorithm, p, 3 * p, root), f"p={p} root={root}"
+
+
+@pytest.mark.parametrize("gamma", [G, 5000.0])
+def test_ordered_direct_reduce_scatter_time(gamma):
+    # Folding in rank order, some rank's first or next block comes last, (p-1)c in:
+    # no reduction overlaps the messages any more, (p-1)(c + n/p·γ).
+    for p in list(range(2, 18)) + [32]:
+        b = 6 * ITEM
+        got = sim.costs("reduce_scatter", "direct", p, 6 * p, ordered=True).time(A, B, gamma)
+        assert got == (p - 1) * (c(b) + g(b, gamma)), f"p={p}"
+
+
+def test_ordered_is_refused_for_algorithms_that_cannot_keep_the_order():
+    with pytest.raises(ValueError, match="'ring' cannot reduce in rank order"):
+        sim.costs("allreduce", "ring", 4, 12, ordered=True)
+    sim.costs("allgather", "ring", 4, 12, ordered=True)  # nothing to reduce: any order is the order
 
 
 @pytest.mark.parametrize("p", [2, 3, 5, 16])

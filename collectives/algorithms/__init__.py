@@ -38,8 +38,15 @@ BUILDERS = {
     },
     "reduce": {
         "binomial": binomial.reduce,
+        "direct": direct.reduce,
     },
 }
+
+# Deterministic mode: the algorithms that can reduce in rank order (built with
+# ``ordered=True``, every reduction is the left fold x0 op x1 op … op x(p-1)).
+# The collectives not listed reduce nothing: every algorithm of theirs, native
+# included, moves the same bits whatever the order.
+ORDERED = {"allreduce": ("direct",), "reduce_scatter": ("direct",), "reduce": ("direct",)}
 
 # Algorithms cut into pipelining segments; their default segment size in bytes.
 SEGMENTED = {("allreduce", "tree"): tree.DEFAULT_SEGMENT_BYTES, ("broadcast", "pipeline"): pipeline.DEFAULT_SEGMENT_BYTES}
@@ -96,6 +103,19 @@ def cost_model_choice(collective, nbytes, size):
     return "binomial"
 
 
-def build(collective, algorithm, rank, size, count, *, root=0, segment=1):
-    """The schedule of ``algorithm`` for one rank."""
-    return BUILDERS[collective][algorithm](rank, size, count, root=root, segment=segment)
+def check_ordered(collective, algorithm):
+    """Raise ``ValueError`` unless ``algorithm`` can run in deterministic mode."""
+    if collective in ORDERED and algorithm not in ORDERED[collective]:
+        raise ValueError(f"algorithm {algorithm!r} cannot reduce in rank order, which deterministic mode needs; "
+                         f"for {collective} it allows {', '.join(ORDERED[collective])} (or 'auto')")
+    return algorithm
+
+
+def build(collective, algorithm, rank, size, count, *, root=0, segment=1, ordered=False):
+    """The schedule of ``algorithm`` for one rank; ``ordered``: reductions in rank order
+    (deterministic mode; only the algorithms in ``ORDERED`` can)."""
+    builder = BUILDERS[collective][algorithm]
+    if ordered and collective in ORDERED:
+        check_ordered(collective, algorithm)
+        return builder(rank, size, count, root=root, segment=segment, ordered=True)
+    return builder(rank, size, count, root=root, segment=segment)

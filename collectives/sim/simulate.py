@@ -6,7 +6,7 @@ from functools import cached_property
 import numpy as np
 
 from .. import ops as ops_layer
-from ..algorithms import BUILDERS, COLLECTIVES, SEGMENTED, block_bounds, build
+from ..algorithms import BUILDERS, COLLECTIVES, SEGMENTED, block_bounds, build, check_ordered
 from ..arrays import check_dtype
 from ..communicator import DEFAULT_SEGMENT_SIZE, _check_segment_size  # segments as the Communicator cuts them
 from ..errors import CollectiveError
@@ -17,7 +17,7 @@ from .timing import Graph, Model
 
 # Schedules that exist only in the simulator: baselines to compare with, not algorithms.
 BASELINES = {("allreduce", "parameter_server"): parameter_server.allreduce}
-PARAMS = ("segment_size", "servers", "inplace")
+PARAMS = ("segment_size", "servers", "inplace", "ordered")
 
 
 def algorithms(collective):
@@ -130,8 +130,11 @@ def _check_args(collective, algorithm, world_size, count, dtype, op, root, param
             )
     elif "servers" in params:
         raise TypeError(f"servers is a parameter of the parameter_server baseline, not of {algorithm}")
-    if not isinstance(params.get("inplace", False), (bool, np.bool_)):
-        raise ValueError(f"inplace must be True or False; got {params['inplace']!r}")
+    for flag in ("inplace", "ordered"):
+        if not isinstance(params.get(flag, False), (bool, np.bool_)):
+            raise ValueError(f"{flag} must be True or False; got {params[flag]!r}")
+    if params.get("ordered"):
+        check_ordered(collective, algorithm)
 
 
 def plans_for(collective, algorithm, world_size, count, dtype="float32", root=0, **params):
@@ -146,8 +149,10 @@ def plans_for(collective, algorithm, world_size, count, dtype="float32", root=0,
     segment = 1
     if (collective, algorithm) in SEGMENTED:
         segment = max(1, int(params.get("segment_size", DEFAULT_SEGMENT_SIZE)) // np.dtype(dtype).itemsize)
+    ordered = bool(params.get("ordered", False))
     return [
-        compile_plan(build(collective, algorithm, r, world_size, count, root=root, segment=segment), inplace)
+        compile_plan(build(collective, algorithm, r, world_size, count, root=root, segment=segment, ordered=ordered),
+                     inplace)
         for r in range(world_size)
     ]
 
@@ -170,7 +175,8 @@ def run(collective, algorithm, world_size, count, dtype="float32", op="sum", roo
     bits on every rank.
 
     ``params``: ``segment_size`` (bytes, for the pipelined ``tree`` and ``pipeline``),
-    ``inplace`` (the in-place form of the call), ``servers`` (``parameter_server``).
+    ``inplace`` (the in-place form of the call), ``servers`` (``parameter_server``),
+    ``ordered`` (reductions in rank order, as in deterministic mode).
     Raises :class:`~collectives.CollectiveError` if a result differs from NumPy's.
     """
     _check_args(collective, algorithm, world_size, count, dtype, op, root, params)

@@ -21,8 +21,12 @@ class Buffers:
             np.copyto(self.view(op.dst), self.view(op.src))
         elif isinstance(op, ReduceMany):  # a left fold, pairwise
             dst, srcs = self.view(op.dst), [self.view(s) for s in op.srcs]
-            ops_layer.combine(op_name, srcs[0], srcs[1], dst)
+            # A later input may be the destination itself (in place): fold beside it then.
+            acc = np.empty_like(dst) if any(np.shares_memory(dst, s) for s in srcs[2:]) else dst
+            ops_layer.combine(op_name, srcs[0], srcs[1], acc)
             for src in srcs[2:]:
-                ops_layer.combine(op_name, dst, src, dst)
+                ops_layer.combine(op_name, acc, src, acc)
+            if acc is not dst:
+                np.copyto(dst, acc)
         else:
             ops_layer.combine(op_name, self.view(op.a), self.view(op.b), self.view(op.dst))
