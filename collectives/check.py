@@ -1,10 +1,11 @@
 """Check mode: the ranks agree on what they are calling before any message is sent.
 
 With ``Communicator(check=True)`` (or ``COLLECTIVES_CHECK=1``) every call first
-allgathers a fixed-size fingerprint of 18 int64s (144 bytes per rank, one MPI
+allgathers a fixed-size fingerprint of 19 int64s (152 bytes per rank, one MPI
 allgather, no pickling): the call's sequence number, collective, algorithm, op, dtype,
-root, shape, where the arrays live (host or device) and, for ``native``, whether MPI's
-blocking or non-blocking collective is used (MPI never matches one with the other). Every rank gets every fingerprint, so every rank finds the same differences and
+root, shape, where the arrays live (host or device), the reduction order
+(deterministic mode or not) and, for ``native``, whether MPI's blocking or non-blocking
+collective is used (MPI never matches one with the other). Every rank gets every fingerprint, so every rank finds the same differences and
 raises the same :class:`~collectives.CollectiveMismatchError`, naming the ranks, e.g.
 
     rank 3 called allreduce(float32, shape (1000,), op 'sum', algorithm 'ring')
@@ -29,31 +30,34 @@ ALGORITHMS = ("-", "native") + tuple(sorted({a for table in BUILDERS.values() fo
 OP_NAMES = ("-",) + tuple(OPS)
 DTYPES = ("-",) + tuple(d.name for d in SUPPORTED_DTYPES + EXTRA_DTYPES)
 SHOWN_DIMS = 8  # dimensions stored as they are; a hash of the whole shape catches the rest
-LENGTH = 9 + SHOWN_DIMS + 1
+LENGTH = 10 + SHOWN_DIMS + 1
 
-_FIELDS = ("call number", "collective", "algorithm", "op", "dtype", "root", "native call", "memory")
+_FIELDS = ("call number", "collective", "algorithm", "op", "dtype", "root", "native call", "memory", "order")
 _NATIVE_CALLS = ("-", "MPI blocking", "MPI non-blocking")
 MEMORY = ("-", "host", "cuda", "standin")  # where the arrays live
+ORDERS = ("-", "any", "rank order (deterministic)")  # how a reduction folds the ranks' contributions
 
 
-def fingerprint(call, collective, algorithm="-", op="-", dtype=None, shape=(), root=-1, native_call="-", memory="-"):
+def fingerprint(call, collective, algorithm="-", op="-", dtype=None, shape=(), root=-1, native_call="-", memory="-",
+                order="-"):
     """The int64 record the ranks compare (``-`` / -1: not part of this collective).
-    ``native_call`` is one of ``_NATIVE_CALLS``, ``memory`` one of ``MEMORY``."""
+    ``native_call`` is one of ``_NATIVE_CALLS``, ``memory`` one of ``MEMORY``, ``order``
+    one of ``ORDERS``."""
     shape = tuple(int(n) for n in shape)
     record = np.full(LENGTH, -1, np.int64)
-    record[:9] = (call, CALLS.index(collective), ALGORITHMS.index(algorithm), OP_NAMES.index(op),
-                  DTYPES.index(np.dtype(dtype).name if dtype is not None else "-"), root,
-                  _NATIVE_CALLS.index(native_call), len(shape), MEMORY.index(memory))
+    record[:10] = (call, CALLS.index(collective), ALGORITHMS.index(algorithm), OP_NAMES.index(op),
+                   DTYPES.index(np.dtype(dtype).name if dtype is not None else "-"), root,
+                   _NATIVE_CALLS.index(native_call), len(shape), MEMORY.index(memory), ORDERS.index(order))
     shown = shape[:SHOWN_DIMS]
-    record[9 : 9 + len(shown)] = shown
+    record[10 : 10 + len(shown)] = shown
     record[-1] = zlib.crc32(repr(shape).encode())
     return record
 
 
 def _decode(record):
     """The fields of a record as readable values (shape as far as it was stored)."""
-    call, coll, alg, op, dtype, root, native, ndim, memory = (int(v) for v in record[:9])
-    shape = tuple(int(n) for n in record[9 : 9 + min(ndim, SHOWN_DIMS)])
+    call, coll, alg, op, dtype, root, native, ndim, memory, order = (int(v) for v in record[:10])
+    shape = tuple(int(n) for n in record[10 : 10 + min(ndim, SHOWN_DIMS)])
     shape_text = repr(shape) if ndim <= SHOWN_DIMS else f"({ndim} dims: {', '.join(map(str, shape))}, ...)"
     return {
         "call number": f"#{call}",
@@ -64,6 +68,7 @@ def _decode(record):
         "root": root,
         "native call": _NATIVE_CALLS[native],
         "memory": MEMORY[memory],
+        "order": ORDERS[order],
         "shape": shape_text if ndim <= SHOWN_DIMS else f"{shape_text} (hash {int(record[-1])})",
     }
 
@@ -81,6 +86,8 @@ def _call_text(fields):
         parts.append(f"root {fields['root']}")
     if fields["algorithm"] != "-":
         parts.append(f"algorithm {fields['algorithm']!r}")
+    if fields["order"] == ORDERS[2]:
+        parts.append("deterministic")
     return f"{fields['collective']}({', '.join(parts)})"
 
 

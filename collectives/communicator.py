@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 from . import check as check_mode
 from . import ops
-from .algorithms import NATIVE_BELOW, SEGMENTED, block_bounds, build, check_algorithm, cost_model_choice
+from .algorithms import NATIVE_BELOW, SEGMENTED, block_bounds, build, check_algorithm, check_ordered, cost_model_choice
 from .errors import CollectiveError, TransportError
 from .arrays import as_array, check_out, flat_input, flat_view, is_extra, overlaps, same_memory
 from .device import DeviceArray
@@ -33,13 +33,14 @@ _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "m
 
 
 @lru_cache(maxsize=512)
-def _plan(collective, algorithm, rank, size, count, root, segment, inplace, device_split=None):
-    """The compiled plan of one rank. For device buffers (``device_split`` not None)
-    its chains of reductions are fused into multi-input kernels and it is cut into
-    segments of ``device_split`` elements (0: not cut)."""
-    schedule = build(collective, algorithm, rank, size, count, root=root, segment=segment)
+def _plan(collective, algorithm, rank, size, count, root, segment, inplace, ordered, device_split=None):
+    """The compiled plan of one rank (``ordered``: reductions in rank order). For device
+    buffers (``device_split`` not None) its chains of reductions are fused into
+    multi-input kernels and it is cut into segments of ``device_split`` elements (0:
+    not cut)."""
+    schedule = build(collective, algorithm, rank, size, count, root=root, segment=segment, ordered=ordered)
     if device_split is not None:
-        schedule = fuse_reductions(schedule)
+        schedule = fuse_reductions(schedule, inplace=inplace)
         if device_split:
             schedule = split_schedule(schedule, device_split)
     return compile_plan(schedule, inplace=inplace)
@@ -142,7 +143,7 @@ class Communicator:
     protects against the ways that goes wrong (see the README's "When things go wrong"):
 
     - ``check=True`` (``COLLECTIVES_CHECK=1``): before each call the ranks compare what
-      they are calling (one 144-byte allgather) and all raise
+      they are calling (one 152-byte allgather) and all raise
       :class:`~collectives.CollectiveMismatchError` if it differs. Set it on every rank.
     - ``timeout`` seconds (``COLLECTIVES_TIMEOUT``; each call's ``timeout=`` overrides):
       a call that has not finished by then raises
@@ -156,10 +157,17 @@ class Communicator:
     - Give every rank the same ``timeout`` and ``stall_warn``: with either, a blocking
       call that resolves to ``native`` uses MPI's non-blocking collective (so that it
       can stop or warn), which MPI never matches with the blocking one.
+
+    ``deterministic=True`` (``COLLECTIVES_DETERMINISTIC=1``; set it on every rank): every
+    reduction (allreduce, reduce_scatter, reduce) equals, bit for bit, the serial left
+    fold ``x0 op x1 op … op x(p-1)`` in rank order, whatever the algorithm ``auto``
+    picks, the segment size or the timing, so results reproduce across runs, machines
+    and tunings at one world size. ``auto`` then picks among the algorithms that can
+    keep that order (``direct``); naming another one is a ``ValueError``.
     """
 
     def __init__(self, mpi_comm=None, *, segment_size=None, check=None, timeout=None, stall_warn=None,
-                 device_segment_size=None, cuda_ipc=None, cuda_aware=None, ipc_memory=None):
+                 device_segment_size=None, cuda_ipc=None, cuda_aware=None, ipc_memory=None, deterministic=None):
         if mpi_comm is None:
             mpi_comm = MPI.COMM_WORLD
         if not isinstance(mpi_comm, MPI.Intracomm) or mpi_comm == MPI.COMM_NULL:
@@ -172,6 +180,11 @@ class Communicator:
         if not isinstance(check, bool):
             raise TypeError(f"check must be True or False; got {check!r}")
         self.check = check
+        if deterministic is None:
+            deterministic = _env_flag("COLLECTIVES_DETERMINISTIC")
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be True or False; got {deterministic!r}")
+        self.deterministic = deterministic
         self.timeout = _env_seconds("COLLECTIVES_TIMEOUT") if timeout is None else check_timeout(timeout)
         self.stall_warn = (_env_seconds("COLLECTIVES_STALL_WARN") if stall_warn is None
                            else check_timeout(stall_warn, "stall_warn"))
@@ -190,7 +203,7 @@ class Communicator:
                                        or ipc_memory < 0):
             raise ValueError(f"ipc_memory must be a non-negative number of bytes; got {ipc_memory!r}")
         self._device_options = dict(cuda_ipc=cuda_ipc, cuda_aware=cuda_aware, ipc_memory=ipc_memory)
-        self._selector = Selector.from_environment(mpi_comm.Get_size())
+        self._selector = Selector.from_environment(mpi_comm.Get_size(), deterministic=deterministic)
         self._comm = mpi_comm.Dup()
         self.rank = self._comm.Get_rank()
         self.size = self._comm.Get_size()
@@ -220,14 +233,18 @@ class Communicator:
         for ctx in self._devices.values():
             ctx.release_memory()
 
-    def dup(self):
+    def dup(self, *, deterministic=None):
         """A new :class:`Communicator` over the same ranks with its own private MPI
         communicator (collective), e.g. for a thread that must not share this one's
-        calls in flight. It keeps this one's ``segment_size``."""
+        calls in flight. It keeps this one's options, ``deterministic`` too unless given."""
+        if deterministic is not None and not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be True, False or None (this communicator's); got {deterministic!r}")
         self._finish_in_flight()
         return Communicator(self._comm, segment_size=self.segment_size, check=self.check,
                             timeout=self.timeout or math.inf, stall_warn=self.stall_warn or math.inf,
-                            device_segment_size=self.device_segment_size, **self._device_options)
+                            device_segment_size=self.device_segment_size,
+                            deterministic=self.deterministic if deterministic is None else deterministic,
+                            **self._device_options)
 
     def broadcast_object(self, obj, root=0, *, timeout=None):
         """``obj`` from ``root`` on every rank: a small picklable Python object (metadata
@@ -475,7 +492,9 @@ class Communicator:
             native = "-" if algorithm != "native" else "MPI blocking" if blocking and self._mpi_blocks(timeout) \
                 else "MPI non-blocking"
             kind = "-" if memory is None else memory.backend.kind if isinstance(memory, DeviceArray) else "host"
-            record = check_mode.fingerprint(self._sequence, collective, algorithm, op, dtype, shape, root, native, kind)
+            order = "-" if op == "-" else "rank order (deterministic)" if self.deterministic else "any"
+            record = check_mode.fingerprint(self._sequence, collective, algorithm, op, dtype, shape, root, native, kind,
+                                            order)
             gathered = np.empty((self.size, record.size), record.dtype)
             self._request(f"the check-mode exchange before {collective}", lambda: self._comm.Iallgather(record, gathered),
                           timeout, gathered.nbytes)
@@ -490,6 +509,8 @@ class Communicator:
         return max(1, (self.segment_size if segment_size is None else segment_size) // itemsize)
 
     def _resolve(self, collective, algorithm, nbytes, dtype, device=False):
+        if algorithm != "auto" and self.deterministic:
+            check_ordered(collective, algorithm)
         chosen = self._selector.choose(collective, nbytes, device) if algorithm == "auto" else algorithm
         if chosen == "native" and is_extra(dtype):  # MPI has no type for it: our latency-optimal algorithm
             if algorithm == "native":
@@ -514,7 +535,7 @@ class Communicator:
             handle.start()
             return handle.wait() if blocking else handle
         segment = self._segment(segment_size, out.itemsize) if (collective, algorithm) in SEGMENTED else 1
-        plan = _plan(collective, algorithm, self.rank, self.size, count, root, segment, inplace)
+        plan = _plan(collective, algorithm, self.rank, self.size, count, root, segment, inplace, self.deterministic)
         raw, tmp = self._workspace.take(plan.tmp, out.dtype)
 
         def done():
@@ -595,7 +616,8 @@ class Communicator:
         else:
             segment = self._segment(segment_size, x.itemsize) if (collective, algorithm) in SEGMENTED else 1
             split = max(self.device_segment_size // x.itemsize, 1) if self.device_segment_size else 0
-            plan = _plan(collective, algorithm, self.rank, self.size, x.size, root, segment, inplace, split)
+            plan = _plan(collective, algorithm, self.rank, self.size, x.size, root, segment, inplace,
+                         self.deterministic, split)
             handle = device_call.start_plan(self._progress, describe, finish, self._comm, tag, plan, inp,
                                             result if result is not None else inp[:0], op, x.dtype, call, timeout)
         return handle.wait() if blocking else handle

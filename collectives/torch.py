@@ -235,7 +235,8 @@ def _torch_stream(tensor):
 
 def DistributedOptimizer(optimizer, named_parameters=None, comm=None, *, backward_passes_per_step=1,
                          compression=None, algorithm="auto", first_bucket_bytes=training.FIRST_BUCKET_BYTES,
-                         bucket_bytes=training.BUCKET_BYTES, progress_thread=False, poll_interval=50e-6):
+                         bucket_bytes=training.BUCKET_BYTES, progress_thread=False, poll_interval=50e-6,
+                         deterministic=None):
     """Wrap ``optimizer`` so that ``step()`` applies the gradients averaged over ranks.
 
     Returns an optimizer of a subclass of ``optimizer``'s class sharing its attributes
@@ -262,6 +263,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, comm=None, *, backwar
     distributed.__dict__ = optimizer.__dict__
     options = dict(backward_passes_per_step=backward_passes_per_step, compression=compression, algorithm=algorithm,
                    first_bucket_bytes=first_bucket_bytes, bucket_bytes=bucket_bytes, progress_thread=progress_thread,
-                   poll_interval=poll_interval)
+                   poll_interval=poll_interval, deterministic=deterministic)
     distributed._setup(None if named_parameters is None else list(named_parameters), comm, options)
     return distributed

@@ -44,7 +44,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import device
-from .algorithms import check_algorithm
+from .algorithms import check_algorithm, check_ordered
 from .arrays import EXTRA_DTYPES, is_extra
 from .communicator import Communicator, _check_nbytes, _check_root
 from .device import DeviceArray
@@ -327,6 +327,9 @@ class GradientReducer:
       bfloat16, and cast back; the gradients keep their dtype. ``None`` sends them as
       they are, summed then divided.
     - ``algorithm``: the allreduce algorithm ("auto" picks per bucket size).
+    - ``deterministic=True``: every bucket's sum is the left fold over the ranks in rank
+      order (see :class:`~collectives.Communicator`), so the averaged gradients, and the
+      training, reproduce bit for bit across runs at one world size. None: ``comm``'s.
     - ``progress_thread=True``: a background thread advances the allreduces while the
       caller computes (needs ``MPI_THREAD_MULTIPLE``, mpi4py's default).
 
@@ -339,7 +342,7 @@ class GradientReducer:
 
     def __init__(self, params, comm=None, *, first_bucket_bytes=FIRST_BUCKET_BYTES, bucket_bytes=BUCKET_BYTES,
                  backward_passes_per_step=1, compression=None, algorithm="auto", progress_thread=False,
-                 poll_interval=50e-6):
+                 poll_interval=50e-6, deterministic=None):
         named = named_arrays(params)
         for name, array in named:
             if array.dtype.kind not in "fc" and array.dtype not in EXTRA_DTYPES:
@@ -370,6 +373,10 @@ class GradientReducer:
             raise ValueError("progress_thread=True needs MPI initialised with MPI_THREAD_MULTIPLE (the thread calls "
                              "MPI while yours may too); this MPI provides less: leave progress_thread off")
         comm = _communicator(comm)
+        if deterministic is not None and not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be True, False or None (comm's); got {deterministic!r}")
+        if (comm.deterministic if deterministic is None else deterministic) and self.algorithm != "auto":
+            check_ordered("allreduce", self.algorithm)
         check_same_layout(named, comm)
 
         self.backward_passes_per_step = int(k)
@@ -386,7 +393,7 @@ class GradientReducer:
                       else device_ops.empty(like, (b.count,), wire) for b in self.buckets]
         # A private communicator: the buckets' calls start when gradients arrive, which
         # may interleave differently with the caller's own async calls on each rank.
-        self._comm = comm.dup()
+        self._comm = comm.dup(deterministic=deterministic)
         self._no_sync = False
         self._reset()
 

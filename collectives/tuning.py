@@ -9,6 +9,10 @@ In order, the first that answers:
    (``collectives/data/tuning.json``), if it has the world size;
 3. the cost-model rule in :func:`collectives.algorithms.cost_model_choice`.
 
+In deterministic mode a choice that cannot reduce in rank order (see
+``collectives.algorithms.ORDERED``) gives way to one that can, and an override that
+names one is refused.
+
 A tuning file is what ``collectives-bench --tune`` writes::
 
     {"format": 1,
@@ -31,7 +35,7 @@ import os
 import re
 from pathlib import Path
 
-from .algorithms import COLLECTIVES, algorithms, cost_model_choice
+from .algorithms import COLLECTIVES, ORDERED, algorithms, check_ordered, cost_model_choice
 
 FORMAT = 1
 DEFAULT_TABLE = Path(__file__).parent / "data" / "tuning.json"
@@ -113,15 +117,16 @@ class TuningTable:
 class Selector:
     """Resolves ``auto`` for one communicator's world size (decisions are cached)."""
 
-    def __init__(self, world_size, table=None, overrides=None, device_table=None):
+    def __init__(self, world_size, table=None, overrides=None, device_table=None, deterministic=False):
         self.world_size = world_size
+        self.deterministic = deterministic
         self.table = table
         self.device_table = device_table  # measured on device arrays (collectives-bench --device --tune)
         self.overrides = dict(overrides or {})
         self._cache = {}
 
     @classmethod
-    def from_environment(cls, world_size, environ=None):
+    def from_environment(cls, world_size, environ=None, deterministic=False):
         environ = os.environ if environ is None else environ
         overrides = {}
         for collective in COLLECTIVES:
@@ -130,11 +135,16 @@ class Selector:
             if value and value != "auto":
                 if value not in _concrete(collective):
                     raise ValueError(f"{variable} must be one of {', '.join(_concrete(collective))}; got {value!r}")
+                if deterministic:
+                    try:
+                        check_ordered(collective, value)
+                    except ValueError as exc:
+                        raise ValueError(f"{variable}={value}: {exc}") from None
                 overrides[collective] = value
         path = environ.get(TUNING_ENV, "").strip() or (DEFAULT_TABLE if DEFAULT_TABLE.exists() else "")
         table = TuningTable.load(path) if path else None
         device_table = TuningTable.load(path, "device_tables") if path else None
-        return cls(world_size, table, overrides, device_table)
+        return cls(world_size, table, overrides, device_table, deterministic)
 
     def choose(self, collective, nbytes, device=False):
         key = (collective, nbytes, device)
@@ -149,6 +159,12 @@ class Selector:
     def explain(self, collective, nbytes, device=False):
         """``(algorithm, why)``: what ``auto`` picks and which rule decided. Device
         arrays have tables of their own (a host table says nothing of them)."""
+        choice, why = self._explain(collective, nbytes, device)
+        if self.deterministic and collective in ORDERED and choice not in ORDERED[collective]:
+            return ORDERED[collective][0], f"deterministic mode (reduces in rank order; else {choice}, by the {why})"
+        return choice, why
+
+    def _explain(self, collective, nbytes, device):
         if collective in self.overrides:
             return self.overrides[collective], f"forced by {override_variable(collective)}"
         table = self.device_table if device else self.table

@@ -52,6 +52,35 @@ def reference(op, inputs):
     return np.asarray(result, dtype=inputs[0].dtype)
 
 
+# -- deterministic mode (test_deterministic.py, test_device.py) ---------------------------------
+def order_sensitive_input(rank, count, dtype, op, seed=0):
+    """Rank ``rank``'s input: values whose sum or product depends on the order of the
+    operations; for max/min, zeros of both signs (which of two equal zeros wins depends
+    on the order too)."""
+    dtype = np.dtype(dtype)
+    rng = np.random.default_rng([seed, rank, count])
+    if op == "prod":
+        values = 1 + rng.standard_normal(count) / 8
+    elif op in ("max", "min"):
+        values = np.where(rng.random(count) < 0.5, rng.choice([0.0, -0.0], count), rng.standard_normal(count))
+    else:
+        values = rng.standard_normal(count) * 10.0 ** rng.integers(-2, 3, count)
+    x = values.astype(dtype)
+    if dtype.kind == "c":
+        x = x + 1j * (rng.standard_normal(count) * 10.0 ** rng.integers(-2, 3, count)).astype(dtype)
+    return x
+
+
+def serial_fold(op, inputs):
+    """``x0 op x1 op … op x(p-1)``, left to right, in the inputs' dtype (avg: then / p)."""
+    acc = inputs[0].copy()
+    for x in inputs[1:]:
+        UFUNC[op](acc, x, out=acc)
+    if op == "avg":
+        np.divide(acc, len(inputs), out=acc)
+    return acc
+
+
 def expected_everywhere(collective, inputs, op="sum", root=0):
     """NumPy's answer for every rank (flat arrays in, a list out; None for the
     non-roots of reduce) given every rank's flat input."""

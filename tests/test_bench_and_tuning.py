@@ -699,6 +699,24 @@ def test_main_gloo_peer(mpi_comm, tmp_path):
     agree(mpi_comm, problems)
 
 
+def test_main_deterministic_contender(mpi_comm, tmp_path):
+    """--deterministic times what deterministic mode runs, checked, in the same run."""
+    json_path = tmp_path / "det.json"
+    problems = []
+    run_main(["-c", "allreduce,allgather,reduce", "-a", "ring,native", "-b", "64", "-e", "64K", "-f", "1024",
+              "--deterministic", "--check", "--no-memory", "--json", str(json_path)] + FAST, problems)
+    if mpi_comm.Get_rank() == 0:
+        with reported(problems):
+            rows = json.loads(json_path.read_text())
+            det = {(r["collective"], r["bytes"]): r for r in rows if r["algorithm"] == "deterministic"}
+            if sorted(det) != sorted((c, b) for c in ("allreduce", "reduce") for b in (64, 65536)):
+                problems.append(f"deterministic rows {sorted(det)}")
+            for r in det.values():
+                if r["chosen"] != "direct" or r["wrong"] != 0 or not r["time_us"] > 0:
+                    problems.append(f"{r['collective']} {r['bytes']}: chose {r['chosen']}, {r['wrong']} wrong")
+    agree(mpi_comm, problems)
+
+
 def test_main_tune(mpi_comm, tmp_path, monkeypatch, no_default_table):
     p, rank = mpi_comm.Get_size(), mpi_comm.Get_rank()
     path, json_path = tmp_path / "tuning.json", tmp_path / "rows.json"

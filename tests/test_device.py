@@ -15,8 +15,10 @@ import pytest
 from mpi4py import MPI
 
 import collectives as cc
+from collectives.algorithms import block_bounds
 from collectives.device import bfloat16
-from conftest import ALL_DTYPES, agree, counts_for, expected_result, ops_for, rank_input
+from conftest import (ALL_DTYPES, agree, counts_for, expected_result, ops_for, order_sensitive_input, rank_input,
+                      serial_fold)
 from device_under_test import select
 
 D = None  # the device under test: the stand-in, or a GPU with --device cuda
@@ -292,6 +294,48 @@ def test_bfloat16_device_arrays(dcomm, mpi_comm):
         if not isinstance(marked, bfloat16) or \
                 not np.array_equal(D.asnumpy(marked.data).view(ml_dtypes.bfloat16).astype(np.float32), total):
             problems.append(f"{algorithm}: marked uint16")
+    agree(mpi_comm, problems)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_deterministic_mode_on_the_device_is_the_serial_fold(mpi_comm, path):
+    """Every reduction equals the serial left fold in rank order, bit for bit, as on the
+    host: the fused multi-input kernels and the segments keep the order (16-bit floats
+    included, where each step rounds), in place too."""
+    if path not in PATHS:
+        pytest.skip(f"MPI here is not CUDA-aware: no {path} path to test")
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    comm = device_communicator(path, deterministic=True)
+    size, rank, problems = comm.size, comm.rank, []
+    for dtype in ("float32", "float16", ml_dtypes.bfloat16):
+        for op in ("sum", "max"):
+            inputs = [order_sensitive_input(r, 3000, dtype, op) for r in range(size)]
+            want = serial_fold(op, inputs)
+            bounds = block_bounds(want.size, size)
+
+            def device(x):
+                if np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16) and not D.native_bfloat16:
+                    return bfloat16(D.asarray(x.view(np.uint16)))
+                return D.asarray(x)
+
+            def host(y):
+                return D.asnumpy(y.data).view(want.dtype) if isinstance(y, bfloat16) else D.asnumpy(y)
+
+            got = {"allreduce": host(comm.allreduce(device(inputs[rank]), op=op)),
+                   "reduce_scatter": host(comm.reduce_scatter(device(inputs[rank]), op=op)),
+                   "reduce": comm.reduce(device(inputs[rank]), root=size - 1, op=op)}
+            x = device(inputs[rank])
+            comm.allreduce(x, op=op, out=x)
+            got["in place"] = host(x)
+            expect = {"allreduce": want, "reduce_scatter": want[bounds[rank]:bounds[rank + 1]], "in place": want,
+                      "reduce": want if rank == size - 1 else None}
+            if got["reduce"] is not None:
+                got["reduce"] = host(got["reduce"])
+            for what, value in got.items():
+                if (value is None) != (expect[what] is None) or \
+                        (value is not None and value.tobytes() != expect[what].tobytes()):
+                    problems.append(f"{what} {np.dtype(dtype).name} {op}")
+    comm.free()
     agree(mpi_comm, problems)
 
 

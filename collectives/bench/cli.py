@@ -5,6 +5,7 @@ against the MPI library's own collectives measured in the same run.
     mpiexec -n 4 collectives-bench -c allreduce -b 1M -e 256M --check --plot ar.png
     mpiexec -n 4 collectives-bench --tune tuning.json     # then COLLECTIVES_TUNING=tuning.json
     mpiexec -n 2 collectives-bench --device cuda -c allreduce -b 64K -e 256M --check   # on a GPU
+    mpiexec -n 4 collectives-bench -c allreduce --deterministic   # + what deterministic mode runs
 
 Exit status: 1 if ``--check`` found any wrong element, 2 on bad arguments.
 """
@@ -18,7 +19,7 @@ import sys
 from mpi4py import MPI
 
 from .. import Communicator
-from ..algorithms import COLLECTIVES, algorithms
+from ..algorithms import COLLECTIVES, ORDERED, algorithms
 from ..arrays import SUPPORTED_DTYPES
 from ..ops import OPS, check_op
 from ..tuning import TuningTable
@@ -81,6 +82,9 @@ def parse_args(argv):
                    help="where the buffers live: host (default), cuda (a GPU through CuPy; native is then MPI on "
                         "host copies) or standin (the CPU stand-in GPU of the tests: checks the code, times mean "
                         "nothing)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="also time what deterministic mode runs (auto on a Communicator(deterministic=True)), "
+                        "as the contender 'deterministic', for allreduce, reduce_scatter and reduce")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = p.parse_args(argv)
 
@@ -128,6 +132,8 @@ def contenders(collective, args):
     names = ["native"] + [a for a in wanted if a in algorithms(collective) and a != "native"]
     if "gloo" in args.peers and collective in ("allreduce", "broadcast", "allgather") and args.op != "avg":
         names.append("gloo")
+    if args.deterministic and collective in ORDERED:
+        names.append("deterministic")
     return names
 
 
@@ -155,14 +161,17 @@ def start_gloo(world):
     return dist.group.WORLD
 
 
-def measure(case, comm, world, names, args, gloo_group):
-    """Rows (dicts) for every contender on one case."""
+def measure(case, comm, world, names, args, gloo_group, ordered_comm=None):
+    """Rows (dicts) for every contender on one case (``ordered_comm``: the deterministic
+    communicator that runs the contender ``deterministic``)."""
     calls = {}
     for name in names:
         if name == "native":
             calls[name] = case.native(world)
         elif name == "gloo":
             calls[name] = case.gloo(gloo_group)
+        elif name == "deterministic":
+            calls[name] = case.ours(ordered_comm, "auto")
         else:
             calls[name] = case.ours(comm, name)
     iters = {name: timing.iterations(world, call, args.warmup, args.budget, args.min_iters, args.max_iters)
@@ -177,7 +186,9 @@ def measure(case, comm, world, names, args, gloo_group):
             "collective": case.collective, "algorithm": name, "bytes": case.nbytes, "count": case.count,
             "world_size": case.size, "dtype": case.dtype.name, "op": case.op, "inplace": case.inplace,
             **stats, "algbw_GBps": algbw, "busbw_GBps": algbw * factor,
-            "chosen": comm.choose(case.collective, case.nbytes, case.device is not None)[0] if name == "auto" else None,
+            "chosen": (comm if name == "auto" else ordered_comm).choose(case.collective, case.nbytes,
+                                                                        case.device is not None)[0]
+            if name in ("auto", "deterministic") else None,
             "extra_mem_bytes": None, "wrong": None, "device": args.device,
         }
         if not args.no_memory and name not in ("native", "gloo") and case.device is None:
@@ -219,16 +230,19 @@ def main(argv=None):
     try:
         check_outputs(args, world)
         comm = Communicator(world)
+        ordered_comm = Communicator(world, deterministic=True) if args.deterministic else None
         try:
             device = None if args.device == "host" else BenchDevice(args.device, world.Get_rank())
-            return sweep(args, world, comm, device)
+            return sweep(args, world, comm, device, ordered_comm)
         finally:
             comm.free()
+            if ordered_comm is not None:
+                ordered_comm.free()
     finally:
         world.Free()
 
 
-def sweep(args, world, comm, device=None):
+def sweep(args, world, comm, device=None, ordered_comm=None):
     """Run the benchmark; write the outputs on rank 0; return the exit status."""
     rank0 = world.Get_rank() == 0
     gloo_group = start_gloo(world) if "gloo" in args.peers else None
@@ -257,7 +271,7 @@ def sweep(args, world, comm, device=None):
             case = Case(collective, nbytes, world, args.dtype, args.op, args.inplace, device=device)
             if bar is not None:
                 bar.set_description(f"{collective} {report.human_bytes(case.nbytes)}")
-            for row in measure(case, comm, world, names, args, gloo_group):
+            for row in measure(case, comm, world, names, args, gloo_group, ordered_comm):
                 rows.append(row)
                 say(report.line(row))
             if bar is not None:

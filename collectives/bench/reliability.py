@@ -6,7 +6,7 @@ without, and against the MPI library's own ``MPI_Allreduce``, all in the same ru
 
 Contenders, interleaved round by round (see :mod:`collectives.bench.timing`):
 ``native MPI`` (mpi4py's ``Allreduce`` on a duplicate of COMM_WORLD), and for each
-algorithm the library's call plain, with ``check=True`` (one 144-byte allgather of the
+algorithm the library's call plain, with ``check=True`` (one 152-byte allgather of the
 call's fingerprint first) and with ``timeout=`` (the waiting loop looks at the clock;
 a blocking call that resolves to ``native`` becomes MPI's non-blocking collective).
 Each result is checked against NumPy before timing.

@@ -21,7 +21,7 @@ from mpi4py import MPI
 from ..tuning import FORMAT, TuningTable
 
 STICKINESS = 1.05
-NOT_TUNED = ("auto", "gloo")  # what auto cannot pick
+NOT_TUNED = ("auto", "gloo", "deterministic")  # what auto cannot pick
 
 
 SMOOTHING = 1
