@@ -42,6 +42,11 @@ if comm.rank == doomed:
 start = time.monotonic()
 try:
     comm.allreduce(x, algorithm="ring")
+    # A survivor may get its whole result before the doomed rank died (its test() can
+    # take the call several steps on). It then waits here, inside the library, where it
+    # answers the others' probes and times out itself, instead of sleeping below
+    # (outside the library, where the others would count it as unresponsive too).
+    comm.barrier()
     report = {"raised": None}
 except cc.CollectiveError as exc:
     report = {"raised": type(exc).__name__, "message": str(exc)}
