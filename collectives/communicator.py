@@ -692,6 +692,10 @@ class Communicator:
         dtype to MPI's predefined type."""
         comm = self._comm
         send = MPI.IN_PLACE if inplace else inp
+        if out is not None and out.size == 0 and not inplace:
+            # An empty result (a reduce_scatter block of 0 elements) may sit at x's own
+            # address: NumPy says they share nothing, MPI refuses the alias all the same.
+            out = np.empty(0, out.dtype)
         if collective == "allreduce":
             return (comm.Allreduce if blocking else comm.Iallreduce)(send, out, _MPI_OPS[op])
         if collective == "reduce_scatter":
