@@ -270,7 +270,7 @@ def fuse_reductions(schedule, limit=16, inplace=False):
         return not overlap(x, dst) or (memory(x) == memory(dst) and (x.lo, x.hi) == (dst.lo, dst.hi))
 
     def untouched_after(index, x):
-        return not any(overlap(x, y) for later in schedule.ops[index + 1:] for y in _slices(later))
+        return not any(overlap(x, y) for later in schedule.ops[index + 1:] for y in sum(_reads_writes(later), ()))
 
     out = Schedule([], schedule.tmp)
     for index, op in enumerate(schedule.ops):
@@ -286,15 +286,3 @@ def fuse_reductions(schedule, limit=16, inplace=False):
         out.ops.append(op)
     return out
 
-
-def _slices(op):
-    """Every slice ``op`` reads or writes."""
-    if isinstance(op, Send):
-        return (op.src,)
-    if isinstance(op, Recv):
-        return (op.dst,)
-    if isinstance(op, ReduceMany):
-        return (op.dst,) + tuple(op.srcs)
-    if isinstance(op, Reduce):
-        return (op.dst, op.a, op.b)
-    return (op.dst, op.src)
