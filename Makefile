@@ -6,6 +6,9 @@ MPIEXEC  ?= $(VENV)/bin/mpiexec
 # Extra mpiexec flags, e.g. MPIEXEC_FLAGS=--oversubscribe with Open MPI.
 MPIEXEC_FLAGS ?=
 WORLD_SIZES   ?= 2 3 4 5 6 7 8
+# Tests marked `long` (the long sweeps) run in `make test` serially and at world sizes
+# below LONG_FROM only; `make test-long` runs them at the others. CI runs both.
+LONG_FROM     ?= 5
 # A hung run must fail, not stall CI: seconds per mpiexec run.
 RUN_TIMEOUT   ?= 900
 # torch for the gloo comparison (collectives-bench --peers gloo). Here pip finds a
@@ -40,7 +43,7 @@ SOAK_RANKS    ?= 4
 SOAK_CALLS    ?= 20000
 SOAK_ARGS     ?= --max-growth-mib 32
 
-.PHONY: install test test-serial test-mpi test-gpu demo bench bench-gpu bench-training bench-reliability bench-ps examples examples-ps soak tune project clean
+.PHONY: install test test-serial test-mpi test-long test-gpu demo bench bench-gpu bench-training bench-reliability bench-ps examples examples-ps soak tune project clean
 
 install: $(VENV)/.installed
 
@@ -54,13 +57,26 @@ test: install test-serial test-mpi
 
 # Once, serially: the in-process schedule sweep plus the MPI suite at world size 1.
 test-serial: install
-	$(PYTHON) -m pytest -q --with-mpi tests
+	$(PYTHON) -m pytest -q --with-mpi -m "not (serial and long)" tests
 
-# The MPI suite under every world size in WORLD_SIZES.
+# The MPI suite under every world size in WORLD_SIZES (the long sweeps below LONG_FROM).
 test-mpi: install
 	@for n in $(WORLD_SIZES); do \
-	  echo "== mpiexec -n $$n"; \
-	  timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m pytest -q --with-mpi -m "not serial" tests || exit 1; \
+	  if [ $$n -lt $(LONG_FROM) ]; then only="not serial"; else only="not serial and not long"; fi; \
+	  echo "== mpiexec -n $$n ($$only)"; \
+	  timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m pytest -q --with-mpi -m "$$only" tests || exit 1; \
+	done
+
+# The long sweeps `make test` leaves out: the serial ones once, the MPI ones at every
+# world size in WORLD_SIZES from LONG_FROM up. Together the two targets run every test
+# at every world size.
+test-long: install
+	$(PYTHON) -m pytest -q --with-mpi -m "serial and long" tests
+	@for n in $(WORLD_SIZES); do \
+	  if [ $$n -ge $(LONG_FROM) ]; then \
+	    echo "== mpiexec -n $$n (long)"; \
+	    timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m pytest -q --with-mpi -m "long and not serial" tests || exit 1; \
+	  fi; \
 	done
 
 # The GPU suite, on a machine with a CUDA GPU and CuPy (pip install -e ".[test,cuda12]", or

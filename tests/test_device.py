@@ -132,6 +132,7 @@ def differs(want, got):
     return None
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("collective,algorithm", ALGORITHMS)
 def test_every_collective_and_algorithm_equals_the_host_path(dcomm_sweep, mpi_comm, collective, algorithm):
     comm, problems = dcomm_sweep, []
@@ -157,6 +158,7 @@ def test_every_collective_and_algorithm_equals_the_host_path(dcomm_sweep, mpi_co
     agree(mpi_comm, problems)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("collective,algorithm", [ca for ca in ALGORITHMS if ca[0] in REDUCING])
 def test_every_dtype_and_op_equals_the_host_path(dcomm_ipc, mpi_comm, collective, algorithm):
     """Once, on the IPC path: the paths move bytes, dtypes matter to the kernels."""
@@ -171,6 +173,7 @@ def test_every_dtype_and_op_equals_the_host_path(dcomm_ipc, mpi_comm, collective
     agree(mpi_comm, problems)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("algorithm", cc.algorithms("allreduce"))
 def test_allreduce_in_place_out_and_strided(dcomm_sweep, mpi_comm, algorithm):
     comm, problems = dcomm_sweep, []

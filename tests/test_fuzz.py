@@ -33,6 +33,9 @@ import collectives as cc
 
 from conftest import UFUNC, ops_for
 
+# Runs in `make test` serially and at 2-4 ranks, in `make test-long` at 5-8.
+pytestmark = pytest.mark.long
+
 WORLD = MPI.COMM_WORLD
 
 try:

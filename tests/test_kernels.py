@@ -316,6 +316,7 @@ def test_pack_and_unpack_strided_views(harness, dtype, layout):
 
 
 # -- the compilers the GPU will use ------------------------------------------------------------------
+@pytest.mark.long
 def test_every_kernel_compiles_with_nvcc_for_sm80_and_sm90(tmp_path):
     nvcc = shutil.which("nvcc")
     if nvcc is None:

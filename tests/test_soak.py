@@ -8,11 +8,15 @@ a hang fails instead of stalling the suite, and all ranks fail together (``agree
 """
 
 import numpy as np
+import pytest
 from mpi4py import MPI
 
 import collectives as cc
 from collectives import soak
 from conftest import agree
+
+# Runs in `make test` serially and at 2-4 ranks, in `make test-long` at 5-8.
+pytestmark = pytest.mark.long
 
 CALLS = 300
 SEED = 20240607
