@@ -11,7 +11,7 @@ from .arrays import SUPPORTED_DTYPES
 from .communicator import Communicator
 from .errors import (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, MessageSizeError,
                      TransportError)
-from .ops import OPS
+from .ops import OPS, ops_for
 from .transport.mpi import Handle
 from . import device  # noqa: E402 (device arrays: cc.device.bfloat16, the stand-in GPU)
 from . import sim  # noqa: E402 (the simulator: cc.sim.run)
@@ -32,6 +32,7 @@ __all__ = [
     "MessageSizeError",
     "TransportError",
     "algorithms",
+    "ops_for",
     "device",
     "sim",
     "ps",

@@ -21,7 +21,8 @@ from mpi4py import MPI
 
 import collectives as cc
 
-MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN, "avg": MPI.SUM}
+MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN, "avg": MPI.SUM,
+           "band": MPI.BAND, "bor": MPI.BOR, "bxor": MPI.BXOR}
 
 
 def make_input(rank, count, dtype, op):
@@ -75,7 +76,7 @@ def run_one(comm, collective, algorithm, x, op, root):
 def ops_for(collective, dtype):
     if collective in ("allgather", "broadcast"):
         return ["sum"]
-    return ["sum", "prod", "max", "min"] + (["avg"] if np.dtype(dtype).kind == "f" else [])
+    return [op for op in cc.ops_for(dtype) if op != "avg" or np.dtype(dtype).kind == "f"]
 
 
 def verify(comm, mpi, collective, algorithm, counts, dtype):

@@ -15,23 +15,42 @@ _UFUNCS = {
     "max": np.maximum,
     "min": np.minimum,
     "avg": np.add,  # the division by the world size happens once, at the end
+    "band": np.bitwise_and,
+    "bor": np.bitwise_or,
+    "bxor": np.bitwise_xor,
 }
 
 OPS = tuple(_UFUNCS)
+BITWISE = ("band", "bor", "bxor")  # integer dtypes only
 
 
 def check_op(op, dtype):
     """Raise if ``op`` is unknown or undefined for ``dtype``; return the op name."""
     if not isinstance(op, str) or op not in _UFUNCS:
         raise ValueError(f"op must be one of {', '.join(OPS)}; got {op!r}")
-    if op == "avg" and is_integer(dtype):
+    if op == "avg" and not _defined(op, dtype):
         raise TypeError(
             f"op 'avg' needs a floating or complex dtype; got {np.dtype(dtype).name} "
             "(use op='sum' and divide, or cast to a float dtype)"
         )
-    if op in ("max", "min") and is_complex(dtype):
+    if op in BITWISE and not _defined(op, dtype):
+        raise TypeError(f"op {op!r} needs an integer dtype; got {np.dtype(dtype).name}")
+    if not _defined(op, dtype):  # max, min
         raise TypeError(f"op {op!r} is not defined for complex dtype {np.dtype(dtype).name}")
     return op
+
+
+def ops_for(dtype):
+    """The ops defined for ``dtype``, in ``OPS`` order."""
+    return tuple(op for op in OPS if _defined(op, dtype))
+
+
+def _defined(op, dtype):
+    if op == "avg":
+        return not is_integer(dtype)
+    if op in BITWISE:
+        return is_integer(dtype)
+    return not (op in ("max", "min") and is_complex(dtype))
 
 
 def combine(op, a, b, out):

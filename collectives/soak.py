@@ -58,18 +58,14 @@ DTYPES = tuple(np.dtype(d) for d in cc.SUPPORTED_DTYPES)
 SMALL_MAX = 4096  # elements: most calls
 LARGE_MAX = 256 * 1024  # elements: some calls
 MAX_WINDOW = 8  # async calls in flight at most
-_UFUNC = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+_UFUNC = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum,
+          "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
 _MIB = 1024 * 1024
 
 
 def ops_for(dtype):
     """The ops defined for ``dtype``."""
-    kind = np.dtype(dtype).kind
-    if kind in "iu":
-        return ("sum", "prod", "max", "min")
-    if kind == "c":
-        return ("sum", "prod", "avg")
-    return ("sum", "prod", "max", "min", "avg")
+    return cc.ops_for(dtype)
 
 
 class Call:

@@ -16,6 +16,7 @@
 //   sum, prod   integers wrap around (two's complement); floats in their own precision
 //   max, min    a NaN operand is returned; for equal operands (+0 and -0) float32,
 //               float64 and bfloat16 return b, float16 returns a (as NumPy's loops do)
+//   band, bor, bxor   integers only, on the two's-complement bits
 //   complex     prod = (ar*br - ai*bi, ar*bi + ai*br), never contracted into an FMA
 //   divide      x / d in x's precision; complex by (d + 0j) as NumPy does it:
 //               multiply by scl = 1/d after adding the zero terms
@@ -249,7 +250,10 @@ COLLECTIVES_HD double sub_rn(double a, double b) { return add_rn(a, -b); }
     COLLECTIVES_HD T op_sum(T a, T b) { return (T)(U)((U)a + (U)b); }                    \
     COLLECTIVES_HD T op_prod(T a, T b) { return (T)(U)((U)a * (U)b); }                   \
     COLLECTIVES_HD T op_max(T a, T b) { return a >= b ? a : b; }                         \
-    COLLECTIVES_HD T op_min(T a, T b) { return a <= b ? a : b; }
+    COLLECTIVES_HD T op_min(T a, T b) { return a <= b ? a : b; }                         \
+    COLLECTIVES_HD T op_band(T a, T b) { return (T)(a & b); }                            \
+    COLLECTIVES_HD T op_bor(T a, T b) { return (T)(a | b); }                             \
+    COLLECTIVES_HD T op_bxor(T a, T b) { return (T)(a ^ b); }
 
 COLLECTIVES_INTEGER_OPS(i8, u32)
 COLLECTIVES_INTEGER_OPS(u8, u32)
@@ -311,11 +315,15 @@ COLLECTIVES_COMPLEX_OPS(c64)
 COLLECTIVES_COMPLEX_OPS(c128)
 #undef COLLECTIVES_COMPLEX_OPS
 
-// The op tags the kernels are instantiated with (complex max/min do not exist).
+// The op tags the kernels are instantiated with (complex max/min do not exist; the
+// bitwise ops exist for integers only).
 struct Sum { template <class T> static COLLECTIVES_HD T apply(T a, T b) { return op_sum(a, b); } };
 struct Prod { template <class T> static COLLECTIVES_HD T apply(T a, T b) { return op_prod(a, b); } };
 struct Max { template <class T> static COLLECTIVES_HD T apply(T a, T b) { return op_max(a, b); } };
 struct Min { template <class T> static COLLECTIVES_HD T apply(T a, T b) { return op_min(a, b); } };
+struct BAnd { template <class T> static COLLECTIVES_HD T apply(T a, T b) { return op_band(a, b); } };
+struct BOr { template <class T> static COLLECTIVES_HD T apply(T a, T b) { return op_bor(a, b); } };
+struct BXor { template <class T> static COLLECTIVES_HD T apply(T a, T b) { return op_bxor(a, b); } };
 
 // -- divide (avg's last step, and the 1/p of compression) ---------------------------------
 // x / d with d the world size, converted to x's type first (NumPy's weak Python int).

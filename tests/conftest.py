@@ -15,13 +15,15 @@ import collectives as cc
 
 ALL_DTYPES = [d.name for d in cc.SUPPORTED_DTYPES]
 FLOAT_DTYPES = [d for d in ALL_DTYPES if d.startswith(("float", "complex"))]
-UFUNC = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+UFUNC = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum,
+         "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
+BITWISE = ("band", "bor", "bxor")
 
 
 def ops_for(dtype):
     kind = np.dtype(dtype).kind
     if kind in "iu":
-        return ["sum", "prod", "max", "min"]
+        return ["sum", "prod", "max", "min", *BITWISE]
     if kind == "c":
         return ["sum", "prod", "avg"]
     return ["sum", "prod", "max", "min", "avg"]
@@ -31,6 +33,8 @@ def rank_input(rank, count, dtype, op="sum", shape=None):
     """Rank ``rank``'s input: exact under ``op`` for any world size up to 32."""
     dtype = np.dtype(dtype)
     index = np.arange(count)
+    if op in BITWISE:  # whole-width bit patterns, the sign bit included
+        return _bit_patterns(rank, index, dtype, op).reshape(shape if shape is not None else -1)
     if op == "prod":  # factors 1, 2 and (signed) -1: products stay exact or wrap alike
         values = np.where((index + rank) % 5 == 0, 2, 1)
         if dtype.kind != "u":
@@ -42,6 +46,22 @@ def rank_input(rank, count, dtype, op="sum", shape=None):
     if dtype.kind == "c" and op != "prod":
         x = x + (1j * values[::-1]).astype(dtype)
     return x.reshape(shape) if shape is not None else x
+
+
+def _bit_patterns(rank, index, dtype, op):
+    """band: every rank clears one bit of each element (a different one per rank where
+    the width allows), so the result keeps most bits; bor: every rank sets one; bxor:
+    scrambled patterns."""
+    bits = 8 * dtype.itemsize
+    one = np.left_shift(np.uint64(1), ((index * 3 + rank) % bits).astype(np.uint64))
+    if op == "band":
+        raw = ~one
+    elif op == "bor":
+        raw = one
+    else:  # uint64 array products wrap (silently, unlike scalar ones)
+        raw = index.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) \
+            + np.full(index.shape, rank + 1, np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
+    return raw.astype(np.dtype(f"u{dtype.itemsize}")).view(dtype)
 
 
 def reference(op, inputs):

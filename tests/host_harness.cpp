@@ -18,19 +18,26 @@ void reduce2_grid(T* d, const T* x, const T* y, i64 n, int threads) {
     for (int t = 0; t < threads; ++t) reduce2_body<T, Op>(d, x, y, n, t, threads);
 }
 
-// Ordered: the dtype has max and min (complex numbers do not).
-template <class T, bool Ordered>
+// Which ops a dtype has: complex numbers sum and prod only, floats also max and min,
+// integers also the bitwise ops. (The discarded branches of `if constexpr` are never
+// instantiated, so no dtype meets an op it lacks.)
+enum Ops { COMPLEX, FLOAT, INTEGER };
+
+template <class T, Ops Has>
 int reduce2_op(const char* op, void* dst, const void* a, const void* b, i64 n, int threads) {
     T* d = static_cast<T*>(dst);
     const T* x = static_cast<const T*>(a);
     const T* y = static_cast<const T*>(b);
     if (is(op, "sum")) reduce2_grid<T, Sum>(d, x, y, n, threads);
     else if (is(op, "prod")) reduce2_grid<T, Prod>(d, x, y, n, threads);
-    else if constexpr (Ordered) {
-        if (is(op, "max")) reduce2_grid<T, Max>(d, x, y, n, threads);
-        else if (is(op, "min")) reduce2_grid<T, Min>(d, x, y, n, threads);
-        else return -2;
-    } else return -2;
+    else if constexpr (Has == COMPLEX) return -2;
+    else if (is(op, "max")) reduce2_grid<T, Max>(d, x, y, n, threads);
+    else if (is(op, "min")) reduce2_grid<T, Min>(d, x, y, n, threads);
+    else if constexpr (Has == FLOAT) return -2;
+    else if (is(op, "band")) reduce2_grid<T, BAnd>(d, x, y, n, threads);
+    else if (is(op, "bor")) reduce2_grid<T, BOr>(d, x, y, n, threads);
+    else if (is(op, "bxor")) reduce2_grid<T, BXor>(d, x, y, n, threads);
+    else return -2;
     return 0;
 }
 
@@ -39,18 +46,21 @@ void reduce_n_grid(T* d, const T* const* s, int k, i64 n, int threads) {
     for (int t = 0; t < threads; ++t) reduce_n_body<T, Op>(d, s, k, n, t, threads);
 }
 
-template <class T, bool Ordered>
+template <class T, Ops Has>
 int reduce_n_op(const char* op, void* dst, const void* const* srcs, int k, i64 n, int threads) {
     const T* s[16];
     for (int q = 0; q < k; ++q) s[q] = static_cast<const T*>(srcs[q]);
     T* d = static_cast<T*>(dst);
     if (is(op, "sum")) reduce_n_grid<T, Sum>(d, s, k, n, threads);
     else if (is(op, "prod")) reduce_n_grid<T, Prod>(d, s, k, n, threads);
-    else if constexpr (Ordered) {
-        if (is(op, "max")) reduce_n_grid<T, Max>(d, s, k, n, threads);
-        else if (is(op, "min")) reduce_n_grid<T, Min>(d, s, k, n, threads);
-        else return -2;
-    } else return -2;
+    else if constexpr (Has == COMPLEX) return -2;
+    else if (is(op, "max")) reduce_n_grid<T, Max>(d, s, k, n, threads);
+    else if (is(op, "min")) reduce_n_grid<T, Min>(d, s, k, n, threads);
+    else if constexpr (Has == FLOAT) return -2;
+    else if (is(op, "band")) reduce_n_grid<T, BAnd>(d, s, k, n, threads);
+    else if (is(op, "bor")) reduce_n_grid<T, BOr>(d, s, k, n, threads);
+    else if (is(op, "bxor")) reduce_n_grid<T, BXor>(d, s, k, n, threads);
+    else return -2;
     return 0;
 }
 
@@ -71,29 +81,35 @@ void unpack_e(void* dst, const void* src, i64 n, int ndim, const i64* shape, con
 
 }  // namespace
 
-#define COLLECTIVES_REAL_TYPES(X) \
-    X(int8, i8) X(int16, i16) X(int32, i32) X(int64, i64) X(uint8, u8) X(uint16, u16) X(uint32, u32) \
-    X(uint64, u64) X(float16, f16) X(bfloat16, bf16) X(float32, f32) X(float64, f64)
+#define COLLECTIVES_INTEGER_TYPES(X) \
+    X(int8, i8) X(int16, i16) X(int32, i32) X(int64, i64) X(uint8, u8) X(uint16, u16) X(uint32, u32) X(uint64, u64)
+#define COLLECTIVES_FLOAT_TYPES(X) X(float16, f16) X(bfloat16, bf16) X(float32, f32) X(float64, f64)
 
 extern "C" {
 
-// 0: done; -1: unknown dtype; -2: op not defined for it (complex max/min).
+// 0: done; -1: unknown dtype; -2: op not defined for it (complex max/min, bitwise on non-integers).
 int cc_reduce2(const char* dtype, const char* op, void* dst, const void* a, const void* b, i64 n, int threads) {
-#define X(name, T) if (is(dtype, #name)) return reduce2_op<T, true>(op, dst, a, b, n, threads);
-    COLLECTIVES_REAL_TYPES(X)
+#define X(name, T) if (is(dtype, #name)) return reduce2_op<T, INTEGER>(op, dst, a, b, n, threads);
+    COLLECTIVES_INTEGER_TYPES(X)
 #undef X
-    if (is(dtype, "complex64")) return reduce2_op<c64, false>(op, dst, a, b, n, threads);
-    if (is(dtype, "complex128")) return reduce2_op<c128, false>(op, dst, a, b, n, threads);
+#define X(name, T) if (is(dtype, #name)) return reduce2_op<T, FLOAT>(op, dst, a, b, n, threads);
+    COLLECTIVES_FLOAT_TYPES(X)
+#undef X
+    if (is(dtype, "complex64")) return reduce2_op<c64, COMPLEX>(op, dst, a, b, n, threads);
+    if (is(dtype, "complex128")) return reduce2_op<c128, COMPLEX>(op, dst, a, b, n, threads);
     return -1;
 }
 
 int cc_reduce_n(const char* dtype, const char* op, void* dst, const void* const* srcs, int k, i64 n, int threads) {
     if (k < 1 || k > 16) return -3;
-#define X(name, T) if (is(dtype, #name)) return reduce_n_op<T, true>(op, dst, srcs, k, n, threads);
-    COLLECTIVES_REAL_TYPES(X)
+#define X(name, T) if (is(dtype, #name)) return reduce_n_op<T, INTEGER>(op, dst, srcs, k, n, threads);
+    COLLECTIVES_INTEGER_TYPES(X)
 #undef X
-    if (is(dtype, "complex64")) return reduce_n_op<c64, false>(op, dst, srcs, k, n, threads);
-    if (is(dtype, "complex128")) return reduce_n_op<c128, false>(op, dst, srcs, k, n, threads);
+#define X(name, T) if (is(dtype, #name)) return reduce_n_op<T, FLOAT>(op, dst, srcs, k, n, threads);
+    COLLECTIVES_FLOAT_TYPES(X)
+#undef X
+    if (is(dtype, "complex64")) return reduce_n_op<c64, COMPLEX>(op, dst, srcs, k, n, threads);
+    if (is(dtype, "complex128")) return reduce_n_op<c128, COMPLEX>(op, dst, srcs, k, n, threads);
     return -1;
 }
 

@@ -12,7 +12,7 @@ import collectives as cc
 
 
 def test_unknown_op_lists_the_valid_ones(comm):
-    with pytest.raises(ValueError, match=r"op must be one of sum, prod, max, min, avg; got 'mean'"):
+    with pytest.raises(ValueError, match=r"op must be one of sum, prod, max, min, avg, band, bor, bxor; got 'mean'"):
         comm.allreduce(np.ones(4), op="mean")
     comm.barrier()
 
@@ -34,6 +34,15 @@ def test_avg_on_integers(comm, dtype):
         comm.allreduce(np.ones(4, dtype), op="avg")
     with pytest.raises(TypeError, match="avg"):
         comm.reduce_scatter(np.ones(4, dtype), op="avg")
+
+
+@pytest.mark.parametrize("op", ["band", "bor", "bxor"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "complex128"])
+def test_bitwise_ops_on_non_integers(comm, op, dtype):
+    for collective in ("allreduce", "reduce_scatter", "reduce"):
+        with pytest.raises(TypeError, match=f"op '{op}' needs an integer dtype; got {dtype}"):
+            getattr(comm, collective)(np.ones(4, dtype), op=op)
+    comm.barrier()
 
 
 def test_max_on_complex(comm):

@@ -372,6 +372,7 @@ DEFECTS = {  # defect: the collectives it applies to
     "unknown op": REDUCING,
     "avg on integers": REDUCING,
     "max/min on complex": REDUCING,
+    "bitwise op on a non-integer": REDUCING,
     "root out of range": ("broadcast", "reduce"),
     "unknown algorithm": cc.COLLECTIVES,
     "out of the wrong shape": ("allreduce", "reduce_scatter", "allgather", "reduce"),
@@ -413,7 +414,7 @@ def invalid_call(comm, case):
         return lambda: call(comm, c, args.pop("x", x), **args)
 
     if defect == "unknown op":
-        return make(op=choose(["mean", "SUM", "", None, 3, "avg "])), ValueError, "op must be one of sum, prod, max, min, avg; got"
+        return make(op=choose(["mean", "SUM", "", None, 3, "avg "])), ValueError, "op must be one of sum, prod, max, min, avg, band, bor, bxor; got"
     if defect == "avg on integers":
         dtype = choose(INT_NAMES)
         return (make(x=np.ones(count, dtype), op="avg"), TypeError,
@@ -421,6 +422,9 @@ def invalid_call(comm, case):
     if defect == "max/min on complex":
         op, dtype = choose([("max", "complex64"), ("min", "complex64"), ("max", "complex128"), ("min", "complex128")])
         return make(x=np.ones(count, dtype), op=op), TypeError, f"op '{op}' is not defined for complex dtype {dtype}"
+    if defect == "bitwise op on a non-integer":
+        op, dtype = choose([(op, d) for op in ("band", "bor", "bxor") for d in FLOAT_NAMES])
+        return make(x=np.ones(count, DTYPES[dtype]), op=op), TypeError, f"op '{op}' needs an integer dtype; got {dtype}"
     if defect == "root out of range":
         root = choose([size, -1, 1.5, True, None, size + 3, "0", np.int64(size)])
         return make(root=root), ValueError, f"root must be a rank in 0..{size - 1}; got"

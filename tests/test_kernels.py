@@ -31,7 +31,8 @@ HERE = Path(__file__).parent
 KERNELS = HERE.parent / "kernels"
 DTYPES = [np.dtype(n) for n in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
                                 "float32", "float64", "complex64", "complex128")] + [BF16]
-UFUNC = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+UFUNC = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum,
+         "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
 
 
 @pytest.fixture(scope="module")
@@ -123,11 +124,12 @@ def numpy_reduce(op, a, b):
 
 # -- the ops -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
-@pytest.mark.parametrize("op", ["sum", "prod", "max", "min"])
+@pytest.mark.parametrize("op", list(UFUNC))
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
 def test_reduce2_equals_numpy(harness, dtype, op, offset):
-    if dtype.kind == "c" and op in ("max", "min"):
+    if op not in kernels.ops_for(dtype):  # complex max/min, bitwise ops on non-integers
         assert harness.cc_reduce2(name_of(dtype), op.encode(), None, None, None, 0, 1) == -2
+        assert harness.cc_reduce_n(name_of(dtype), op.encode(), None, (ctypes.c_void_p * 1)(), 1, 0, 1) == -2
         return
     rng = np.random.default_rng([dtype.num, len(op), offset])
     n = 4099  # not a multiple of any vector width: the tail runs too

@@ -11,7 +11,8 @@ from mpi4py import MPI
 
 from ..demo import make_input, native_result
 
-MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
+MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN, "band": MPI.BAND, "bor": MPI.BOR,
+           "bxor": MPI.BXOR}
 PEER_ALGORITHMS = ("native", "gloo")  # contenders that are not ours
 
 

@@ -27,7 +27,8 @@ CXX_TYPES = {
     "float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64",
     "complex64": "c64", "complex128": "c128",
 }
-OP_TAGS = {"sum": "Sum", "prod": "Prod", "max": "Max", "min": "Min", "avg": "Sum"}  # avg: sum, then divide_by
+OP_TAGS = {"sum": "Sum", "prod": "Prod", "max": "Max", "min": "Min", "avg": "Sum",  # avg: sum, then divide_by
+           "band": "BAnd", "bor": "BOr", "bxor": "BXor"}
 ELEMENTS = {1: "b1", 2: "b2", 4: "b4", 8: "b8", 16: "b16"}  # pack/unpack move opaque elements
 CASTS = (("float32", "float16"), ("float32", "bfloat16"), ("float64", "float16"), ("float64", "bfloat16"),
          ("float16", "float32"), ("bfloat16", "float32"), ("float16", "float64"), ("bfloat16", "float64"))
@@ -44,9 +45,14 @@ def _q(name):
 
 
 def ops_for(dtype):
-    """The ops with a reduction kernel for ``dtype`` (complex numbers have no max/min)."""
+    """The ops with a reduction kernel for ``dtype`` (complex numbers have no max/min;
+    only integers have the bitwise ops)."""
     name = np.dtype(dtype).name
-    return ("sum", "prod") if name.startswith("complex") else ("sum", "prod", "max", "min")
+    if name.startswith("complex"):
+        return ("sum", "prod")
+    if name.startswith(("int", "uint")):
+        return ("sum", "prod", "max", "min", "band", "bor", "bxor")
+    return ("sum", "prod", "max", "min")
 
 
 def reduce2(dtype, op):

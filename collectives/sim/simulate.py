@@ -219,7 +219,8 @@ def _check_equal(rank, got, expected, collective, algorithm):
         raise CollectiveError(f"{collective}/{algorithm}: rank {rank}'s result differs from NumPy's: {detail}")
 
 
-_UFUNCS = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+_UFUNCS = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum,
+           "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
 
 
 def reference(collective, inputs, op="sum", root=0):
