@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 from . import check as check_mode
 from . import ops
-from .algorithms import NATIVE_BELOW, SEGMENTED, block_bounds, build, check_algorithm, check_ordered, cost_model_choice
+from .algorithms import SEGMENTED, block_bounds, build, check_algorithm, check_ordered, cost_model_choice
 from .errors import CollectiveError, TransportError
 from .arrays import as_array, check_out, flat_input, flat_view, is_extra, overlaps, same_memory
 from .device import DeviceArray
@@ -452,6 +452,85 @@ class Communicator:
         return self._start("reduce", algorithm, x.size, inp, result, inplace, op, root, None, finish, blocking,
                            timeout)
 
+    def gather(self, x, root=0, algorithm="auto", out=None, *, timeout=None):
+        """Gather ``x`` from every rank onto ``root``: there, shape ``(size, *x.shape)``,
+        row r from rank r; ``None`` on the other ranks (whose ``out`` is left alone).
+        Every rank's ``x`` has the same shape and dtype."""
+        return self._gather(x, root, algorithm, out, timeout, True)
+
+    def gather_async(self, x, root=0, algorithm="auto", out=None, *, timeout=None):
+        return self._gather(x, root, algorithm, out, timeout, False)
+
+    def _gather(self, x, root, algorithm, out, timeout, blocking):
+        x = as_array(x, "x")
+        root = _check_root(root, self.size)
+        algorithm = check_algorithm("gather", algorithm)
+        shape = (self.size,) + x.shape
+        if out is not None and self.rank == root:
+            out = check_out(out, shape, x.dtype, like=x)
+        else:
+            out = None
+        timeout = self._timeout_for(timeout)
+        algorithm = self._resolve("gather", algorithm, x.nbytes * self.size, x.dtype, isinstance(x, DeviceArray))
+        self._gate("gather", timeout, algorithm, "-", x.dtype, x.shape, root, blocking, memory=x)
+        if isinstance(x, DeviceArray):
+            return self._device_call("gather", algorithm, x, out, shape, "sum", root, None, timeout, blocking)
+        if self.rank != root:
+            inp = flat_input(x)
+            return self._start("gather", algorithm, x.size, inp, inp[:0], False, "sum", root, None, _nothing,
+                               blocking, timeout)
+        inp, result, _, unpack = _prepare(x, out, shape, allow_inplace=False)
+        return self._start("gather", algorithm, x.size, inp, result, False, "sum", root, None, unpack, blocking,
+                           timeout)
+
+    def scatter(self, x, root=0, algorithm="auto", out=None, *, timeout=None):
+        """Row ``rank`` of ``x`` on ``root`` (shape ``(size, *s)``), on every rank: returns
+        an array of shape ``s`` (or ``out``). The other ranks' ``x`` only gives the shape
+        and dtype (its contents are not read): pass the same shape, or ``x=None`` with
+        ``out`` of shape ``s``."""
+        return self._scatter(x, root, algorithm, out, timeout, True)
+
+    def scatter_async(self, x, root=0, algorithm="auto", out=None, *, timeout=None):
+        return self._scatter(x, root, algorithm, out, timeout, False)
+
+    def _scatter(self, x, root, algorithm, out, timeout, blocking):
+        root = _check_root(root, self.size)
+        algorithm = check_algorithm("scatter", algorithm)
+        if x is None and self.rank == root:
+            raise ValueError(f"x must be an array on the root (rank {root}): its rows are scattered; got None")
+        if x is None and out is None:
+            raise ValueError("x is None: pass out, the array of shape s that receives this rank's row")
+        if x is None:
+            out = as_array(out, "out")
+            x, shape, where = None, out.shape, out
+        else:
+            x = as_array(x, "x")
+            if x.ndim == 0 or x.shape[0] != self.size:
+                raise ValueError(f"x must have shape (size, *s) = ({self.size}, ...), one row per rank; got {x.shape}")
+            shape, where = x.shape[1:], x
+        if out is not None:
+            out = check_out(out, shape, where.dtype, like=where)
+        timeout = self._timeout_for(timeout)
+        count = math.prod(shape)
+        algorithm = self._resolve("scatter", algorithm, count * self.size * where.itemsize, where.dtype,
+                                  isinstance(where, DeviceArray))
+        self._gate("scatter", timeout, algorithm, "-", where.dtype, shape, root, blocking, memory=where)
+        if isinstance(where, DeviceArray):
+            return self._device_call("scatter", algorithm, x if x is not None else out, out, shape, "sum", root,
+                                     None, timeout, blocking)
+        if self.rank == root:
+            inp = flat_input(x)
+            result_owner = np.empty(shape, x.dtype) if out is None else out
+            _, result, _, unpack = _prepare(result_owner, result_owner, shape)
+            if overlaps(x, result_owner):  # out inside x: the root's row lands in it early
+                inp = inp.copy()
+        else:
+            result_owner = np.empty(shape, where.dtype) if out is None else out
+            _, result, _, unpack = _prepare(result_owner, result_owner, shape)
+            inp = result[:0]
+        return self._start("scatter", algorithm, count, inp, result, False, "sum", root, None, unpack, blocking,
+                           timeout)
+
     def poll(self):
         """Advance this communicator's calls in flight without blocking, as far as their
         messages allow now (each finished message posts the next step's), and return how
@@ -517,7 +596,7 @@ class Communicator:
             if algorithm == "native":
                 raise ValueError(f"algorithm 'native' cannot move {dtype.name} (the MPI library has no type for it); "
                                  "use one of the library's algorithms or 'auto'")
-            chosen = cost_model_choice(collective, max(nbytes, NATIVE_BELOW), self.size)
+            chosen = cost_model_choice(collective, nbytes, self.size, own=True)
         return chosen
 
     def _start(self, collective, algorithm, count, inp, out, inplace, op, root, segment_size, finish, blocking,
@@ -584,9 +663,12 @@ class Communicator:
         describe = f"{collective}(algorithm={algorithm!r}, {x.where}) call #{self._sequence}"
         call = device_call.DeviceCall(ctx, x, x.dtype)
         call.begin()
-        leaf = collective == "reduce" and self.rank != root
+        leaf = collective in ("reduce", "gather") and self.rank != root  # no result here
         returned = None
-        if collective == "broadcast":
+        if collective == "scatter" and self.rank != root:  # no input here
+            result, _, returned = call.output(out, shape, x, allow_inplace=False)
+            inp, inplace = result[:0], False
+        elif collective == "broadcast":
             result = inp = call.flat(x.data)
             if not x.data.flags.c_contiguous:
                 call._after.append(("unpack", x.data, result))
@@ -617,7 +699,8 @@ class Communicator:
         else:
             segment = self._segment(segment_size, x.itemsize) if (collective, algorithm) in SEGMENTED else 1
             split = max(self.device_segment_size // x.itemsize, 1) if self.device_segment_size else 0
-            plan = _plan(collective, algorithm, self.rank, self.size, x.size, root, segment, inplace,
+            count = math.prod(shape) if collective == "scatter" else x.size  # scatter: one row
+            plan = _plan(collective, algorithm, self.rank, self.size, count, root, segment, inplace,
                          self.deterministic, split)
             handle = device_call.start_plan(self._progress, describe, finish, self._comm, tag, plan, inp,
                                             result if result is not None else inp[:0], op, x.dtype, call, timeout)
@@ -640,6 +723,10 @@ class Communicator:
             return lambda send, recv: comm.Iallgather(send, recv)
         if collective == "broadcast":
             return lambda send, recv: comm.Ibcast(send, root)
+        if collective == "gather":
+            return lambda send, recv: comm.Igather(send, recv if self.rank == root else None, root)
+        if collective == "scatter":
+            return lambda send, recv: comm.Iscatter(send if self.rank == root else None, recv, root)
         return lambda send, recv: comm.Ireduce(in_place(send, recv), recv if self.rank == root else None, mpi_op,
                                                root)
 
@@ -705,6 +792,10 @@ class Communicator:
             return (comm.Allgather if blocking else comm.Iallgather)(inp, out)
         if collective == "broadcast":
             return (comm.Bcast if blocking else comm.Ibcast)(out, root)
+        if collective == "gather":
+            return (comm.Gather if blocking else comm.Igather)(inp, out if self.rank == root else None, root)
+        if collective == "scatter":
+            return (comm.Scatter if blocking else comm.Iscatter)(inp if self.rank == root else None, out, root)
         recv = out if self.rank == root else None
         return (comm.Reduce if blocking else comm.Ireduce)(send, recv, _MPI_OPS[op], root)
 

@@ -34,6 +34,13 @@ def make_input(rank, count, dtype, op):
     return values.astype(dtype)
 
 
+def collective_input(rank, size, collective, count, dtype, op):
+    """Rank ``rank``'s input of ``count`` elements, for scatter ``size`` rows of them."""
+    if collective == "scatter":
+        return make_input(rank, size * count, dtype, op).reshape(size, count)
+    return make_input(rank, count, dtype, op)
+
+
 def native_result(mpi, collective, x, op="sum", root=0):
     """What MPI's own collective gives for ``x``, through mpi4py directly (the reference
     the demo and the tests compare with), shaped as the Communicator shapes results."""
@@ -46,6 +53,14 @@ def native_result(mpi, collective, x, op="sum", root=0):
     if collective == "broadcast":
         out = x.copy()
         mpi.Bcast(out, root)
+        return out
+    if collective == "gather":
+        out = np.empty((size,) + x.shape, x.dtype) if mpi.rank == root else None
+        mpi.Gather(x, out, root)
+        return out
+    if collective == "scatter":  # x: (size, *s) everywhere, the root's rows are sent
+        out = np.empty(x.shape[1:], x.dtype)
+        mpi.Scatter(x if mpi.rank == root else None, out, root)
         return out
     out = np.empty_like(x)
     if collective == "reduce":
@@ -68,13 +83,17 @@ def run_one(comm, collective, algorithm, x, op, root):
         return comm.reduce_scatter(x, op=op, algorithm=algorithm)
     if collective == "allgather":
         return comm.allgather(x, algorithm=algorithm)
+    if collective == "gather":
+        return comm.gather(x, root=root, algorithm=algorithm)
+    if collective == "scatter":
+        return comm.scatter(x, root=root, algorithm=algorithm)
     if collective == "broadcast":
         return comm.broadcast(x.copy(), root=root, algorithm=algorithm)
     return comm.reduce(x, root=root, op=op, algorithm=algorithm)
 
 
 def ops_for(collective, dtype):
-    if collective in ("allgather", "broadcast"):
+    if collective not in ("allreduce", "reduce_scatter", "reduce"):
         return ["sum"]
     return [op for op in cc.ops_for(dtype) if op != "avg" or np.dtype(dtype).kind == "f"]
 
@@ -85,7 +104,7 @@ def verify(comm, mpi, collective, algorithm, counts, dtype):
     root = comm.size - 1
     for count in counts:
         for op in ops_for(collective, dtype):
-            x = make_input(comm.rank, count, dtype, op)
+            x = collective_input(comm.rank, comm.size, collective, count, dtype, op)
             got = run_one(comm, collective, algorithm, x, op, root)
             want = native_result(mpi, collective, x, op, root)
             if want is None:
@@ -98,7 +117,7 @@ def verify(comm, mpi, collective, algorithm, counts, dtype):
 
 
 def median_time(comm, mpi, collective, algorithm, count, dtype, repeats):
-    x = make_input(comm.rank, count, dtype, "sum")
+    x = collective_input(comm.rank, comm.size, collective, count, dtype, "sum")
     times = []
     for _ in range(repeats + 1):
         mpi.Barrier()

@@ -80,8 +80,8 @@ class Call:
     def describe(self):
         kind = "async" if self.is_async else "sync"
         extra = " in place" if self.inplace else ""
-        root = f", root={self.root}" if self.collective in ("broadcast", "reduce") else ""
-        op = f", op={self.op!r}" if self.collective not in ("allgather", "broadcast") else ""
+        root = f", root={self.root}" if self.collective in ("broadcast", "reduce", "gather", "scatter") else ""
+        op = f", op={self.op!r}" if self.collective in ("allreduce", "reduce_scatter", "reduce") else ""
         return (f"call {self.index}: {self.collective}(algorithm={self.algorithm!r}, {self.dtype.name}, "
                 f"count={self.count}{op}{root}) {kind}{extra}")
 
@@ -129,12 +129,14 @@ def rank_input(index, rank, count, dtype, op):
 
 def reference(call, rank, size):
     """NumPy's exact answer for ``rank``'s result of ``call`` (None: no result)."""
-    if call.collective == "reduce" and rank != call.root:
+    if call.collective in ("reduce", "gather") and rank != call.root:
         return None
     if call.collective == "broadcast":
         return rank_input(call.index, call.root, call.count, call.dtype, call.op)
+    if call.collective == "scatter":
+        return scatter_rows(call, call.root, size)[rank]
     inputs = [rank_input(call.index, r, call.count, call.dtype, call.op) for r in range(size)]
-    if call.collective == "allgather":
+    if call.collective in ("allgather", "gather"):
         return np.stack(inputs)
     total = inputs[0].copy()
     for x in inputs[1:]:
@@ -146,11 +148,19 @@ def reference(call, rank, size):
     return total
 
 
+def scatter_rows(call, rank, size):
+    """Rank ``rank``'s input to a scatter: ``size`` rows of ``count`` elements (only the
+    root's are sent)."""
+    return rank_input(call.index, rank, size * call.count, call.dtype, call.op).reshape(size, call.count)
+
+
 def start(comm, call):
     """Make ``call`` on ``comm``: ``(handle or result, the input kept alive)``."""
     rank = comm.rank
     if call.collective == "broadcast" and rank != call.root:
         x = np.full(call.count, 100, call.dtype)  # outside the inputs' range: a broadcast that did nothing shows
+    elif call.collective == "scatter":
+        x = scatter_rows(call, rank, comm.size)
     else:
         x = rank_input(call.index, rank, call.count, call.dtype, call.op)
     suffix = "_async" if call.is_async else ""
@@ -162,7 +172,7 @@ def start(comm, call):
         result = method(x, op=call.op, algorithm=call.algorithm)
     elif c == "allgather":
         result = method(x, algorithm=call.algorithm)
-    elif c == "broadcast":
+    elif c in ("broadcast", "gather", "scatter"):
         result = method(x, root=call.root, algorithm=call.algorithm)
     else:
         kw = {"out": x} if call.inplace else {}

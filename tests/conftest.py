@@ -103,12 +103,16 @@ def serial_fold(op, inputs):
 
 def expected_everywhere(collective, inputs, op="sum", root=0):
     """NumPy's answer for every rank (flat arrays in, a list out; None for the
-    non-roots of reduce) given every rank's flat input."""
+    non-roots of reduce and gather) given every rank's flat input."""
     size = len(inputs)
     if collective == "allgather":
         return [np.concatenate(inputs)] * size
     if collective == "broadcast":
         return [inputs[root]] * size
+    if collective == "gather":
+        return [np.concatenate(inputs) if r == root else None for r in range(size)]
+    if collective == "scatter":  # the root's input holds the size blocks
+        return np.split(inputs[root], size)
     total = reference(op, inputs)
     if collective == "allreduce":
         return [total] * size
@@ -123,6 +127,10 @@ def expected_result(collective, rank, size, xs, op="sum", root=0):
         return np.stack(xs)
     if collective == "broadcast":
         return xs[root]
+    if collective == "gather":
+        return np.stack(xs) if rank == root else None
+    if collective == "scatter":  # every x is (size, *s); the root's rows are sent
+        return xs[root][rank]
     total = reference(op, xs)
     if collective == "reduce":
         return total if rank == root else None

@@ -102,19 +102,24 @@ def run_auto(comm, collective, x, root=0):
         return comm.allgather(x)
     if collective == "broadcast":
         return comm.broadcast(x, root=root)
+    if collective == "gather":
+        return comm.gather(x, root=root)
+    if collective == "scatter":
+        return comm.scatter(x, root=root)
     return comm.reduce(x, root=root)
 
 
 def nccl_bus_factor(collective, p):
     """nccl-tests' PERFORMANCE.md: busbw = algbw * factor."""
     return {"allreduce": 2 * (p - 1) / p, "reduce_scatter": (p - 1) / p,
-            "allgather": (p - 1) / p, "broadcast": 1.0, "reduce": 1.0}[collective]
+            "allgather": (p - 1) / p, "broadcast": 1.0, "reduce": 1.0,
+            "gather": (p - 1) / p, "scatter": (p - 1) / p}[collective]
 
 
 def reported_bytes(collective, requested, p, itemsize):
     """The size the harness reports for a requested size: whole elements, and for
-    reduce_scatter and allgather whole elements per rank (at least one each)."""
-    unit = itemsize * p if collective in ("reduce_scatter", "allgather") else itemsize
+    reduce_scatter, allgather, gather and scatter whole elements per rank (at least one each)."""
+    unit = itemsize * p if collective in ("reduce_scatter", "allgather", "gather", "scatter") else itemsize
     return max(unit, requested - requested % unit)
 
 
@@ -235,8 +240,13 @@ def test_cost_model_rule_matches_the_readme_table():
         ("allgather", 8192, 3, "bruck"), ("allgather", 256 * 1024, 3, "ring"),
         ("broadcast", 256 * 1024, 4, "binomial"), ("broadcast", 4 << 20, 4, "scatter_allgather"),
         ("broadcast", 4 << 20, 2, "binomial"), ("reduce", 4 << 20, 5, "binomial"),
+        ("gather", 100, 4, "native"), ("gather", 4 << 20, 5, "native"), ("scatter", 4 << 20, 3, "native"),
     ]
     assert [cost_model_choice(c, n, p) for c, n, p, _ in cases] == [want for *_, want in cases]
+    # Among the library's own algorithms (dtypes MPI cannot move): never native.
+    own = [("allreduce", 100, 4, "recursive_doubling"), ("broadcast", 8, 3, "binomial"), ("gather", 8, 4, "binomial"),
+           ("scatter", 4 << 20, 4, "binomial")]
+    assert [cost_model_choice(c, n, p, own=True) for c, n, p, _ in own] == [want for *_, want in own]
     selector = Selector(4)  # no table, no overrides
     assert selector.explain("allreduce", 256 * 1024) == ("recursive_halving", "cost-model rule")
 
@@ -282,7 +292,7 @@ def test_a_bad_tuning_path_raises_naming_it(tmp_path, no_default_table):
 # == the Communicator reads the environment when it is created ==========================
 
 FORCED = [("allreduce", "ring"), ("reduce_scatter", "recursive_halving"), ("allgather", "bruck"),
-          ("broadcast", "pipeline"), ("reduce", "binomial")]
+          ("broadcast", "pipeline"), ("reduce", "binomial"), ("gather", "binomial")]
 
 
 @pytest.mark.parametrize("collective,algorithm", FORCED)
@@ -537,12 +547,14 @@ def test_case_buffers_and_reported_size(mpi_comm):
         for nbytes in (8, 100, 4096):
             case = Case(collective, nbytes, mpi_comm, "float32", "sum", False)
             assert case.nbytes == reported_bytes(collective, nbytes, p, 4)
-            if collective == "allgather":
+            if collective in ("allgather", "gather"):
                 assert case.out.shape == (p, case.count) and case.x.shape == (case.count,)
+            elif collective == "scatter":
+                assert case.out.shape == (case.count,) and case.x.shape == (p, case.count)
             elif collective == "reduce_scatter":
                 assert case.out.shape == (case.count // p,)
             result = case.result()
-            assert (result is None) == (collective == "reduce" and rank != 0)
+            assert (result is None) == (collective in ("reduce", "gather") and rank != 0)
 
 
 # == the command line ===================================================================

@@ -15,6 +15,7 @@ from collectives.demo import native_result, run_one
 from conftest import ALL_DTYPES, agree, counts_for, expected_result, ops_for, rank_input, reference, same
 
 REDUCING = ["allreduce", "reduce_scatter", "reduce"]
+ROOTED = ["broadcast", "reduce", "gather", "scatter"]
 
 
 def inputs_of_all(size, count, dtype, op, shape=None):
@@ -34,12 +35,18 @@ def call(comm, collective, x, algorithm, op="sum", root=0, out=None, segment_siz
         return comm.allgather(x, algorithm=algorithm, out=out)
     if collective == "broadcast":
         return comm.broadcast(x, root=root, algorithm=algorithm, segment_size=segment_size)
+    if collective == "gather":
+        return comm.gather(x, root=root, algorithm=algorithm, out=out)
+    if collective == "scatter":
+        return comm.scatter(x, root=root, algorithm=algorithm, out=out)
     return comm.reduce(x, root=root, op=op, algorithm=algorithm, out=out)
 
 
 def run_and_compare(comm, mpi, collective, algorithm, dtype, op, count, root=0, segment_size=None, problems=None):
-    """One call, checked against NumPy and against MPI; the input must be unchanged."""
-    xs = inputs_of_all(comm.size, count, dtype, op)
+    """One call, checked against NumPy and against MPI; the input must be unchanged.
+    For scatter, every rank's input is ``size`` rows of ``count`` elements."""
+    rows = (comm.size, count) if collective == "scatter" else None
+    xs = inputs_of_all(comm.size, count * comm.size if rows else count, dtype, op, rows)
     x = xs[comm.rank].copy()
     if collective == "broadcast" and comm.rank != root:
         x[...] = 0
@@ -64,7 +71,7 @@ ALGORITHMS = [(c, a) for c in cc.COLLECTIVES for a in cc.algorithms(c)]
 @pytest.mark.parametrize("collective,algorithm", ALGORITHMS)
 def test_every_count_against_mpi_and_numpy(comm, mpi_comm, collective, algorithm):
     problems = []
-    roots = sorted({0, comm.size - 1}) if collective in ("broadcast", "reduce") else [0]
+    roots = sorted({0, comm.size - 1}) if collective in ROOTED else [0]
     for count in counts_for(comm.size):
         # Segments of 16 B cut even the small counts into several; 4 KiB still cuts 100 003
         # elements into 98 (64 B made it 6 251 and cost half a minute per pipelined algorithm).
@@ -147,15 +154,21 @@ def test_noncontiguous_and_readonly_inputs_and_outputs(comm, mpi_comm, collectiv
         got = comm.broadcast(x, 0, algorithm, segment_size=16)
         if got is not x or not same(x, want):
             problems.append(f"strided broadcast: {x[:5]}")
+    elif collective == "scatter":  # rows of a transposed read-only array, into a strided out
+        rows = [rank_input(r, comm.size * count, "int64").reshape(count, comm.size).T for r in range(comm.size)]
+        rows[comm.rank].flags.writeable = False
+        out = noncontiguous(np.zeros(count, "int64"))
+        got = comm.scatter(rows[comm.rank], 0, algorithm, out=out)
+        if got is not out or not same(out, rows[0][comm.rank]):
+            problems.append(f"strided scatter: {out[:5]} != {rows[0][comm.rank][:5]}")
     else:
         got = call(comm, collective, x2, algorithm)
         if not (got is None and x2_want is None) and not same(got, x2_want):
             problems.append(f"transposed read-only input: {np.asarray(got).ravel()[:6]}")
-        shape = {"allgather": (comm.size, count), "reduce_scatter": want.shape if want is not None else None}.get(
-            collective, (count,)
-        )
+        shape = {"allgather": (comm.size, count), "gather": (comm.size, count),
+                 "reduce_scatter": want.shape if want is not None else None}.get(collective, (count,))
         out = noncontiguous(np.zeros(int(np.prod(shape)), "int64")).reshape(shape) if shape else None
-        if collective == "allgather":
+        if collective in ("allgather", "gather"):
             out = np.zeros((count, comm.size), "int64").T  # a non-contiguous (size, count) view
         got = call(comm, collective, noncontiguous(xs[comm.rank]), algorithm, out=out)
         if want is not None and (got is not out or not same(out, want)):
@@ -189,7 +202,7 @@ def test_allreduce_bits_identical_across_ranks(comm, mpi_comm, algorithm):
     agree(mpi_comm, problems)
 
 
-@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"])
+@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "gather"])
 def test_blocking_native_while_some_ranks_have_calls_in_flight(comm, mpi_comm, collective):
     """A blocking call that goes to MPI's blocking collective must make the same kind
     of MPI call on every rank, whatever each rank still has in flight (here rank 0 has
@@ -222,7 +235,10 @@ def test_two_async_collectives_in_flight(comm, mpi_comm):
     d = comm.broadcast_async(np.arange(9.0) * (comm.rank == 0), root=0, algorithm="pipeline", segment_size=8)
     e = comm.reduce_async(xs[comm.rank], root=comm.size - 1, algorithm="native")
     f = comm.allreduce_async(xs[comm.rank], op="max", algorithm="tree", segment_size=4096)
-    handles = [a, b, c, d, e, f]
+    g = comm.gather_async(xs[comm.rank][:5], root=comm.size - 1, algorithm="binomial")
+    rows = np.stack([x[:3] for x in xs]) * (comm.rank == 0)
+    k = comm.scatter_async(rows, root=0, algorithm="binomial")
+    handles = [a, b, c, d, e, f, g, k]
     while not handles[-1].test():  # test() drives progress without blocking
         pass
     order = handles if comm.rank % 2 == 0 else handles[::-1]  # ranks wait in different orders
@@ -235,6 +251,8 @@ def test_two_async_collectives_in_flight(comm, mpi_comm):
         same(results[id(d)], np.arange(9.0)),
         same(results[id(e)], total) if comm.rank == comm.size - 1 else results[id(e)] is None,
         same(results[id(f)], reference("max", xs)),
+        same(results[id(g)], np.stack([x[:5] for x in xs])) if comm.rank == comm.size - 1 else results[id(g)] is None,
+        same(results[id(k)], xs[comm.rank][:3]),
         all(h.test() for h in handles),
     ]
     if not all(checks):
@@ -281,7 +299,9 @@ def test_bfloat16_with_the_library_algorithms(comm, mpi_comm, collective):
     problems = []
     for algorithm in cc.algorithms(collective):
         for count in counts_for(comm.size):
-            xs = [rank_input(r, count, "float32") for r in range(comm.size)]  # small integers: exact in bfloat16
+            rows = (comm.size, count) if collective == "scatter" else None
+            xs = [rank_input(r, count * comm.size if rows else count, "float32", shape=rows)  # exact in bfloat16
+                  for r in range(comm.size)]
             x = xs[comm.rank].astype(ml_dtypes.bfloat16)
             if collective == "broadcast" and comm.rank != 0:
                 x[...] = 0

@@ -108,6 +108,8 @@ def call(comm, collective, x, algorithm, op="sum", root=0, out=None):
         return comm.allgather(x, algorithm=algorithm, out=out)
     if collective == "broadcast":
         return comm.broadcast(x, root=root, algorithm=algorithm)
+    if collective in ("gather", "scatter"):
+        return getattr(comm, collective)(x, root=root, algorithm=algorithm, out=out)
     return comm.reduce(x, root=root, op=op, algorithm=algorithm, out=out)
 
 
@@ -136,12 +138,14 @@ def differs(want, got):
 @pytest.mark.parametrize("collective,algorithm", ALGORITHMS)
 def test_every_collective_and_algorithm_equals_the_host_path(dcomm_sweep, mpi_comm, collective, algorithm):
     comm, problems = dcomm_sweep, []
-    roots = sorted({0, comm.size - 1}) if collective in ("broadcast", "reduce") else [0]
+    roots = sorted({0, comm.size - 1}) if collective in ("broadcast", "reduce", "gather", "scatter") else [0]
     # every count on the IPC path; the other two move the same segments, so fewer there
     counts = counts_for(comm.size, large=False) + [1000] if comm.test_path == "ipc" else [0, comm.size + 1, 1000]
     for count in counts:
         for root in roots:
-            xs = [rank_input(r, count, "float32") for r in range(comm.size)]
+            rows = (comm.size, count) if collective == "scatter" else None  # scatter: a row per rank
+            xs = [rank_input(r, count * comm.size if rows else count, "float32", shape=rows)
+                  for r in range(comm.size)]
             x = xs[comm.rank].copy()
             if collective == "broadcast" and comm.rank != root:
                 x[...] = 0

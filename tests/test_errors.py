@@ -134,3 +134,34 @@ def test_buffer_protocol_inputs_are_viewed(comm):
     assert got.dtype == np.int32 and got.tolist() == [comm.size, 2 * comm.size, 3 * comm.size]
     got = comm.allgather(memoryview(bytearray(b"ab")), algorithm="bruck")
     assert got.shape == (comm.size, 2) and bytes(got[0]) == b"ab"
+
+
+def test_scatter_arguments(comm):
+    """scatter's x is one row per rank on the root; the other ranks may pass None with out."""
+    size, root = comm.size, comm.size - 1
+    with pytest.raises(ValueError, match=rf"x must have shape \(size, \*s\) = \({size}, \.\.\.\), one row per rank; "
+                                         rf"got \({size + 1}, 3\)"):
+        comm.scatter(np.ones((size + 1, 3)), root=root)
+    with pytest.raises(ValueError, match="x must have shape"):
+        comm.scatter(np.float64(1.0), root=root)  # 0-d: no rows at all
+    if size > 1:  # a non-root (rank 0 is one when root is size-1 > 0) without x or out
+        with pytest.raises(ValueError, match="x is None: pass out"):
+            comm.scatter(None, root=root if comm.rank != root else 0)
+    if comm.rank == root:
+        with pytest.raises(ValueError, match=rf"x must be an array on the root \(rank {root}\)"):
+            comm.scatter(None, root=root, out=np.empty(3))
+    with pytest.raises(ValueError, match=r"out must have shape \(3,\); got \(4,\)"):
+        comm.scatter(np.ones((size, 3)), root=root, out=np.empty(4))
+    comm.barrier()
+
+
+def test_gather_out_is_checked_on_the_root_only(comm):
+    """As MPI_Gather's receive buffer: only the root's out is used, so only its out is checked."""
+    size, root = comm.size, 0
+    wrong = np.empty((size + 1, 2))
+    if comm.rank == root:
+        with pytest.raises(ValueError, match=rf"out must have shape \({size}, 2\)"):
+            comm.gather(np.ones(2), root=root, out=wrong)
+        comm.barrier()
+    else:
+        comm.barrier()  # the root refused before sending anything: nothing to match

@@ -178,6 +178,10 @@ def reduced(op, xs, size):
 def expected(collective, rank, size, xs, op, root):
     if collective == "allgather":
         return np.stack(xs)
+    if collective == "gather":
+        return np.stack(xs) if rank == root else None
+    if collective == "scatter":  # every x is (size, *s); the root's rows are sent
+        return xs[root][rank].copy()
     if collective == "broadcast":
         return xs[root].copy()
     total = reduced(op, xs, size)
@@ -230,13 +234,16 @@ def call(comm, collective, x, *, op="sum", algorithm="auto", root=0, out=None, s
         result = fn(x, algorithm=algorithm, out=out, **extra)
     elif collective == "broadcast":
         result = fn(x, root=root, algorithm=algorithm, segment_size=segment_size, **extra)
+    elif collective in ("gather", "scatter"):
+        result = fn(x, root=root, algorithm=algorithm, out=out, **extra)
     else:
         result = fn(x, root=root, op=op, algorithm=algorithm, out=out, **extra)
     return result.wait() if use_async else result
 
 
 def result_shape(collective, shape, size, rank):
-    if collective == "allgather":
+    """The result's shape for an input of ``shape`` (scatter: of one row)."""
+    if collective in ("allgather", "gather"):
         return (size,) + tuple(shape)
     if collective == "reduce_scatter":
         return np.array_split(np.empty(math.prod(shape)), size)[rank].shape
@@ -312,9 +319,10 @@ def test_valid_calls_equal_numpy(fcomms, case):
     label = f"{case} (root {root}, {group}: rank {rank} of {size}; world size {WORLD.size})"
 
     def body():
-        xs = [rank_values(case["seed"], r, shape, dtype, op, case["full"]) for r in range(size)]
+        xshape = (size,) + tuple(shape) if c == "scatter" else shape  # scatter: shape is a row's
+        xs = [rank_values(case["seed"], r, xshape, dtype, op, case["full"]) for r in range(size)]
         want = expected(c, rank, size, xs, op, root)
-        x, _ = laid_out(xs[rank], *case["layout"], fill=1)
+        x, _ = laid_out(xs[rank], *(case["out_layout"] if c == "scatter" else case["layout"]), fill=1)
         x.flags.writeable = not case["read_only"]
         rshape = result_shape(c, shape, size, rank)
         out = base = None
@@ -327,9 +335,12 @@ def test_valid_calls_equal_numpy(fcomms, case):
             out, base = laid_out(np.full(rshape, 5, dtype), steps[:len(rshape)],
                                  [p for p in perm if p < len(rshape)], fill=3)
         elif case["out"] == "overlap":
-            if c == "allgather":
+            if c == "scatter":  # out is a row of x: the root must read its rows first
+                x = xs[rank].copy()
+                out = x[(root + 1) % size, ...]
+            elif c in ("allgather", "gather"):
                 out = np.full(rshape, 5, dtype)
-                x = out[case["root"] % size]
+                x = out[case["root"] % size, ...]  # a view, even of a 0-d row
                 x[...] = xs[rank]
             elif c == "reduce_scatter":
                 x = xs[rank].copy()
@@ -347,11 +358,11 @@ def test_valid_calls_equal_numpy(fcomms, case):
                 problems.append("broadcast did not return x")
             problems.append(mismatch(x, want, "broadcast's x"))
         elif out is not None:
-            if c == "reduce" and rank != root:
+            if c in ("reduce", "gather") and rank != root:
                 problems.append(mismatch(out, out_before, "a non-root's out (must be left alone)"))
             elif got is not out:
                 problems.append("the result is not out")
-        overwritten = case["out"] == "overlap" and not (c == "reduce" and rank != root)
+        overwritten = case["out"] == "overlap" and not (c in ("reduce", "gather") and rank != root)
         if out is not x and c != "broadcast" and not overwritten:
             problems.append(mismatch(x, xs[rank], "x after an out-of-place call (must be left alone)"))
         if base is not None:
@@ -373,12 +384,13 @@ DEFECTS = {  # defect: the collectives it applies to
     "avg on integers": REDUCING,
     "max/min on complex": REDUCING,
     "bitwise op on a non-integer": REDUCING,
-    "root out of range": ("broadcast", "reduce"),
+    "root out of range": ("broadcast", "reduce", "gather", "scatter"),
     "unknown algorithm": cc.COLLECTIVES,
-    "out of the wrong shape": ("allreduce", "reduce_scatter", "allgather", "reduce"),
-    "out of the wrong dtype": ("allreduce", "reduce_scatter", "allgather", "reduce"),
-    "read-only out": ("allreduce", "reduce_scatter", "allgather", "reduce"),
-    "out not an ndarray": ("allreduce", "reduce_scatter", "allgather", "reduce"),
+    "out of the wrong shape": ("allreduce", "reduce_scatter", "allgather", "reduce", "scatter"),
+    "out of the wrong dtype": ("allreduce", "reduce_scatter", "allgather", "reduce", "scatter"),
+    "read-only out": ("allreduce", "reduce_scatter", "allgather", "reduce", "scatter"),
+    "out not an ndarray": ("allreduce", "reduce_scatter", "allgather", "reduce", "scatter"),
+    "scatter rows other than the world size": ("scatter",),
     "broadcast into a read-only array": ("broadcast",),
     "bad segment_size": ("allreduce", "broadcast"),
     "bad timeout": cc.COLLECTIVES,
@@ -404,7 +416,7 @@ def invalid_call(comm, case):
     c, defect, pick, size = case["collective"], case["defect"], case["pick"], comm.size
     count = case["count"] * (size if c == "reduce_scatter" else 1)  # equal blocks: the same message everywhere
     kw = dict(algorithm=case["algorithm"], use_async=case["use_async"])
-    x = np.ones(count, np.float32)
+    x = np.ones((size, count) if c == "scatter" else count, np.float32)  # scatter: a row per rank
 
     def choose(options):
         return options[pick % len(options)]
@@ -425,12 +437,16 @@ def invalid_call(comm, case):
     if defect == "bitwise op on a non-integer":
         op, dtype = choose([(op, d) for op in ("band", "bor", "bxor") for d in FLOAT_NAMES])
         return make(x=np.ones(count, DTYPES[dtype]), op=op), TypeError, f"op '{op}' needs an integer dtype; got {dtype}"
+    if defect == "scatter rows other than the world size":
+        rows = choose([size + 1, 2 * size + 1]) if size > 1 else 2
+        return (make(x=np.ones((rows, count), np.float32)), ValueError,
+                f"x must have shape (size, *s) = ({size}, ...), one row per rank; got ({rows}, {count})")
     if defect == "root out of range":
         root = choose([size, -1, 1.5, True, None, size + 3, "0", np.int64(size)])
         return make(root=root), ValueError, f"root must be a rank in 0..{size - 1}; got"
     if defect == "unknown algorithm":
         other = {"allreduce": "bruck", "reduce_scatter": "tree", "allgather": "binomial", "broadcast": "ring",
-                 "reduce": "ring"}[c]
+                 "reduce": "ring", "gather": "ring", "scatter": "direct"}[c]
         algorithm = choose(["fastest", "RING", None, 3, ("ring",), "", other])
         return (make(algorithm=algorithm), ValueError,
                 f"algorithm for {c} must be one of {', '.join(cc.algorithms(c))}; got")
@@ -462,11 +478,11 @@ def invalid_call(comm, case):
                 "timeout must be a positive number of seconds")
     if defect == "unsupported dtype":
         dtype = np.dtype(choose(BAD_DTYPES))
-        return make(x=np.zeros(count, dtype)), TypeError, "x has "
+        return make(x=np.zeros(x.shape, dtype)), TypeError, "x has "
     if defect == "x not an array":
         return make(x=choose([object(), {"a": 1}, [object(), 1]])), TypeError, "x must be an array or buffer"
     assert defect == "native with bfloat16"
-    return (make(x=np.ones(count, BFLOAT16), algorithm="native"), ValueError,
+    return (make(x=np.ones(x.shape, BFLOAT16), algorithm="native"), ValueError,
             "algorithm 'native' cannot move bfloat16")
 
 
@@ -690,7 +706,8 @@ def test_calls_in_flight_together(fcomm, case):
         handles, wants, results = {}, {}, {}
         for i, spec in enumerate(case["calls"]):
             c, dtype, op, root = spec["collective"], DTYPES[spec["dtype"]], spec["op"], spec["root"] % size
-            xs = [rank_values(case["seed"] + i, r, (spec["count"],), dtype, op) for r in range(size)]
+            shape = (size, spec["count"]) if c == "scatter" else (spec["count"],)  # scatter: a row per rank
+            xs = [rank_values(case["seed"] + i, r, shape, dtype, op) for r in range(size)]
             wants[i] = expected(c, rank, size, xs, op, root)
             fn = getattr(fcomm, c if spec["blocking"] else c + "_async")
             kw = dict(algorithm=spec["algorithm"])
@@ -698,7 +715,7 @@ def test_calls_in_flight_together(fcomm, case):
                 kw["timeout"] = math.inf
             if c in REDUCING:
                 kw["op"] = op
-            if c in ("broadcast", "reduce"):
+            if c in ("broadcast", "reduce", "gather", "scatter"):
                 kw["root"] = root
             got = fn(xs[rank].copy(), **kw)
             if spec["blocking"]:

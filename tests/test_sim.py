@@ -134,6 +134,14 @@ def expected_counters(collective, algorithm, p, count, root=0, segments=1):
             row = (children + p - 1, (subtree - 1) * b + (p - 1) * b, (subtree * b if vr else 0) + (p - 1) * b, 0)
         elif key == ("broadcast", "direct"):
             row = (2 * (p - 1), 2 * (p - 1) * b, 0, 0) if r == root else (p - 2, (p - 2) * b, n, 0)
+        elif key in (("gather", "binomial"), ("scatter", "binomial")):  # n: one block
+            vr = (r - root) % p
+            extent = min(lowbit(vr), p - vr) if vr else p  # the subtree's blocks
+            children = (extent - 1).bit_length()
+            if collective == "gather":
+                row = (1 if vr else 0, extent * n if vr else 0, (extent - 1) * n, 0)
+            else:
+                row = (children, (extent - 1) * n, extent * n if vr else 0, 0)
         elif key == ("reduce", "direct"):  # reduce_scatter, then every block to the root
             row = (p - 1, (p - 1) * b, 2 * (p - 1) * b, (p - 1) * b) if r == root else (p, p * b, (p - 1) * b, (p - 1) * b)
         else:
@@ -160,7 +168,7 @@ def test_counters_equal_the_cost_model_for_every_p(collective, algorithm, sizes)
     problems = []
     for p in sizes:
         count = 3 * p
-        roots = [0, p - 1] if collective in ("broadcast", "reduce") else [0]
+        roots = [0, p - 1] if collective in ("broadcast", "reduce", "gather", "scatter") else [0]
         for root in roots:
             got = counters(sim.costs(collective, algorithm, p, count, root=root))
             want = expected_counters(collective, algorithm, p, count, root)
@@ -238,6 +246,8 @@ def closed_form(collective, algorithm, p, n, gamma=G, segments=1):
         return lg_ceil * A + (p - 1) * b * B
     if key == ("broadcast", "binomial"):
         return lg_ceil * c(n)
+    if key in (("gather", "binomial"), ("scatter", "binomial")):  # n: one block; the root's ⌈lg p⌉ messages
+        return lg_ceil * A + (p - 1) * n * B
     if key == ("broadcast", "pipeline"):
         return (p - 1 + segments - 1) * c(n // segments)
     if key == ("broadcast", "direct"):
@@ -423,7 +433,8 @@ def calls(draw):
 def test_results_equal_numpy_bit_for_bit_on_every_rank(call):
     collective, algorithm, dtype, op, p, count, root, segment, inplace = call
     result = sim.run(collective, algorithm, p, count, dtype, op, root, segment_size=segment, inplace=inplace)
-    inputs = [sim.simulate.make_input(r, p, count, dtype, op) for r in range(p)]
+    per_rank = count * p if collective == "scatter" else count  # scatter: count per block
+    inputs = [sim.simulate.make_input(r, p, per_rank, dtype, op) for r in range(p)]
     want = expected_everywhere(collective, inputs, op, root)
     for r in range(p):
         if want[r] is None:
@@ -545,7 +556,7 @@ def synthetic_rows(params, world_sizes=(2, 4)):
     for p in world_sizes:
         for collective, algorithm in ALGORITHMS:
             for nbytes in (1 << 12, 1 << 16, 1 << 20, 1 << 22):
-                count = nbytes // 4 // (p if collective == "allgather" else 1)
+                count = nbytes // 4 // (p if collective in ("allgather", "gather", "scatter") else 1)
                 t = sim.costs(collective, algorithm, p, count).time(*params)
                 rows.append(dict(collective=collective, algorithm=algorithm, bytes=nbytes, count=count, world_size=p,
                                  dtype="float32", time_us=t * 1e6))

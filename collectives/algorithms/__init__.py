@@ -9,7 +9,8 @@ MPI library's own collective, which the transport calls directly.
 from ._layout import block_bounds  # noqa: F401 (used by the communicator)
 from . import binomial, bruck, direct, pipeline, recursive_doubling, recursive_halving, ring, scatter_allgather, tree
 
-COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "gather", "scatter")
+ROOTED = ("broadcast", "reduce", "gather", "scatter")  # the collectives that take a root
 
 BUILDERS = {
     "allreduce": {
@@ -39,6 +40,12 @@ BUILDERS = {
     "reduce": {
         "binomial": binomial.reduce,
         "direct": direct.reduce,
+    },
+    "gather": {
+        "binomial": binomial.gather,
+    },
+    "scatter": {
+        "binomial": binomial.scatter,
     },
 }
 
@@ -77,15 +84,21 @@ def check_algorithm(collective, algorithm):
 _VALID = {collective: frozenset(algorithms(collective)) for collective in BUILDERS}
 
 
-def cost_model_choice(collective, nbytes, size):
-    """What ``auto`` picks where no measured table covers the world size.
+def cost_model_choice(collective, nbytes, size, own=False):
+    """What ``auto`` picks where no measured table covers the world size; ``own``: among
+    the library's own algorithms only (for dtypes the MPI library cannot move).
 
     From the cost model (``README.md``, "Algorithms"): the MPI library's own collective
     for tiny buffers (its per-message latency is a tenth of ours), latency-optimal
     algorithms (fewest messages) below 64 KiB, bandwidth-optimal ones above.
-    ``nbytes`` is the input size (allgather: the gathered size).
+    Gather and scatter: the MPI library's own at every size, since MPICH's are binomial
+    trees too (our very messages, at a tenth of our per-message cost).
+    ``nbytes`` is the input size (allgather and gather: the gathered size; scatter: the
+    root's whole buffer).
     """
-    if nbytes < NATIVE_BELOW:
+    if collective in ("gather", "scatter"):
+        return "binomial" if own else "native"
+    if nbytes < NATIVE_BELOW and not own:
         return "native"
     pof2 = size & (size - 1) == 0
     if collective == "allreduce":

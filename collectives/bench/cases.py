@@ -9,7 +9,7 @@ allocated once per case, so the timed calls allocate nothing of the harness's.
 import numpy as np
 from mpi4py import MPI
 
-from ..demo import make_input, native_result
+from ..demo import collective_input, native_result
 
 MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN, "band": MPI.BAND, "bor": MPI.BOR,
            "bxor": MPI.BXOR}
@@ -21,7 +21,7 @@ def bus_factor(collective, world_size):
     p = world_size
     if collective == "allreduce":
         return 2 * (p - 1) / p
-    if collective in ("reduce_scatter", "allgather"):
+    if collective in ("reduce_scatter", "allgather", "gather", "scatter"):
         return (p - 1) / p
     return 1.0
 
@@ -30,10 +30,11 @@ def element_count(collective, nbytes, world_size, itemsize):
     """Elements of the user's input for a benchmark size of ``nbytes``.
 
     The size is the buffer nccl-tests reports: the input for allreduce, broadcast and
-    reduce, the whole (scattered or gathered) buffer for reduce_scatter and allgather,
-    which are rounded to a whole number of elements per rank (at least one).
+    reduce, the whole (scattered or gathered) buffer for reduce_scatter, allgather,
+    gather and scatter, which are rounded to a whole number of elements per rank (at
+    least one). For allgather, gather and scatter the count is one rank's block.
     """
-    if collective in ("reduce_scatter", "allgather"):
+    if collective in ("reduce_scatter", "allgather", "gather", "scatter"):
         per_rank = max(1, nbytes // (itemsize * world_size))
         return per_rank * world_size if collective == "reduce_scatter" else per_rank
     return max(1, nbytes // itemsize)
@@ -47,15 +48,21 @@ class Case:
     CUDA-aware MPI has)."""
 
     def __init__(self, collective, nbytes, world, dtype, op, inplace, root=0, device=None):
-        self.collective, self.dtype, self.op, self.inplace, self.root = collective, np.dtype(dtype), op, inplace, root
+        self.collective, self.dtype, self.op, self.root = collective, np.dtype(dtype), op, root
+        self.inplace = inplace and collective not in ("gather", "scatter")  # they have no in-place form
         self.world = world  # the mpi4py communicator the native calls run on
         self.rank, self.size = world.Get_rank(), world.Get_size()
         self.count = element_count(collective, nbytes, self.size, self.dtype.itemsize)
-        scale = self.size if collective == "allgather" else 1
+        scale = self.size if collective in ("allgather", "gather", "scatter") else 1
         self.nbytes = self.count * self.dtype.itemsize * scale
-        self.fresh = make_input(self.rank, self.count, self.dtype, "prod" if op == "prod" else "sum")
+        self.fresh = collective_input(self.rank, self.size, collective, self.count, self.dtype,
+                                      "prod" if op == "prod" else "sum")
         self.x = self.fresh.copy()
-        if collective == "allgather":
+        if collective == "gather":
+            self.out = np.empty((self.size, self.count), self.dtype)
+        elif collective == "scatter":
+            self.out = np.empty(self.count, self.dtype)
+        elif collective == "allgather":
             self.out = np.empty((self.size, self.count), self.dtype)
             if inplace:  # MPI_IN_PLACE style: this rank's input is its row of the output
                 self.x = self.out[self.rank]
@@ -70,7 +77,7 @@ class Case:
             if collective == "allgather":
                 self.dout = device.empty(self.out.shape, self.dtype)
                 self.dx = self.dout[self.rank] if inplace else device.empty(self.x.shape, self.dtype)
-            elif collective == "reduce_scatter":
+            elif collective in ("reduce_scatter", "gather", "scatter"):
                 self.dx, self.dout = device.empty(self.x.shape, self.dtype), device.empty(self.out.shape, self.dtype)
             else:
                 self.dx = device.empty(self.x.shape, self.dtype)
@@ -106,6 +113,10 @@ class Case:
             return lambda: comm.allgather(x, algorithm, out)
         if c == "broadcast":
             return lambda: comm.broadcast(x, root, algorithm)
+        if c == "gather":
+            return lambda: comm.gather(x, root, algorithm, out)
+        if c == "scatter":
+            return lambda: comm.scatter(x, root, algorithm, out)
         return lambda: comm.reduce(x, root, op, algorithm, out)
 
     def native(self, mpi_comm):
@@ -143,6 +154,10 @@ class Case:
             return lambda: mpi_comm.Allgather(send, out)
         if c == "broadcast":
             return lambda: mpi_comm.Bcast(x, root)
+        if c == "gather":
+            return lambda: mpi_comm.Gather(x, out if self.rank == root else None, root)
+        if c == "scatter":
+            return lambda: mpi_comm.Scatter(x if self.rank == root else None, out, root)
         if self.rank != root:  # MPI_IN_PLACE is for the root only
             return lambda: mpi_comm.Reduce(x, None, mpi_op, root)
         return lambda: mpi_comm.Reduce(send, out, mpi_op, root)
@@ -202,6 +217,6 @@ class Case:
     def _host_result(self):
         if self.collective == "broadcast":
             return self.x
-        if self.collective == "reduce" and self.rank != self.root:
+        if self.collective in ("reduce", "gather") and self.rank != self.root:
             return None
         return self.out

@@ -48,7 +48,7 @@ def _align(text, width):
 
 def header(collective, meta):
     place = "in place" if meta["inplace"] else "out of place"
-    op = f" {meta['op']}" if collective not in ("allgather", "broadcast") else ""
+    op = f" {meta['op']}" if collective in ("allreduce", "reduce_scatter", "reduce") else ""
     titles = " ".join(_align(title, width) for _, title, width, _ in COLUMNS)
     return (f"\n# {collective}  {meta['dtype']}{op}  {place}  world size {meta['world_size']}"
             f"  (times in us, bw in GB/s, vs_nat = native time / time, mem = peak extra per call)\n# {titles}")

@@ -55,9 +55,10 @@ class Costs:
 
     @property
     def nbytes(self):
-        """The size the benchmarks call S: the input, or for allgather the gathered output."""
+        """The size the benchmarks call S: the input, or for allgather and gather the
+        gathered output, for scatter the root's whole buffer."""
         n = self.count * self.dtype.itemsize
-        return n * self.world_size if self.collective == "allgather" else n
+        return n * self.world_size if self.collective in ("allgather", "gather", "scatter") else n
 
     @cached_property
     def _graph(self):
@@ -169,8 +170,8 @@ def costs(collective, algorithm, world_size, count, dtype="float32", root=0, **p
 
 def run(collective, algorithm, world_size, count, dtype="float32", op="sum", root=0, **params):
     """Run ``collective`` with ``algorithm`` for ``world_size`` virtual ranks in this
-    process, on integer-valued NumPy inputs of ``count`` elements per rank (allgather:
-    each rank's contribution), and check every rank's result against NumPy's reduction
+    process, on integer-valued NumPy inputs of ``count`` elements per rank (allgather and
+    gather: each rank's contribution; scatter: each block), and check every rank's result against NumPy's reduction
     of the same inputs: equal values (+0 and -0 alike), and for allreduce the same
     bits on every rank.
 
@@ -185,7 +186,8 @@ def run(collective, algorithm, world_size, count, dtype="float32", op="sum", roo
     if baseline and op == "avg":
         raise ValueError("op 'avg' is not modelled for the parameter_server baseline; use op='sum'")
     plans = plans_for(collective, algorithm, world_size, count, dtype, root, **params)
-    inputs = [make_input(r, world_size, count, dtype, op) for r in range(world_size)]
+    per_rank = count * world_size if collective == "scatter" else count  # scatter: count per block
+    inputs = [make_input(r, world_size, per_rank, dtype, op) for r in range(world_size)]
     inplace = bool(params.get("inplace", False))
     got = local.run_collective(collective, algorithm, [x.copy() for x in inputs], op, root, inplace=inplace, plans=plans)
     contributors = range(world_size)
@@ -230,6 +232,10 @@ def reference(collective, inputs, op="sum", root=0):
         return [np.concatenate(inputs)] * size
     if collective == "broadcast":
         return [inputs[root]] * size
+    if collective == "gather":
+        return [np.concatenate(inputs) if r == root else None for r in range(size)]
+    if collective == "scatter":  # the root's input holds the size blocks
+        return np.split(inputs[root], size)
     dtype = inputs[0].dtype
     total = _UFUNCS[op].reduce(np.stack(inputs), axis=0, dtype=dtype) if inputs[0].size else inputs[0].copy()
     if op == "avg":

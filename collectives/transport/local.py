@@ -72,7 +72,8 @@ def run(plans, inputs, outputs, op, dtype):
 def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, inplace=False, plans=None):
     """Run ``collective`` with ``algorithm`` for ``len(inputs)`` virtual ranks in this
     process and return each rank's result as the Communicator would shape it (flat;
-    ``None`` for the non-roots of reduce). ``inputs[r]`` is rank r's flat array.
+    ``None`` for the non-roots of reduce and gather). ``inputs[r]`` is rank r's flat
+    array; for scatter only the root's counts (``len(inputs)`` blocks).
     ``plans``: every rank's compiled plan, if the caller has built them already.
     """
     # Imported here: the algorithm registry imports nothing from the transports.
@@ -81,8 +82,8 @@ def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, i
     from ..schedule import compile_plan
 
     size = len(inputs)
-    count = inputs[0].size
-    dtype = inputs[0].dtype
+    count = inputs[root].size // size if collective == "scatter" else inputs[0].size
+    dtype = inputs[root].dtype
     inputs = [np.ascontiguousarray(x).reshape(-1) for x in inputs]
     if collective == "broadcast":
         inputs = [x.copy() for x in inputs]
@@ -98,6 +99,8 @@ def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, i
         outputs = [np.empty(bounds[r + 1] - bounds[r], dtype) for r in range(size)]
     elif collective == "reduce":
         outputs = [np.empty(count if r == root else 0, dtype) for r in range(size)]
+    elif collective == "gather":
+        outputs = [np.empty(size * count if r == root else 0, dtype) for r in range(size)]
     else:
         outputs = [np.empty(count, dtype) for _ in range(size)]
     if plans is None:
@@ -110,6 +113,6 @@ def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, i
         for r, out in enumerate(outputs):
             if collective != "reduce" or r == root:
                 ops_layer.finish(op, out, size)
-    if collective == "reduce":
+    if collective in ("reduce", "gather"):
         return [out if r == root else None for r, out in enumerate(outputs)]
     return outputs
