@@ -531,6 +531,31 @@ class Communicator:
         return self._start("scatter", algorithm, count, inp, result, False, "sum", root, None, unpack, blocking,
                            timeout)
 
+    def alltoall(self, x, algorithm="auto", out=None, *, timeout=None):
+        """Row j of ``x`` (shape ``(size, *s)``) to rank j: returns shape ``(size, *s)``,
+        row i from rank i (``MPI_Alltoall``, torch's ``all_to_all_single`` with equal
+        splits). Every rank's ``x`` has the same shape and dtype."""
+        return self._alltoall(x, algorithm, out, timeout, True)
+
+    def alltoall_async(self, x, algorithm="auto", out=None, *, timeout=None):
+        return self._alltoall(x, algorithm, out, timeout, False)
+
+    def _alltoall(self, x, algorithm, out, timeout, blocking):
+        x = as_array(x, "x")
+        algorithm = check_algorithm("alltoall", algorithm)
+        if x.ndim == 0 or x.shape[0] != self.size:
+            raise ValueError(f"x must have shape (size, *s) = ({self.size}, ...), one row per rank; got {x.shape}")
+        if out is not None:
+            out = check_out(out, x.shape, x.dtype, like=x)
+        timeout = self._timeout_for(timeout)
+        algorithm = self._resolve("alltoall", algorithm, x.nbytes, x.dtype, isinstance(x, DeviceArray))
+        self._gate("alltoall", timeout, algorithm, "-", x.dtype, x.shape, blocking=blocking, memory=x)
+        if isinstance(x, DeviceArray):
+            return self._device_call("alltoall", algorithm, x, out, x.shape, "sum", 0, None, timeout, blocking)
+        inp, result, _, unpack = _prepare(x, out, x.shape, allow_inplace=False)
+        return self._start("alltoall", algorithm, x.size // self.size, inp, result, False, "sum", 0, None, unpack,
+                           blocking, timeout)
+
     def poll(self):
         """Advance this communicator's calls in flight without blocking, as far as their
         messages allow now (each finished message posts the next step's), and return how
@@ -700,6 +725,8 @@ class Communicator:
             segment = self._segment(segment_size, x.itemsize) if (collective, algorithm) in SEGMENTED else 1
             split = max(self.device_segment_size // x.itemsize, 1) if self.device_segment_size else 0
             count = math.prod(shape) if collective == "scatter" else x.size  # scatter: one row
+            if collective == "alltoall":  # one block of the size in x
+                count = x.size // self.size
             plan = _plan(collective, algorithm, self.rank, self.size, count, root, segment, inplace,
                          self.deterministic, split)
             handle = device_call.start_plan(self._progress, describe, finish, self._comm, tag, plan, inp,
@@ -727,6 +754,8 @@ class Communicator:
             return lambda send, recv: comm.Igather(send, recv if self.rank == root else None, root)
         if collective == "scatter":
             return lambda send, recv: comm.Iscatter(send if self.rank == root else None, recv, root)
+        if collective == "alltoall":
+            return lambda send, recv: comm.Ialltoall(send, recv)
         return lambda send, recv: comm.Ireduce(in_place(send, recv), recv if self.rank == root else None, mpi_op,
                                                root)
 
@@ -796,6 +825,8 @@ class Communicator:
             return (comm.Gather if blocking else comm.Igather)(inp, out if self.rank == root else None, root)
         if collective == "scatter":
             return (comm.Scatter if blocking else comm.Iscatter)(inp if self.rank == root else None, out, root)
+        if collective == "alltoall":
+            return (comm.Alltoall if blocking else comm.Ialltoall)(inp, out)
         recv = out if self.rank == root else None
         return (comm.Reduce if blocking else comm.Ireduce)(send, recv, _MPI_OPS[op], root)
 

@@ -35,8 +35,9 @@ def make_input(rank, count, dtype, op):
 
 
 def collective_input(rank, size, collective, count, dtype, op):
-    """Rank ``rank``'s input of ``count`` elements, for scatter ``size`` rows of them."""
-    if collective == "scatter":
+    """Rank ``rank``'s input of ``count`` elements, for scatter and alltoall ``size`` rows
+    of them."""
+    if collective in ("scatter", "alltoall"):
         return make_input(rank, size * count, dtype, op).reshape(size, count)
     return make_input(rank, count, dtype, op)
 
@@ -61,6 +62,10 @@ def native_result(mpi, collective, x, op="sum", root=0):
     if collective == "scatter":  # x: (size, *s) everywhere, the root's rows are sent
         out = np.empty(x.shape[1:], x.dtype)
         mpi.Scatter(x if mpi.rank == root else None, out, root)
+        return out
+    if collective == "alltoall":
+        out = np.empty_like(x)
+        mpi.Alltoall(x, out)
         return out
     out = np.empty_like(x)
     if collective == "reduce":
@@ -87,6 +92,8 @@ def run_one(comm, collective, algorithm, x, op, root):
         return comm.gather(x, root=root, algorithm=algorithm)
     if collective == "scatter":
         return comm.scatter(x, root=root, algorithm=algorithm)
+    if collective == "alltoall":
+        return comm.alltoall(x, algorithm=algorithm)
     if collective == "broadcast":
         return comm.broadcast(x.copy(), root=root, algorithm=algorithm)
     return comm.reduce(x, root=root, op=op, algorithm=algorithm)

@@ -135,6 +135,8 @@ def reference(call, rank, size):
         return rank_input(call.index, call.root, call.count, call.dtype, call.op)
     if call.collective == "scatter":
         return scatter_rows(call, call.root, size)[rank]
+    if call.collective == "alltoall":  # row rank of every rank's rows
+        return np.stack([scatter_rows(call, r, size)[rank] for r in range(size)])
     inputs = [rank_input(call.index, r, call.count, call.dtype, call.op) for r in range(size)]
     if call.collective in ("allgather", "gather"):
         return np.stack(inputs)
@@ -149,8 +151,8 @@ def reference(call, rank, size):
 
 
 def scatter_rows(call, rank, size):
-    """Rank ``rank``'s input to a scatter: ``size`` rows of ``count`` elements (only the
-    root's are sent)."""
+    """Rank ``rank``'s input to a scatter or alltoall: ``size`` rows of ``count`` elements
+    (of a scatter, only the root's are sent)."""
     return rank_input(call.index, rank, size * call.count, call.dtype, call.op).reshape(size, call.count)
 
 
@@ -159,7 +161,7 @@ def start(comm, call):
     rank = comm.rank
     if call.collective == "broadcast" and rank != call.root:
         x = np.full(call.count, 100, call.dtype)  # outside the inputs' range: a broadcast that did nothing shows
-    elif call.collective == "scatter":
+    elif call.collective in ("scatter", "alltoall"):
         x = scatter_rows(call, rank, comm.size)
     else:
         x = rank_input(call.index, rank, call.count, call.dtype, call.op)
@@ -170,7 +172,7 @@ def start(comm, call):
         result = method(x, op=call.op, algorithm=call.algorithm, **({"out": x} if call.inplace else {}))
     elif c == "reduce_scatter":
         result = method(x, op=call.op, algorithm=call.algorithm)
-    elif c == "allgather":
+    elif c in ("allgather", "alltoall"):
         result = method(x, algorithm=call.algorithm)
     elif c in ("broadcast", "gather", "scatter"):
         result = method(x, root=call.root, algorithm=call.algorithm)

@@ -113,6 +113,8 @@ def expected_everywhere(collective, inputs, op="sum", root=0):
         return [np.concatenate(inputs) if r == root else None for r in range(size)]
     if collective == "scatter":  # the root's input holds the size blocks
         return np.split(inputs[root], size)
+    if collective == "alltoall":  # block r of every input, in rank order
+        return [np.concatenate([np.split(x, size)[r] for x in inputs]) for r in range(size)]
     total = reference(op, inputs)
     if collective == "allreduce":
         return [total] * size
@@ -131,6 +133,8 @@ def expected_result(collective, rank, size, xs, op="sum", root=0):
         return np.stack(xs) if rank == root else None
     if collective == "scatter":  # every x is (size, *s); the root's rows are sent
         return xs[root][rank]
+    if collective == "alltoall":  # every x is (size, *s): row rank of each
+        return np.stack([x[rank] for x in xs])
     total = reference(op, xs)
     if collective == "reduce":
         return total if rank == root else None

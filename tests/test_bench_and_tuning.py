@@ -113,13 +113,14 @@ def nccl_bus_factor(collective, p):
     """nccl-tests' PERFORMANCE.md: busbw = algbw * factor."""
     return {"allreduce": 2 * (p - 1) / p, "reduce_scatter": (p - 1) / p,
             "allgather": (p - 1) / p, "broadcast": 1.0, "reduce": 1.0,
-            "gather": (p - 1) / p, "scatter": (p - 1) / p}[collective]
+            "gather": (p - 1) / p, "scatter": (p - 1) / p, "alltoall": (p - 1) / p}[collective]
 
 
 def reported_bytes(collective, requested, p, itemsize):
     """The size the harness reports for a requested size: whole elements, and for
     reduce_scatter, allgather, gather and scatter whole elements per rank (at least one each)."""
-    unit = itemsize * p if collective in ("reduce_scatter", "allgather", "gather", "scatter") else itemsize
+    unit = itemsize * p if collective in ("reduce_scatter", "allgather", "gather", "scatter", "alltoall") \
+        else itemsize
     return max(unit, requested - requested % unit)
 
 
@@ -159,7 +160,7 @@ MALFORMED = [
     ({"reduce": {"3": [[0, "ring"]]}}, r"reduce at world size 3: algorithm 'ring' is not one of "
      + ", ".join(a for a in cc.algorithms("reduce") if a != "auto")),
     ({"allgather": {"4": [[0, "auto"]]}}, r"allgather at world size 4: algorithm 'auto'"),
-    ({"alltoall": {"4": [[0, "native"]]}}, r"unknown collective 'alltoall'"),
+    ({"alltoallw": {"4": [[0, "native"]]}}, r"unknown collective 'alltoallw'"),
     ({"allreduce": {"4": []}}, r"allreduce at world size 4: expected a non-empty list"),
     ({"allreduce": {"4": [[0, "ring", 1]]}}, r"allreduce at world size 4: entry \[0, 'ring', 1\]"),
     ({"allreduce": {"4": [["0", "ring"]]}}, r"allreduce at world size 4: entry"),
@@ -241,11 +242,12 @@ def test_cost_model_rule_matches_the_readme_table():
         ("broadcast", 256 * 1024, 4, "binomial"), ("broadcast", 4 << 20, 4, "scatter_allgather"),
         ("broadcast", 4 << 20, 2, "binomial"), ("reduce", 4 << 20, 5, "binomial"),
         ("gather", 100, 4, "native"), ("gather", 4 << 20, 5, "native"), ("scatter", 4 << 20, 3, "native"),
+        ("alltoall", 8192, 4, "native"), ("alltoall", 4 << 20, 3, "native"),
     ]
     assert [cost_model_choice(c, n, p) for c, n, p, _ in cases] == [want for *_, want in cases]
     # Among the library's own algorithms (dtypes MPI cannot move): never native.
     own = [("allreduce", 100, 4, "recursive_doubling"), ("broadcast", 8, 3, "binomial"), ("gather", 8, 4, "binomial"),
-           ("scatter", 4 << 20, 4, "binomial")]
+           ("scatter", 4 << 20, 4, "binomial"), ("alltoall", 8192, 4, "bruck"), ("alltoall", 4 << 20, 3, "pairwise")]
     assert [cost_model_choice(c, n, p, own=True) for c, n, p, _ in own] == [want for *_, want in own]
     selector = Selector(4)  # no table, no overrides
     assert selector.explain("allreduce", 256 * 1024) == ("recursive_halving", "cost-model rule")
@@ -551,6 +553,8 @@ def test_case_buffers_and_reported_size(mpi_comm):
                 assert case.out.shape == (p, case.count) and case.x.shape == (case.count,)
             elif collective == "scatter":
                 assert case.out.shape == (case.count,) and case.x.shape == (p, case.count)
+            elif collective == "alltoall":
+                assert case.out.shape == case.x.shape == (p, case.count)
             elif collective == "reduce_scatter":
                 assert case.out.shape == (case.count // p,)
             result = case.result()
@@ -589,7 +593,7 @@ def test_sizes_and_defaults():
 
 @serial
 @pytest.mark.parametrize("argv,message", [
-    (["-c", "alltoall"], "--collectives: 'alltoall'"),
+    (["-c", "alltoallv"], "--collectives: 'alltoallv'"),
     (["-a", "fastest"], "--algorithms: 'fastest'"),
     (["-c", "broadcast", "-a", "ring"], "--algorithms: 'ring' is not an algorithm of broadcast"),
     (["-f", "1"], "--factor >= 2"),

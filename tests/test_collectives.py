@@ -16,6 +16,7 @@ from conftest import ALL_DTYPES, agree, counts_for, expected_result, ops_for, ra
 
 REDUCING = ["allreduce", "reduce_scatter", "reduce"]
 ROOTED = ["broadcast", "reduce", "gather", "scatter"]
+ROWS = ["scatter", "alltoall"]  # an input of one row per rank
 
 
 def inputs_of_all(size, count, dtype, op, shape=None):
@@ -39,13 +40,15 @@ def call(comm, collective, x, algorithm, op="sum", root=0, out=None, segment_siz
         return comm.gather(x, root=root, algorithm=algorithm, out=out)
     if collective == "scatter":
         return comm.scatter(x, root=root, algorithm=algorithm, out=out)
+    if collective == "alltoall":
+        return comm.alltoall(x, algorithm=algorithm, out=out)
     return comm.reduce(x, root=root, op=op, algorithm=algorithm, out=out)
 
 
 def run_and_compare(comm, mpi, collective, algorithm, dtype, op, count, root=0, segment_size=None, problems=None):
     """One call, checked against NumPy and against MPI; the input must be unchanged.
-    For scatter, every rank's input is ``size`` rows of ``count`` elements."""
-    rows = (comm.size, count) if collective == "scatter" else None
+    For scatter and alltoall, every rank's input is ``size`` rows of ``count`` elements."""
+    rows = (comm.size, count) if collective in ROWS else None
     xs = inputs_of_all(comm.size, count * comm.size if rows else count, dtype, op, rows)
     x = xs[comm.rank].copy()
     if collective == "broadcast" and comm.rank != root:
@@ -154,13 +157,16 @@ def test_noncontiguous_and_readonly_inputs_and_outputs(comm, mpi_comm, collectiv
         got = comm.broadcast(x, 0, algorithm, segment_size=16)
         if got is not x or not same(x, want):
             problems.append(f"strided broadcast: {x[:5]}")
-    elif collective == "scatter":  # rows of a transposed read-only array, into a strided out
+    elif collective in ROWS:  # rows of a transposed read-only array, into a strided out
         rows = [rank_input(r, comm.size * count, "int64").reshape(count, comm.size).T for r in range(comm.size)]
         rows[comm.rank].flags.writeable = False
-        out = noncontiguous(np.zeros(count, "int64"))
-        got = comm.scatter(rows[comm.rank], 0, algorithm, out=out)
-        if got is not out or not same(out, rows[0][comm.rank]):
-            problems.append(f"strided scatter: {out[:5]} != {rows[0][comm.rank][:5]}")
+        if collective == "scatter":
+            out, want = noncontiguous(np.zeros(count, "int64")), rows[0][comm.rank]
+        else:
+            out, want = np.zeros((count, comm.size), "int64").T, np.stack([r[comm.rank] for r in rows])
+        got = call(comm, collective, rows[comm.rank], algorithm, out=out)
+        if got is not out or not same(out, want):
+            problems.append(f"strided {collective}: {out.ravel()[:5]} != {want.ravel()[:5]}")
     else:
         got = call(comm, collective, x2, algorithm)
         if not (got is None and x2_want is None) and not same(got, x2_want):
@@ -238,7 +244,9 @@ def test_two_async_collectives_in_flight(comm, mpi_comm):
     g = comm.gather_async(xs[comm.rank][:5], root=comm.size - 1, algorithm="binomial")
     rows = np.stack([x[:3] for x in xs]) * (comm.rank == 0)
     k = comm.scatter_async(rows, root=0, algorithm="binomial")
-    handles = [a, b, c, d, e, f, g, k]
+    mine = np.stack([x[:2] for x in xs]) + comm.rank  # row j for rank j
+    m = comm.alltoall_async(mine, algorithm="bruck")
+    handles = [a, b, c, d, e, f, g, k, m]
     while not handles[-1].test():  # test() drives progress without blocking
         pass
     order = handles if comm.rank % 2 == 0 else handles[::-1]  # ranks wait in different orders
@@ -253,6 +261,7 @@ def test_two_async_collectives_in_flight(comm, mpi_comm):
         same(results[id(f)], reference("max", xs)),
         same(results[id(g)], np.stack([x[:5] for x in xs])) if comm.rank == comm.size - 1 else results[id(g)] is None,
         same(results[id(k)], xs[comm.rank][:3]),
+        same(results[id(m)], np.stack([xs[comm.rank][:2] + r for r in range(comm.size)])),
         all(h.test() for h in handles),
     ]
     if not all(checks):
@@ -299,7 +308,7 @@ def test_bfloat16_with_the_library_algorithms(comm, mpi_comm, collective):
     problems = []
     for algorithm in cc.algorithms(collective):
         for count in counts_for(comm.size):
-            rows = (comm.size, count) if collective == "scatter" else None
+            rows = (comm.size, count) if collective in ROWS else None
             xs = [rank_input(r, count * comm.size if rows else count, "float32", shape=rows)  # exact in bfloat16
                   for r in range(comm.size)]
             x = xs[comm.rank].astype(ml_dtypes.bfloat16)

@@ -110,6 +110,8 @@ def call(comm, collective, x, algorithm, op="sum", root=0, out=None):
         return comm.broadcast(x, root=root, algorithm=algorithm)
     if collective in ("gather", "scatter"):
         return getattr(comm, collective)(x, root=root, algorithm=algorithm, out=out)
+    if collective == "alltoall":
+        return comm.alltoall(x, algorithm=algorithm, out=out)
     return comm.reduce(x, root=root, op=op, algorithm=algorithm, out=out)
 
 
@@ -143,7 +145,7 @@ def test_every_collective_and_algorithm_equals_the_host_path(dcomm_sweep, mpi_co
     counts = counts_for(comm.size, large=False) + [1000] if comm.test_path == "ipc" else [0, comm.size + 1, 1000]
     for count in counts:
         for root in roots:
-            rows = (comm.size, count) if collective == "scatter" else None  # scatter: a row per rank
+            rows = (comm.size, count) if collective in ("scatter", "alltoall") else None  # a row per rank
             xs = [rank_input(r, count * comm.size if rows else count, "float32", shape=rows)
                   for r in range(comm.size)]
             x = xs[comm.rank].copy()

@@ -122,8 +122,10 @@ def test_algorithms_lists_native_and_auto():
     assert cc.algorithms("allgather") == ("ring", "recursive_doubling", "bruck", "direct", "native", "auto")
     assert cc.algorithms("broadcast") == ("binomial", "pipeline", "scatter_allgather", "direct", "native", "auto")
     assert cc.algorithms("reduce") == ("binomial", "direct", "native", "auto")
+    assert cc.algorithms("gather") == cc.algorithms("scatter") == ("binomial", "native", "auto")
+    assert cc.algorithms("alltoall") == ("pairwise", "bruck", "native", "auto")
     with pytest.raises(ValueError, match="collective must be one of"):
-        cc.algorithms("alltoall")
+        cc.algorithms("alltoallv")
 
 
 def test_buffer_protocol_inputs_are_viewed(comm):
@@ -165,3 +167,13 @@ def test_gather_out_is_checked_on_the_root_only(comm):
         comm.barrier()
     else:
         comm.barrier()  # the root refused before sending anything: nothing to match
+
+
+def test_alltoall_arguments(comm):
+    size = comm.size
+    for x in (np.ones((size + 1, 2)), np.ones(()), np.ones(size + 2)):
+        with pytest.raises(ValueError, match=rf"x must have shape \(size, \*s\) = \({size}, \.\.\.\), one row per rank"):
+            comm.alltoall(x)
+    with pytest.raises(ValueError, match=rf"out must have shape \({size}, 3\); got \({size}, 4\)"):
+        comm.alltoall(np.ones((size, 3)), out=np.empty((size, 4)))
+    comm.barrier()

@@ -52,6 +52,7 @@ DTYPE_NAMES = list(DTYPES)
 INT_NAMES = [n for n in DTYPE_NAMES if DTYPES[n].kind in "iu"]
 FLOAT_NAMES = [n for n in DTYPE_NAMES if DTYPES[n].kind in "fc" or DTYPES[n] == BFLOAT16]
 REDUCING = ("allreduce", "reduce_scatter", "reduce")
+ROWS = ("scatter", "alltoall")  # an input of one row per rank
 
 
 def fuzz(examples):
@@ -182,6 +183,8 @@ def expected(collective, rank, size, xs, op, root):
         return np.stack(xs) if rank == root else None
     if collective == "scatter":  # every x is (size, *s); the root's rows are sent
         return xs[root][rank].copy()
+    if collective == "alltoall":  # every x is (size, *s): row rank of each
+        return np.stack([x[rank] for x in xs])
     if collective == "broadcast":
         return xs[root].copy()
     total = reduced(op, xs, size)
@@ -236,14 +239,16 @@ def call(comm, collective, x, *, op="sum", algorithm="auto", root=0, out=None, s
         result = fn(x, root=root, algorithm=algorithm, segment_size=segment_size, **extra)
     elif collective in ("gather", "scatter"):
         result = fn(x, root=root, algorithm=algorithm, out=out, **extra)
+    elif collective == "alltoall":
+        result = fn(x, algorithm=algorithm, out=out, **extra)
     else:
         result = fn(x, root=root, op=op, algorithm=algorithm, out=out, **extra)
     return result.wait() if use_async else result
 
 
 def result_shape(collective, shape, size, rank):
-    """The result's shape for an input of ``shape`` (scatter: of one row)."""
-    if collective in ("allgather", "gather"):
+    """The result's shape for an input of ``shape`` (scatter, alltoall: of one row)."""
+    if collective in ("allgather", "gather", "alltoall"):
         return (size,) + tuple(shape)
     if collective == "reduce_scatter":
         return np.array_split(np.empty(math.prod(shape)), size)[rank].shape
@@ -319,10 +324,10 @@ def test_valid_calls_equal_numpy(fcomms, case):
     label = f"{case} (root {root}, {group}: rank {rank} of {size}; world size {WORLD.size})"
 
     def body():
-        xshape = (size,) + tuple(shape) if c == "scatter" else shape  # scatter: shape is a row's
+        xshape = (size,) + tuple(shape) if c in ROWS else shape  # scatter, alltoall: shape is a row's
         xs = [rank_values(case["seed"], r, xshape, dtype, op, case["full"]) for r in range(size)]
         want = expected(c, rank, size, xs, op, root)
-        x, _ = laid_out(xs[rank], *(case["out_layout"] if c == "scatter" else case["layout"]), fill=1)
+        x, _ = laid_out(xs[rank], *(case["out_layout"] if c in ROWS else case["layout"]), fill=1)
         x.flags.writeable = not case["read_only"]
         rshape = result_shape(c, shape, size, rank)
         out = base = None
@@ -338,6 +343,9 @@ def test_valid_calls_equal_numpy(fcomms, case):
             if c == "scatter":  # out is a row of x: the root must read its rows first
                 x = xs[rank].copy()
                 out = x[(root + 1) % size, ...]
+            elif c == "alltoall":  # out is x reversed: every row must be read before written
+                x = xs[rank].copy()
+                out = x[::-1]
             elif c in ("allgather", "gather"):
                 out = np.full(rshape, 5, dtype)
                 x = out[case["root"] % size, ...]  # a view, even of a 0-d row
@@ -386,11 +394,11 @@ DEFECTS = {  # defect: the collectives it applies to
     "bitwise op on a non-integer": REDUCING,
     "root out of range": ("broadcast", "reduce", "gather", "scatter"),
     "unknown algorithm": cc.COLLECTIVES,
-    "out of the wrong shape": ("allreduce", "reduce_scatter", "allgather", "reduce", "scatter"),
-    "out of the wrong dtype": ("allreduce", "reduce_scatter", "allgather", "reduce", "scatter"),
-    "read-only out": ("allreduce", "reduce_scatter", "allgather", "reduce", "scatter"),
-    "out not an ndarray": ("allreduce", "reduce_scatter", "allgather", "reduce", "scatter"),
-    "scatter rows other than the world size": ("scatter",),
+    "out of the wrong shape": ("allreduce", "reduce_scatter", "allgather", "reduce", "scatter", "alltoall"),
+    "out of the wrong dtype": ("allreduce", "reduce_scatter", "allgather", "reduce", "scatter", "alltoall"),
+    "read-only out": ("allreduce", "reduce_scatter", "allgather", "reduce", "scatter", "alltoall"),
+    "out not an ndarray": ("allreduce", "reduce_scatter", "allgather", "reduce", "scatter", "alltoall"),
+    "rows other than the world size": ("scatter", "alltoall"),
     "broadcast into a read-only array": ("broadcast",),
     "bad segment_size": ("allreduce", "broadcast"),
     "bad timeout": cc.COLLECTIVES,
@@ -416,7 +424,7 @@ def invalid_call(comm, case):
     c, defect, pick, size = case["collective"], case["defect"], case["pick"], comm.size
     count = case["count"] * (size if c == "reduce_scatter" else 1)  # equal blocks: the same message everywhere
     kw = dict(algorithm=case["algorithm"], use_async=case["use_async"])
-    x = np.ones((size, count) if c == "scatter" else count, np.float32)  # scatter: a row per rank
+    x = np.ones((size, count) if c in ROWS else count, np.float32)  # scatter, alltoall: a row per rank
 
     def choose(options):
         return options[pick % len(options)]
@@ -437,7 +445,7 @@ def invalid_call(comm, case):
     if defect == "bitwise op on a non-integer":
         op, dtype = choose([(op, d) for op in ("band", "bor", "bxor") for d in FLOAT_NAMES])
         return make(x=np.ones(count, DTYPES[dtype]), op=op), TypeError, f"op '{op}' needs an integer dtype; got {dtype}"
-    if defect == "scatter rows other than the world size":
+    if defect == "rows other than the world size":
         rows = choose([size + 1, 2 * size + 1]) if size > 1 else 2
         return (make(x=np.ones((rows, count), np.float32)), ValueError,
                 f"x must have shape (size, *s) = ({size}, ...), one row per rank; got ({rows}, {count})")
@@ -446,7 +454,7 @@ def invalid_call(comm, case):
         return make(root=root), ValueError, f"root must be a rank in 0..{size - 1}; got"
     if defect == "unknown algorithm":
         other = {"allreduce": "bruck", "reduce_scatter": "tree", "allgather": "binomial", "broadcast": "ring",
-                 "reduce": "ring", "gather": "ring", "scatter": "direct"}[c]
+                 "reduce": "ring", "gather": "ring", "scatter": "direct", "alltoall": "ring"}[c]
         algorithm = choose(["fastest", "RING", None, 3, ("ring",), "", other])
         return (make(algorithm=algorithm), ValueError,
                 f"algorithm for {c} must be one of {', '.join(cc.algorithms(c))}; got")
@@ -706,7 +714,7 @@ def test_calls_in_flight_together(fcomm, case):
         handles, wants, results = {}, {}, {}
         for i, spec in enumerate(case["calls"]):
             c, dtype, op, root = spec["collective"], DTYPES[spec["dtype"]], spec["op"], spec["root"] % size
-            shape = (size, spec["count"]) if c == "scatter" else (spec["count"],)  # scatter: a row per rank
+            shape = (size, spec["count"]) if c in ROWS else (spec["count"],)  # a row per rank
             xs = [rank_values(case["seed"] + i, r, shape, dtype, op) for r in range(size)]
             wants[i] = expected(c, rank, size, xs, op, root)
             fn = getattr(fcomm, c if spec["blocking"] else c + "_async")

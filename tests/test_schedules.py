@@ -26,8 +26,9 @@ ROOTED = ("broadcast", "reduce", "gather", "scatter")
 
 
 def check(collective, algorithm, size, count, dtype="float64", op="sum", root=0, segment=3, inplace=False):
-    """Problems with one call; ``count`` elements per rank (scatter: per block)."""
-    inputs = [rank_input(r, count * (size if collective == "scatter" else 1), dtype, op) for r in range(size)]
+    """Problems with one call; ``count`` elements per rank (scatter, alltoall: per block)."""
+    inputs = [rank_input(r, count * (size if collective in ("scatter", "alltoall") else 1), dtype, op)
+              for r in range(size)]
     kept = [x.copy() for x in inputs]
     got = run_collective(collective, algorithm, inputs, op, root, segment, inplace)
     want = expected_everywhere(collective, kept, op, root)
@@ -187,7 +188,8 @@ def test_device_plans_equal_the_plain_ones_bit_for_bit(collective, algorithm, or
     for size in (1, 2, 3, 5, 8, 17):
         for count in (0, 1, size + 1, 100):
             for inplace in ([False, True] if collective in ("allreduce", "reduce") else [False]):
-                inputs = [rng.standard_normal(count * (size if collective == "scatter" else 1)) for _ in range(size)]
+                inputs = [rng.standard_normal(count * (size if collective in ("scatter", "alltoall") else 1))
+                          for _ in range(size)]
                 plain_plans = [compile_plan(build(collective, algorithm, r, size, count, root=size - 1, segment=3,
                                                   ordered=ordered), inplace=inplace) for r in range(size)]
                 plain = run_collective(collective, algorithm, [x.copy() for x in inputs], "sum", size - 1, 3,

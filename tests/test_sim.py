@@ -142,6 +142,11 @@ def expected_counters(collective, algorithm, p, count, root=0, segments=1):
                 row = (1 if vr else 0, extent * n if vr else 0, (extent - 1) * n, 0)
             else:
                 row = (children, (extent - 1) * n, extent * n if vr else 0, 0)
+        elif key == ("alltoall", "pairwise"):  # n: one block
+            row = (p - 1, (p - 1) * n, (p - 1) * n, 0)
+        elif key == ("alltoall", "bruck"):  # the slots with bit k set, at every step k
+            moved = sum(sum(1 for i in range(p) if i & (1 << k)) for k in range(lg_ceil))
+            row = (lg_ceil, moved * n, moved * n, 0)
         elif key == ("reduce", "direct"):  # reduce_scatter, then every block to the root
             row = (p - 1, (p - 1) * b, 2 * (p - 1) * b, (p - 1) * b) if r == root else (p, p * b, (p - 1) * b, (p - 1) * b)
         else:
@@ -248,6 +253,8 @@ def closed_form(collective, algorithm, p, n, gamma=G, segments=1):
         return lg_ceil * c(n)
     if key in (("gather", "binomial"), ("scatter", "binomial")):  # n: one block; the root's ⌈lg p⌉ messages
         return lg_ceil * A + (p - 1) * n * B
+    if key == ("alltoall", "pairwise"):  # n: one block, p-1 of them in and out
+        return (p - 1) * c(n)
     if key == ("broadcast", "pipeline"):
         return (p - 1 + segments - 1) * c(n // segments)
     if key == ("broadcast", "direct"):
@@ -271,6 +278,8 @@ def closed_form(collective, algorithm, p, n, gamma=G, segments=1):
         return lg * (c(n) + g(n, gamma))
     if key == ("broadcast", "scatter_allgather"):
         return (lg + p - 1) * A + 2 * (p - 1) * b * B
+    if key == ("alltoall", "bruck"):  # n: one block; p/2 of them per step
+        return lg * c(p // 2 * n)
     return None
 
 
@@ -433,7 +442,7 @@ def calls(draw):
 def test_results_equal_numpy_bit_for_bit_on_every_rank(call):
     collective, algorithm, dtype, op, p, count, root, segment, inplace = call
     result = sim.run(collective, algorithm, p, count, dtype, op, root, segment_size=segment, inplace=inplace)
-    per_rank = count * p if collective == "scatter" else count  # scatter: count per block
+    per_rank = count * p if collective in ("scatter", "alltoall") else count  # count per block
     inputs = [sim.simulate.make_input(r, p, per_rank, dtype, op) for r in range(p)]
     want = expected_everywhere(collective, inputs, op, root)
     for r in range(p):
@@ -556,7 +565,7 @@ def synthetic_rows(params, world_sizes=(2, 4)):
     for p in world_sizes:
         for collective, algorithm in ALGORITHMS:
             for nbytes in (1 << 12, 1 << 16, 1 << 20, 1 << 22):
-                count = nbytes // 4 // (p if collective in ("allgather", "gather", "scatter") else 1)
+                count = nbytes // 4 // (p if collective in ("allgather", "gather", "scatter", "alltoall") else 1)
                 t = sim.costs(collective, algorithm, p, count).time(*params)
                 rows.append(dict(collective=collective, algorithm=algorithm, bytes=nbytes, count=count, world_size=p,
                                  dtype="float32", time_us=t * 1e6))

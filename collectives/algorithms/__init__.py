@@ -2,14 +2,16 @@
 
 Every algorithm is a function ``build(rank, size, count, *, root, segment) ->
 Schedule`` (see ``collectives.schedule``); ``count`` is the element count of the
-input (for allgather: of one rank's contribution). ``native`` is not here: it is the
-MPI library's own collective, which the transport calls directly.
+input (for allgather and gather: of one rank's contribution; for scatter: of the block
+each rank receives; for alltoall: of one block, a rank's input holding ``size`` of
+them). ``native`` is not here: it is the MPI library's own collective, which the
+transport calls directly.
 """
 
 from ._layout import block_bounds  # noqa: F401 (used by the communicator)
-from . import binomial, bruck, direct, pipeline, recursive_doubling, recursive_halving, ring, scatter_allgather, tree
+from . import alltoall, binomial, bruck, direct, pipeline, recursive_doubling, recursive_halving, ring, scatter_allgather, tree
 
-COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "gather", "scatter")
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "gather", "scatter", "alltoall")
 ROOTED = ("broadcast", "reduce", "gather", "scatter")  # the collectives that take a root
 
 BUILDERS = {
@@ -46,6 +48,10 @@ BUILDERS = {
     },
     "scatter": {
         "binomial": binomial.scatter,
+    },
+    "alltoall": {
+        "pairwise": alltoall.pairwise,
+        "bruck": alltoall.bruck,
     },
 }
 
@@ -91,13 +97,16 @@ def cost_model_choice(collective, nbytes, size, own=False):
     From the cost model (``README.md``, "Algorithms"): the MPI library's own collective
     for tiny buffers (its per-message latency is a tenth of ours), latency-optimal
     algorithms (fewest messages) below 64 KiB, bandwidth-optimal ones above.
-    Gather and scatter: the MPI library's own at every size, since MPICH's are binomial
-    trees too (our very messages, at a tenth of our per-message cost).
+    Gather, scatter and alltoall: the MPI library's own at every size, since MPICH's are
+    the same schedules (binomial trees; Bruck and pairwise exchange) at a tenth of our
+    per-message cost.
     ``nbytes`` is the input size (allgather and gather: the gathered size; scatter: the
-    root's whole buffer).
+    root's whole buffer; alltoall: a rank's whole input).
     """
     if collective in ("gather", "scatter"):
         return "binomial" if own else "native"
+    if collective == "alltoall":  # MPICH's own: Bruck and pairwise too, at a lower cost per message
+        return ("bruck" if nbytes < SMALL else "pairwise") if own else "native"
     if nbytes < NATIVE_BELOW and not own:
         return "native"
     pof2 = size & (size - 1) == 0

@@ -21,7 +21,7 @@ def bus_factor(collective, world_size):
     p = world_size
     if collective == "allreduce":
         return 2 * (p - 1) / p
-    if collective in ("reduce_scatter", "allgather", "gather", "scatter"):
+    if collective in ("reduce_scatter", "allgather", "gather", "scatter", "alltoall"):
         return (p - 1) / p
     return 1.0
 
@@ -32,9 +32,10 @@ def element_count(collective, nbytes, world_size, itemsize):
     The size is the buffer nccl-tests reports: the input for allreduce, broadcast and
     reduce, the whole (scattered or gathered) buffer for reduce_scatter, allgather,
     gather and scatter, which are rounded to a whole number of elements per rank (at
-    least one). For allgather, gather and scatter the count is one rank's block.
+    least one). For allgather, gather, scatter and alltoall the count is one block (for
+    alltoall the size is a rank's input).
     """
-    if collective in ("reduce_scatter", "allgather", "gather", "scatter"):
+    if collective in ("reduce_scatter", "allgather", "gather", "scatter", "alltoall"):
         per_rank = max(1, nbytes // (itemsize * world_size))
         return per_rank * world_size if collective == "reduce_scatter" else per_rank
     return max(1, nbytes // itemsize)
@@ -49,11 +50,11 @@ class Case:
 
     def __init__(self, collective, nbytes, world, dtype, op, inplace, root=0, device=None):
         self.collective, self.dtype, self.op, self.root = collective, np.dtype(dtype), op, root
-        self.inplace = inplace and collective not in ("gather", "scatter")  # they have no in-place form
+        self.inplace = inplace and collective not in ("gather", "scatter", "alltoall")  # they have no in-place form
         self.world = world  # the mpi4py communicator the native calls run on
         self.rank, self.size = world.Get_rank(), world.Get_size()
         self.count = element_count(collective, nbytes, self.size, self.dtype.itemsize)
-        scale = self.size if collective in ("allgather", "gather", "scatter") else 1
+        scale = self.size if collective in ("allgather", "gather", "scatter", "alltoall") else 1
         self.nbytes = self.count * self.dtype.itemsize * scale
         self.fresh = collective_input(self.rank, self.size, collective, self.count, self.dtype,
                                       "prod" if op == "prod" else "sum")
@@ -62,6 +63,8 @@ class Case:
             self.out = np.empty((self.size, self.count), self.dtype)
         elif collective == "scatter":
             self.out = np.empty(self.count, self.dtype)
+        elif collective == "alltoall":
+            self.out = np.empty((self.size, self.count), self.dtype)
         elif collective == "allgather":
             self.out = np.empty((self.size, self.count), self.dtype)
             if inplace:  # MPI_IN_PLACE style: this rank's input is its row of the output
@@ -77,7 +80,7 @@ class Case:
             if collective == "allgather":
                 self.dout = device.empty(self.out.shape, self.dtype)
                 self.dx = self.dout[self.rank] if inplace else device.empty(self.x.shape, self.dtype)
-            elif collective in ("reduce_scatter", "gather", "scatter"):
+            elif collective in ("reduce_scatter", "gather", "scatter", "alltoall"):
                 self.dx, self.dout = device.empty(self.x.shape, self.dtype), device.empty(self.out.shape, self.dtype)
             else:
                 self.dx = device.empty(self.x.shape, self.dtype)
@@ -117,6 +120,8 @@ class Case:
             return lambda: comm.gather(x, root, algorithm, out)
         if c == "scatter":
             return lambda: comm.scatter(x, root, algorithm, out)
+        if c == "alltoall":
+            return lambda: comm.alltoall(x, algorithm, out)
         return lambda: comm.reduce(x, root, op, algorithm, out)
 
     def native(self, mpi_comm):
@@ -158,6 +163,8 @@ class Case:
             return lambda: mpi_comm.Gather(x, out if self.rank == root else None, root)
         if c == "scatter":
             return lambda: mpi_comm.Scatter(x if self.rank == root else None, out, root)
+        if c == "alltoall":
+            return lambda: mpi_comm.Alltoall(x, out)
         if self.rank != root:  # MPI_IN_PLACE is for the root only
             return lambda: mpi_comm.Reduce(x, None, mpi_op, root)
         return lambda: mpi_comm.Reduce(send, out, mpi_op, root)

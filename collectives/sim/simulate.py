@@ -56,9 +56,9 @@ class Costs:
     @property
     def nbytes(self):
         """The size the benchmarks call S: the input, or for allgather and gather the
-        gathered output, for scatter the root's whole buffer."""
+        gathered output, for scatter the root's whole buffer, for alltoall a rank's input."""
         n = self.count * self.dtype.itemsize
-        return n * self.world_size if self.collective in ("allgather", "gather", "scatter") else n
+        return n * self.world_size if self.collective in ("allgather", "gather", "scatter", "alltoall") else n
 
     @cached_property
     def _graph(self):
@@ -171,7 +171,7 @@ def costs(collective, algorithm, world_size, count, dtype="float32", root=0, **p
 def run(collective, algorithm, world_size, count, dtype="float32", op="sum", root=0, **params):
     """Run ``collective`` with ``algorithm`` for ``world_size`` virtual ranks in this
     process, on integer-valued NumPy inputs of ``count`` elements per rank (allgather and
-    gather: each rank's contribution; scatter: each block), and check every rank's result against NumPy's reduction
+    gather: each rank's contribution; scatter and alltoall: each block), and check every rank's result against NumPy's reduction
     of the same inputs: equal values (+0 and -0 alike), and for allreduce the same
     bits on every rank.
 
@@ -186,7 +186,7 @@ def run(collective, algorithm, world_size, count, dtype="float32", op="sum", roo
     if baseline and op == "avg":
         raise ValueError("op 'avg' is not modelled for the parameter_server baseline; use op='sum'")
     plans = plans_for(collective, algorithm, world_size, count, dtype, root, **params)
-    per_rank = count * world_size if collective == "scatter" else count  # scatter: count per block
+    per_rank = count * world_size if collective in ("scatter", "alltoall") else count  # count per block
     inputs = [make_input(r, world_size, per_rank, dtype, op) for r in range(world_size)]
     inplace = bool(params.get("inplace", False))
     got = local.run_collective(collective, algorithm, [x.copy() for x in inputs], op, root, inplace=inplace, plans=plans)
@@ -236,6 +236,8 @@ def reference(collective, inputs, op="sum", root=0):
         return [np.concatenate(inputs) if r == root else None for r in range(size)]
     if collective == "scatter":  # the root's input holds the size blocks
         return np.split(inputs[root], size)
+    if collective == "alltoall":  # block r of every input, in rank order
+        return [np.concatenate([np.split(x, size)[r] for x in inputs]) for r in range(size)]
     dtype = inputs[0].dtype
     total = _UFUNCS[op].reduce(np.stack(inputs), axis=0, dtype=dtype) if inputs[0].size else inputs[0].copy()
     if op == "avg":

@@ -73,7 +73,8 @@ def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, i
     """Run ``collective`` with ``algorithm`` for ``len(inputs)`` virtual ranks in this
     process and return each rank's result as the Communicator would shape it (flat;
     ``None`` for the non-roots of reduce and gather). ``inputs[r]`` is rank r's flat
-    array; for scatter only the root's counts (``len(inputs)`` blocks).
+    array; for scatter only the root's counts (``len(inputs)`` blocks); for alltoall each
+    holds ``len(inputs)`` blocks.
     ``plans``: every rank's compiled plan, if the caller has built them already.
     """
     # Imported here: the algorithm registry imports nothing from the transports.
@@ -82,7 +83,7 @@ def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, i
     from ..schedule import compile_plan
 
     size = len(inputs)
-    count = inputs[root].size // size if collective == "scatter" else inputs[0].size
+    count = inputs[root].size // size if collective in ("scatter", "alltoall") else inputs[0].size
     dtype = inputs[root].dtype
     inputs = [np.ascontiguousarray(x).reshape(-1) for x in inputs]
     if collective == "broadcast":
@@ -101,6 +102,8 @@ def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, i
         outputs = [np.empty(count if r == root else 0, dtype) for r in range(size)]
     elif collective == "gather":
         outputs = [np.empty(size * count if r == root else 0, dtype) for r in range(size)]
+    elif collective == "alltoall":
+        outputs = [np.empty(size * count, dtype) for _ in range(size)]
     else:
         outputs = [np.empty(count, dtype) for _ in range(size)]
     if plans is None:
