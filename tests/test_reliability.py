@@ -47,6 +47,12 @@ MISMATCHES = {
     "algorithm": (lambda c: c.allreduce(np.ones(8), algorithm="ring"),
                   lambda c: c.allreduce(np.ones(8), algorithm="recursive_doubling"), "algorithm: ring on"),
     "collective": (lambda c: c.allreduce(np.ones(8)), lambda c: c.reduce(np.ones(8)), "collective: allreduce on"),
+    "gather root": (lambda c: c.gather(np.ones(8), root=0), lambda c: c.gather(np.ones(8), root=LAST),
+                    "root: 0 on"),
+    "scatter rows": (lambda c: c.scatter(np.ones((c.size, 4))), lambda c: c.scatter(np.ones((c.size, 5))),
+                     "called scatter(float64, shape (5,)"),
+    "alltoall algorithm": (lambda c: c.alltoall(np.ones((c.size, 3)), algorithm="bruck"),
+                           lambda c: c.alltoall(np.ones((c.size, 3)), algorithm="pairwise"), "algorithm: bruck on"),
     "blocking and async native": (lambda c: c.allreduce(np.ones(8), algorithm="native"),
                                   lambda c: c.allreduce_async(np.ones(8), algorithm="native").wait(),
                                   "native call: MPI blocking on"),
@@ -108,6 +114,14 @@ def test_check_mode_passes_every_valid_call(mpi_comm):
         problems.append("reduce")
     if not np.array_equal(comm.reduce_scatter_async(x).wait(), np.array_split(total, p)[r]):
         problems.append("reduce_scatter")
+    rows = np.stack([x + q for q in range(p)])  # row q for rank q
+    got = comm.gather(x, root=p - 1, algorithm="binomial")
+    if r == p - 1 and not np.array_equal(got, np.stack([np.arange(10) + q for q in range(p)])):
+        problems.append("gather")
+    if not np.array_equal(comm.scatter(rows, root=0), np.arange(10) + r):
+        problems.append("scatter")
+    if not np.array_equal(comm.alltoall(rows, algorithm="bruck"), np.stack([np.arange(10) + q + r for q in range(p)])):
+        problems.append("alltoall")
     if comm.broadcast_object({"k": [1, 2]} if r == 0 else None) != {"k": [1, 2]}:
         problems.append("broadcast_object")
     comm.barrier()
@@ -211,6 +225,30 @@ def test_timeout_names_step_peers_bytes_and_the_absent_rank(algorithm):
         later, text = outcome(lambda: comm.barrier())
         if later != "CollectiveError" or "broken" not in text:
             problems.append(f"the broken communicator accepted a call: {later} {text}")
+    agree(WORLD, problems)
+
+
+@needs_peers
+@pytest.mark.parametrize("collective,algorithm", [("alltoall", "pairwise"), ("alltoall", "bruck"),
+                                                  ("alltoall", "native"), ("scatter", "binomial")])
+def test_new_collectives_time_out_naming_the_absent_rank(collective, algorithm):
+    """Every other rank needs something from the absent last rank (it is the scatter's
+    root), so every other rank raises within timeout + 1 s."""
+    comm = cc.Communicator()
+    rows = np.ones((comm.size, 500))
+    if collective == "alltoall":
+        call = lambda: comm.alltoall(rows, algorithm=algorithm, timeout=1.0)  # noqa: E731
+    else:
+        call = lambda: comm.scatter(rows, root=LAST, algorithm=algorithm, timeout=1.0)  # noqa: E731
+    kind, message, took = skipping_last_rank(call, 1.0)
+    problems = []
+    if comm.rank != LAST:
+        wanted = (f"rank {comm.rank}: {collective}(algorithm={algorithm!r}) call #1 timed out after 1.0 s",
+                  f"no answer within 0.5 s from rank {LAST}")
+        if kind != "CollectiveTimeoutError" or not all(part in message for part in wanted):
+            problems.append(f"{kind}: {message}")
+        if not took < 1.0 + 1.0:
+            problems.append(f"raised after {took:.2f} s, more than timeout + 1 s")
     agree(WORLD, problems)
 
 
