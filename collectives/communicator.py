@@ -475,6 +475,10 @@ class Communicator:
         self._gate("gather", timeout, algorithm, "-", x.dtype, x.shape, root, blocking, memory=x)
         if isinstance(x, DeviceArray):
             return self._device_call("gather", algorithm, x, out, shape, "sum", root, None, timeout, blocking)
+        if algorithm == "native" and blocking and self._mpi_blocks(timeout):
+            result = self._native_now("gather", x, out, shape, root=root)
+            if result is not _NOT_HANDLED:
+                return result
         if self.rank != root:
             inp = flat_input(x)
             return self._start("gather", algorithm, x.size, inp, inp[:0], False, "sum", root, None, _nothing,
@@ -518,6 +522,11 @@ class Communicator:
         if isinstance(where, DeviceArray):
             return self._device_call("scatter", algorithm, x if x is not None else out, out, shape, "sum", root,
                                      None, timeout, blocking)
+        if algorithm == "native" and blocking and self._mpi_blocks(timeout):
+            mine = x if self.rank == root else np.empty(0, where.dtype)  # the other ranks' x is not read
+            result = self._native_now("scatter", mine, out, shape, root=root)
+            if result is not _NOT_HANDLED:
+                return result
         if self.rank == root:
             inp = flat_input(x)
             result_owner = np.empty(shape, x.dtype) if out is None else out
@@ -552,6 +561,10 @@ class Communicator:
         self._gate("alltoall", timeout, algorithm, "-", x.dtype, x.shape, blocking=blocking, memory=x)
         if isinstance(x, DeviceArray):
             return self._device_call("alltoall", algorithm, x, out, x.shape, "sum", 0, None, timeout, blocking)
+        if algorithm == "native" and blocking and self._mpi_blocks(timeout):
+            result = self._native_now("alltoall", x, out, x.shape)
+            if result is not _NOT_HANDLED:
+                return result
         inp, result, _, unpack = _prepare(x, out, x.shape, allow_inplace=False)
         return self._start("alltoall", algorithm, x.size // self.size, inp, result, False, "sum", 0, None, unpack,
                            blocking, timeout)
@@ -766,7 +779,7 @@ class Communicator:
         overlaps ``out`` (then ``_start`` packs them and makes the same blocking call)."""
         if not x.flags.c_contiguous:
             return _NOT_HANDLED
-        leaf = collective == "reduce" and self.rank != root  # gets no result; out is left alone
+        leaf = collective in ("reduce", "gather") and self.rank != root  # gets no result; out is left alone
         inplace = out is x and collective in ("allreduce", "reduce") and not leaf
         if collective == "broadcast":
             out = x
