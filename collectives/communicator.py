@@ -19,7 +19,7 @@ from . import ops
 from .algorithms import SEGMENTED, block_bounds, build, check_algorithm, check_ordered, cost_model_choice
 from .errors import CollectiveError, TransportError
 from .arrays import as_array, check_out, flat_input, flat_view, is_extra, overlaps, same_memory
-from .device import DeviceArray
+from .device import DeviceArray, is_device
 from .schedule import compile_plan, fuse_reductions, split_schedule
 from .transport.buffers import Buffers
 from .transport.liveness import Liveness
@@ -220,7 +220,8 @@ class Communicator:
 
     def choose(self, collective, nbytes, device=False):
         """``(algorithm, why)``: what ``auto`` picks for ``collective`` on ``nbytes`` bytes
-        (allgather: the gathered size) at this world size, and which rule decided;
+        (allgather and gather: the gathered size; scatter: the root's whole buffer;
+        alltoall: a rank's whole input) at this world size, and which rule decided;
         ``device=True`` for device arrays."""
         check_algorithm(collective, "auto")
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
@@ -504,7 +505,9 @@ class Communicator:
             raise ValueError(f"x must be an array on the root (rank {root}): its rows are scattered; got None")
         if x is None and out is None:
             raise ValueError("x is None: pass out, the array of shape s that receives this rank's row")
-        if x is None:
+        if x is None:  # out alone says the row's shape and dtype: an array, not a list to convert
+            if not isinstance(out, np.ndarray) and not is_device(out):
+                raise TypeError(f"out must be a numpy.ndarray or a device array; got {type(out).__name__}")
             out = as_array(out, "out")
             x, shape, where = None, out.shape, out
         else:

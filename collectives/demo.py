@@ -157,7 +157,8 @@ def main(argv=None):
     if comm.rank == 0:
         nbytes = args.count * np.dtype(args.dtype).itemsize
         print(f"collectives demo: {comm.size} ranks, {args.dtype}, checked against native MPI at counts "
-              f"{', '.join(map(str, counts))}; timed at {args.count} elements ({nbytes / 2**20:.2f} MiB)")
+              f"{', '.join(map(str, counts))}; timed at {args.count} elements ({nbytes / 2**20:.2f} MiB) per rank, "
+              f"per row for scatter and alltoall")
         print(f"{'collective':<15} {'algorithm':<19} {'check':<10} {'#wrong':>7} {'time (us)':>11} {'vs native':>10}")
         for collective, algorithm, wrong, seconds, ratio in rows:
             status = "verified" if wrong == 0 else "WRONG"

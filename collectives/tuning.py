@@ -23,7 +23,8 @@ Each world size maps to a list of ``[from_bytes, algorithm]``, ascending: the
 algorithm applies from ``from_bytes`` up to the next entry's (the first entry also
 below its ``from_bytes``, which ``--tune`` writes as 0). ``bytes`` is the size
 the benchmark reports: the input for allreduce, reduce_scatter, broadcast and reduce,
-the gathered output for allgather.
+the gathered output for allgather and gather, the root's whole buffer for scatter and
+a rank's whole input for alltoall.
 
 The environment is read when a :class:`~collectives.Communicator` is created, and
 bad values raise there, before any message is sent.

@@ -1,7 +1,7 @@
 // The GPU kernels of the collectives: reductions, the average's division, the casts of
 // compression, and the packing of non-contiguous arrays. Compiled at first use by NVRTC
 // through cupy.RawModule (collectives/device/kernels.py names the instantiations it
-// needs); `make test` also compiles every instantiation with nvcc for sm_80 and sm_90.
+// needs); `make test-long` also compiles every instantiation with nvcc for sm_80 and sm_90.
 //
 // Every kernel is a grid-stride loop over a body from elementwise.cuh, which the host
 // test harness runs too. One launch covers one segment of any length.

@@ -208,7 +208,7 @@ def test_allreduce_bits_identical_across_ranks(comm, mpi_comm, algorithm):
     agree(mpi_comm, problems)
 
 
-@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "gather"])
+@pytest.mark.parametrize("collective", cc.COLLECTIVES)
 def test_blocking_native_while_some_ranks_have_calls_in_flight(comm, mpi_comm, collective):
     """A blocking call that goes to MPI's blocking collective must make the same kind
     of MPI call on every rank, whatever each rank still has in flight (here rank 0 has
@@ -221,13 +221,31 @@ def test_blocking_native_while_some_ranks_have_calls_in_flight(comm, mpi_comm, c
     if comm.rank == 0:
         while not h.test():
             pass
-    xs = inputs_of_all(comm.size, 3, "float32", "sum")
+    rows = (comm.size, 3) if collective in ROWS else None
+    xs = inputs_of_all(comm.size, 3 * comm.size if rows else 3, "float32", "sum", rows)
     got = run_one(comm, collective, "native", xs[comm.rank], "sum", 0)
     want = expected(collective, comm, xs, "sum", 0)
     if not (got is None and want is None) and not same(got, want):
         problems.append(f"{collective}: {got} != {want}")
     if not same(h.wait(), np.arange(8.0)):
         problems.append("the broadcast in flight went wrong")
+    agree(mpi_comm, problems)
+
+
+@pytest.mark.parametrize("algorithm", cc.algorithms("scatter"))
+def test_scatter_with_no_x_on_the_other_ranks(comm, mpi_comm, algorithm):
+    """The ranks other than the root may pass x=None and out (the row's shape and dtype)."""
+    problems = []
+    for root in sorted({0, comm.size - 1}):
+        rows = np.arange(comm.size * 5, dtype=np.int32).reshape(comm.size, 5) + 100 * root
+        out = np.full(5, -1, np.int32)
+        got = comm.scatter(rows if comm.rank == root else None, root=root, algorithm=algorithm, out=out)
+        if got is not out or not same(out, rows[comm.rank]):
+            problems.append(f"root {root}: {out} != {rows[comm.rank]}")
+        handle = comm.scatter_async(rows if comm.rank == root else None, root=root, algorithm=algorithm,
+                                    out=np.empty((5,), np.int32))
+        if not same(handle.wait(), rows[comm.rank]):
+            problems.append(f"root {root}, async: wrong row")
     agree(mpi_comm, problems)
 
 

@@ -217,6 +217,18 @@ def test_allreduce_in_place_out_and_strided(dcomm_sweep, mpi_comm, algorithm):
     agree(mpi_comm, problems)
 
 
+@pytest.mark.parametrize("algorithm", cc.algorithms("scatter"))
+def test_scatter_into_a_device_out_with_no_x_on_the_other_ranks(dcomm, mpi_comm, algorithm):
+    comm, problems = dcomm, []
+    root = comm.size - 1
+    rows = np.arange(comm.size * 7, dtype=np.float32).reshape(comm.size, 7)
+    out = D.asarray(np.full(7, -1, np.float32))
+    got = comm.scatter(D.asarray(rows) if comm.rank == root else None, root=root, algorithm=algorithm, out=out)
+    if differs(rows[comm.rank], D.asnumpy(got)) or differs(rows[comm.rank], D.asnumpy(out)):
+        problems.append(f"{D.asnumpy(out)} != {rows[comm.rank]}")
+    agree(mpi_comm, problems)
+
+
 def test_results_are_ready_on_the_users_stream(dcomm, mpi_comm):
     """The input is written by work queued on the user's own stream (not run yet), and
     the result is read through that stream: the collective waited for the first and

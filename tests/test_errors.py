@@ -147,8 +147,11 @@ def test_scatter_arguments(comm):
     with pytest.raises(ValueError, match="x must have shape"):
         comm.scatter(np.float64(1.0), root=root)  # 0-d: no rows at all
     if size > 1:  # a non-root (rank 0 is one when root is size-1 > 0) without x or out
+        other_root = root if comm.rank != root else 0
         with pytest.raises(ValueError, match="x is None: pass out"):
-            comm.scatter(None, root=root if comm.rank != root else 0)
+            comm.scatter(None, root=other_root)
+        with pytest.raises(TypeError, match="out must be a numpy.ndarray or a device array; got list"):
+            comm.scatter(None, root=other_root, out=[0.0, 0.0, 0.0])
     if comm.rank == root:
         with pytest.raises(ValueError, match=rf"x must be an array on the root \(rank {root}\)"):
             comm.scatter(None, root=root, out=np.empty(3))
@@ -164,9 +167,15 @@ def test_gather_out_is_checked_on_the_root_only(comm):
     if comm.rank == root:
         with pytest.raises(ValueError, match=rf"out must have shape \({size}, 2\)"):
             comm.gather(np.ones(2), root=root, out=wrong)
-        comm.barrier()
+    comm.barrier()  # the root refused before sending anything: nothing to match
+    # The other ranks' out, however wrong, is neither checked nor touched.
+    kept = wrong.copy()
+    got = comm.gather(np.full(2, comm.rank, np.float64), root=root, out=None if comm.rank == root else wrong)
+    if comm.rank == root:
+        assert np.array_equal(got, np.repeat(np.arange(size, dtype=np.float64), 2).reshape(size, 2))
     else:
-        comm.barrier()  # the root refused before sending anything: nothing to match
+        assert got is None and np.array_equal(wrong, kept, equal_nan=True)
+    comm.barrier()
 
 
 def test_alltoall_arguments(comm):

@@ -107,14 +107,16 @@ def test_torch_cuda_tensors_through_every_collective(comm, mpi_comm, dtype):
         for algorithm in cc.algorithms(collective):
             if dtype == "bfloat16" and algorithm == "native":
                 continue
-            xs = [rank_input(r, 1001, "float32") for r in range(comm.size)]
+            rows = (comm.size, 1001) if collective in ("scatter", "alltoall") else None  # a row per rank
+            xs = [rank_input(r, 1001 * comm.size if rows else 1001, "float32", shape=rows) for r in range(comm.size)]
             x = torch.tensor(xs[comm.rank]).to(getattr(torch, dtype)).cuda()
-            if collective == "broadcast":
-                got = comm.broadcast(x, root=comm.size - 1, algorithm=algorithm)
+            root = comm.size - 1
+            if collective in ("broadcast", "gather", "scatter"):
+                got = getattr(comm, collective)(x, root=root, algorithm=algorithm)
             else:
                 got = getattr(comm, collective)(x, algorithm=algorithm)
-            want = expected_result(collective, comm.rank, comm.size, xs, "sum", comm.size - 1 if collective ==
-                                   "broadcast" else 0)
+            want = expected_result(collective, comm.rank, comm.size, xs, "sum",
+                                   root if collective in ("broadcast", "gather", "scatter") else 0)
             if want is None:
                 if got is not None:
                     problems.append(f"{collective}/{algorithm}: a non-root got a result")

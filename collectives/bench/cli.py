@@ -68,7 +68,8 @@ def parse_args(argv):
     p.add_argument("-n", "--iters", type=int, help="exactly this many timed calls (instead of --budget)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per size (default 3)")
     p.add_argument("--inplace", action="store_true",
-                   help="in place (out=x; MPI_IN_PLACE for native); reduce_scatter stays out of place")
+                   help="in place (out=x; MPI_IN_PLACE for native); reduce_scatter, gather, scatter and alltoall "
+                        "stay out of place")
     p.add_argument("--check", action="store_true", help="verify every result against native MPI (#wrong)")
     p.add_argument("--peers", default="", help="extra contenders: 'gloo' (torch.distributed, needs torch)")
     p.add_argument("--no-memory", action="store_true", help="skip the tracemalloc measurement")

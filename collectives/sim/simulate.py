@@ -134,6 +134,8 @@ def _check_args(collective, algorithm, world_size, count, dtype, op, root, param
     for flag in ("inplace", "ordered"):
         if not isinstance(params.get(flag, False), (bool, np.bool_)):
             raise ValueError(f"{flag} must be True or False; got {params[flag]!r}")
+    if params.get("inplace") and collective not in ("allreduce", "reduce", "broadcast"):
+        raise ValueError(f"inplace: {collective} has no in-place form here (allreduce, reduce and broadcast do)")
     if params.get("ordered"):
         check_ordered(collective, algorithm)
 
