@@ -530,16 +530,14 @@ class Communicator:
             result = self._native_now("scatter", mine, out, shape, root=root)
             if result is not _NOT_HANDLED:
                 return result
-        if self.rank == root:
-            inp = flat_input(x)
-            result_owner = np.empty(shape, x.dtype) if out is None else out
-            _, result, _, unpack = _prepare(result_owner, result_owner, shape)
-            if overlaps(x, result_owner):  # out inside x: the root's row lands in it early
-                inp = inp.copy()
+        target = np.empty(shape, where.dtype) if out is None else out
+        _, result, _, unpack = _prepare(target, target, shape)  # packed and written back if strided
+        if self.rank != root:
+            inp = result[:0]  # nothing is read here
         else:
-            result_owner = np.empty(shape, where.dtype) if out is None else out
-            _, result, _, unpack = _prepare(result_owner, result_owner, shape)
-            inp = result[:0]
+            inp = flat_input(x)
+            if overlaps(x, target):  # out inside x: the root's own row lands in it early
+                inp = inp.copy()
         return self._start("scatter", algorithm, count, inp, result, False, "sum", root, None, unpack, blocking,
                            timeout)
 

@@ -53,6 +53,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives as cc
+from collectives.algorithms import ROOTED
 
 DTYPES = tuple(np.dtype(d) for d in cc.SUPPORTED_DTYPES)
 SMALL_MAX = 4096  # elements: most calls
@@ -80,7 +81,7 @@ class Call:
     def describe(self):
         kind = "async" if self.is_async else "sync"
         extra = " in place" if self.inplace else ""
-        root = f", root={self.root}" if self.collective in ("broadcast", "reduce", "gather", "scatter") else ""
+        root = f", root={self.root}" if self.collective in ROOTED else ""
         op = f", op={self.op!r}" if self.collective in ("allreduce", "reduce_scatter", "reduce") else ""
         return (f"call {self.index}: {self.collective}(algorithm={self.algorithm!r}, {self.dtype.name}, "
                 f"count={self.count}{op}{root}) {kind}{extra}")
