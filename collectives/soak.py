@@ -64,11 +64,6 @@ _UFUNC = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, 
 _MIB = 1024 * 1024
 
 
-def ops_for(dtype):
-    """The ops defined for ``dtype``."""
-    return cc.ops_for(dtype)
-
-
 class Call:
     """One drawn call (identical on every rank)."""
 
@@ -93,7 +88,7 @@ def draw(rng, index, size):
     names = cc.algorithms(collective)
     algorithm = names[int(rng.integers(len(names)))]
     dtype = DTYPES[int(rng.integers(len(DTYPES)))]
-    choices = ops_for(dtype)
+    choices = cc.ops_for(dtype)
     op = choices[int(rng.integers(len(choices)))]
     u = rng.random()
     if u < 0.04:
