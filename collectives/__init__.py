@@ -1,5 +1,5 @@
 """collectives: allreduce, reduce_scatter, allgather, broadcast, reduce, gather, scatter
-and alltoall built on MPI point-to-point messages, each in several algorithms.
+and alltoall(v) built on MPI point-to-point messages, each in several algorithms.
 
     import collectives as cc
     comm = cc.Communicator()                 # MPI.COMM_WORLD

@@ -19,13 +19,13 @@ import zlib
 
 import numpy as np
 
-from .algorithms import BUILDERS, COLLECTIVES
+from .algorithms import BUILDERS, COLLECTIVES, VARIABLE
 from .arrays import EXTRA_DTYPES, SUPPORTED_DTYPES
 from .errors import CollectiveMismatchError
 from .ops import OPS
 from .transport.liveness import ranks
 
-CALLS = COLLECTIVES + ("barrier", "broadcast_object")
+CALLS = COLLECTIVES + ("barrier", "broadcast_object") + VARIABLE
 ALGORITHMS = ("-", "native") + tuple(sorted({a for table in BUILDERS.values() for a in table}))
 OP_NAMES = ("-",) + tuple(OPS)
 DTYPES = ("-",) + tuple(d.name for d in SUPPORTED_DTYPES + EXTRA_DTYPES)

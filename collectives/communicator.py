@@ -16,8 +16,8 @@ from mpi4py import MPI
 
 from . import check as check_mode
 from . import ops
-from .algorithms import SEGMENTED, block_bounds, build, check_algorithm, check_ordered, cost_model_choice
-from .errors import CollectiveError, TransportError
+from .algorithms import SEGMENTED, VARIABLE, block_bounds, build, check_algorithm, check_ordered, cost_model_choice
+from .errors import CollectiveError, CollectiveMismatchError, TransportError
 from .arrays import as_array, check_out, flat_input, flat_view, is_extra, overlaps, same_memory
 from .device import DeviceArray, is_device
 from .schedule import compile_plan, fuse_reductions, split_schedule
@@ -34,12 +34,14 @@ _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "m
 
 
 @lru_cache(maxsize=512)
-def _plan(collective, algorithm, rank, size, count, root, segment, inplace, ordered, device_split=None):
-    """The compiled plan of one rank (``ordered``: reductions in rank order). For device
+def _plan(collective, algorithm, rank, size, count, root, segment, inplace, ordered, device_split=None, counts=None):
+    """The compiled plan of one rank (``ordered``: reductions in rank order; ``counts``:
+    the per-peer ``(send, recv)`` element counts of alltoallv). For device
     buffers (``device_split`` not None) its chains of reductions are fused into
     multi-input kernels and it is cut into segments of ``device_split`` elements (0:
     not cut)."""
-    schedule = build(collective, algorithm, rank, size, count, root=root, segment=segment, ordered=ordered)
+    schedule = build(collective, algorithm, rank, size, count, root=root, segment=segment, ordered=ordered,
+                     counts=counts)
     if device_split is not None:
         schedule = fuse_reductions(schedule, inplace=inplace)
         if device_split:
@@ -56,6 +58,23 @@ def _check_nbytes(value, name):
 
 def _check_segment_size(segment_size):
     return _check_nbytes(segment_size, "segment_size")
+
+
+def _check_counts(counts, name, size):
+    """``counts`` as a tuple of ``size`` non-negative ints, else an error naming ``name``."""
+    if isinstance(counts, (str, bytes)) or not hasattr(counts, "__len__"):
+        raise TypeError(f"{name} must be a sequence of {size} row counts, one per rank; got {counts!r}")
+    if len(counts) != size:
+        raise ValueError(f"{name} must have one count per rank ({size}); got {len(counts)}")
+    for n in counts:
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"{name} must hold non-negative integers; got {list(counts)!r}")
+    return tuple(int(n) for n in counts)
+
+
+def _starts(lengths):
+    """Where each block begins when blocks of ``lengths`` are packed one after another."""
+    return tuple(np.concatenate(([0], np.cumsum(lengths[:-1], dtype=np.int64))).tolist()) if lengths else ()
 
 
 def _check_root(root, size):
@@ -570,6 +589,94 @@ class Communicator:
         return self._start("alltoall", algorithm, x.size // self.size, inp, result, False, "sum", 0, None, unpack,
                            blocking, timeout)
 
+    def alltoallv(self, x, send_counts, recv_counts=None, algorithm="auto", out=None, *, timeout=None):
+        """Rows of ``x`` (shape ``(n, *s)``) to every rank, a different number to each
+        (``MPI_Alltoallv``; torch's ``all_to_all_single`` with split sizes): the first
+        ``send_counts[0]`` rows go to rank 0, the next ``send_counts[1]`` to rank 1, and
+        so on (they add up to n). Returns shape ``(sum(recv_counts), *s)``: the rows from
+        rank 0 first, then rank 1's, and so on. ``recv_counts[i]`` must equal rank i's
+        ``send_counts[rank]``; with ``None`` the ranks learn them from each other (one
+        MPI_Alltoall of the counts, waited for before the call returns, async or not).
+        Every rank's rows have the same shape ``s`` and dtype. In check mode the ranks
+        also compare the counts and all raise if any pair disagrees."""
+        return self._alltoallv(x, send_counts, recv_counts, algorithm, out, timeout, True)
+
+    def alltoallv_async(self, x, send_counts, recv_counts=None, algorithm="auto", out=None, *, timeout=None):
+        return self._alltoallv(x, send_counts, recv_counts, algorithm, out, timeout, False)
+
+    def _alltoallv(self, x, send_counts, recv_counts, algorithm, out, timeout, blocking):
+        x = as_array(x, "x")
+        algorithm = check_algorithm("alltoallv", algorithm)
+        if x.ndim == 0:
+            raise ValueError("x must have shape (n, *s): its rows are sent; got a 0-d array")
+        send = _check_counts(send_counts, "send_counts", self.size)
+        if sum(send) != x.shape[0]:
+            raise ValueError(f"send_counts must add up to the rows of x ({x.shape[0]}); they add up to {sum(send)}")
+        recv = None
+        if recv_counts is not None:
+            recv = _check_counts(recv_counts, "recv_counts", self.size)
+            if recv[self.rank] != send[self.rank]:
+                raise ValueError(f"recv_counts[{self.rank}] must equal send_counts[{self.rank}], the rows this rank "
+                                 f"sends itself; got {recv[self.rank]} and {send[self.rank]}")
+        row = x.shape[1:]
+        if out is not None:  # with recv_counts=None, its number of rows is checked once the counts are known
+            if recv is None and getattr(out, "ndim", 1) == 0:
+                raise ValueError(f"out must have shape (rows, *s) with s = {row}; got a 0-d array")
+            rows = sum(recv) if recv is not None else getattr(out, "shape", (0,))[0]
+            out = check_out(out, (rows,) + row, x.dtype, like=x)
+        timeout = self._timeout_for(timeout)
+        # Every rank must pick the same algorithm, and their input sizes differ: the
+        # rule for alltoallv does not look at the size.
+        algorithm = self._resolve("alltoallv", algorithm, x.nbytes, x.dtype, isinstance(x, DeviceArray))
+        self._gate("alltoallv", timeout, algorithm, "-", x.dtype, row, blocking=blocking, memory=x)
+        if recv is None or self.check:
+            recv = self._exchange_counts(send, recv, out, timeout)
+        shape = (sum(recv),) + row
+        size_of_row = math.prod(row)
+        counts = (tuple(n * size_of_row for n in send), tuple(n * size_of_row for n in recv))
+        if isinstance(x, DeviceArray):
+            return self._device_call("alltoallv", algorithm, x, out, shape, "sum", 0, None, timeout, blocking, counts)
+        if algorithm == "native" and blocking and self._mpi_blocks(timeout):
+            result = self._native_now("alltoallv", x, out, shape, counts=counts)
+            if result is not _NOT_HANDLED:
+                return result
+        inp, result, _, unpack = _prepare(x, out, shape, allow_inplace=False)
+        return self._start("alltoallv", algorithm, 0, inp, result, False, "sum", 0, None, unpack, blocking, timeout,
+                           counts)
+
+    def _exchange_counts(self, send, recv, out, timeout):
+        """alltoallv's receive counts, from every rank's ``send``: exchanged (one
+        MPI_Alltoall), then, where a rank could find a problem the others cannot see (its
+        ``recv`` disagrees with them, its ``out`` has the wrong number of rows), agreed on
+        (one allgather) so that every rank raises before any data moves."""
+        theirs = np.empty(self.size, np.int64)
+        mine = np.array(send, np.int64)
+        self._request("alltoallv's exchange of counts", lambda: self._comm.Ialltoall(mine, theirs), timeout,
+                      theirs.nbytes)
+        learned = tuple(int(n) for n in theirs)
+        if not (self.check or out is not None):
+            return learned
+        problem = np.full(3, -1, np.int64)  # (peer, rows it sends, rows expected) or (-2, rows, out's rows)
+        if recv is not None and recv != learned:
+            peer = next(i for i in range(self.size) if recv[i] != learned[i])
+            problem[:] = (peer, learned[peer], recv[peer])
+        elif out is not None and out.shape[0] != sum(learned):
+            problem[:] = (-2, sum(learned), out.shape[0])
+        problems = np.empty((self.size, 3), np.int64)
+        self._request("alltoallv's agreement on counts", lambda: self._comm.Iallgather(problem, problems), timeout,
+                      problems.nbytes)
+        for rank, (peer, sent, expected) in enumerate(problems.tolist()):
+            if peer >= 0:
+                raise CollectiveMismatchError(
+                    f"alltoallv: rank {rank} expects {expected} rows from rank {peer} (its recv_counts[{peer}]), "
+                    f"but rank {peer} sends it {sent} (its send_counts[{rank}])")
+            if peer == -2:
+                message = f"out on rank {rank} must have {sent} rows (the sum of what the ranks send it); got {expected}"
+                if rank == self.rank:
+                    raise ValueError(message)
+                raise CollectiveError(f"alltoallv: no data moved, since {message}")
+        return learned
+
     def poll(self):
         """Advance this communicator's calls in flight without blocking, as far as their
         messages allow now (each finished message posts the next step's), and return how
@@ -654,7 +761,8 @@ class Communicator:
             handle.start()
             return handle.wait() if blocking else handle
         segment = self._segment(segment_size, out.itemsize) if (collective, algorithm) in SEGMENTED else 1
-        plan = _plan(collective, algorithm, self.rank, self.size, count, root, segment, inplace, self.deterministic)
+        plan = _plan(collective, algorithm, self.rank, self.size, count, root, segment, inplace, self.deterministic,
+                     counts=counts if collective in VARIABLE else None)
         raw, tmp = self._workspace.take(plan.tmp, out.dtype)
 
         def done():
@@ -741,8 +849,9 @@ class Communicator:
             count = math.prod(shape) if collective == "scatter" else x.size  # scatter: one row
             if collective == "alltoall":  # one block of the size in x
                 count = x.size // self.size
+            count = 0 if collective in VARIABLE else count  # counts say it all
             plan = _plan(collective, algorithm, self.rank, self.size, count, root, segment, inplace,
-                         self.deterministic, split)
+                         self.deterministic, split, counts if collective in VARIABLE else None)
             handle = device_call.start_plan(self._progress, describe, finish, self._comm, tag, plan, inp,
                                             result if result is not None else inp[:0], op, x.dtype, call, timeout)
         return handle.wait() if blocking else handle
@@ -770,6 +879,8 @@ class Communicator:
             return lambda send, recv: comm.Iscatter(send if self.rank == root else None, recv, root)
         if collective == "alltoall":
             return lambda send, recv: comm.Ialltoall(send, recv)
+        if collective == "alltoallv":
+            return lambda send, recv: comm.Ialltoallv(*_vector_messages(send, recv, counts))
         return lambda send, recv: comm.Ireduce(in_place(send, recv), recv if self.rank == root else None, mpi_op,
                                                root)
 
@@ -841,12 +952,21 @@ class Communicator:
             return (comm.Scatter if blocking else comm.Iscatter)(inp if self.rank == root else None, out, root)
         if collective == "alltoall":
             return (comm.Alltoall if blocking else comm.Ialltoall)(inp, out)
+        if collective == "alltoallv":
+            return (comm.Alltoallv if blocking else comm.Ialltoallv)(*_vector_messages(inp, out, counts))
         recv = out if self.rank == root else None
         return (comm.Reduce if blocking else comm.Ireduce)(send, recv, _MPI_OPS[op], root)
 
 
 def _nothing():
     return None
+
+
+def _vector_messages(send, recv, counts):
+    """mpi4py's ``[buffer, (counts, displacements)]`` pair for MPI_Alltoallv, from the
+    ``(send, recv)`` element counts."""
+    send_counts, recv_counts = counts
+    return [send, (send_counts, _starts(send_counts))], [recv, (recv_counts, _starts(recv_counts))]
 
 
 _NOT_HANDLED = object()  # _native_now's "take the general path"

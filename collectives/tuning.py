@@ -36,7 +36,7 @@ import os
 import re
 from pathlib import Path
 
-from .algorithms import COLLECTIVES, ORDERED, algorithms, check_ordered, cost_model_choice
+from .algorithms import BUILDERS, COLLECTIVES, ORDERED, algorithms, check_ordered, cost_model_choice
 
 FORMAT = 1
 DEFAULT_TABLE = Path(__file__).parent / "data" / "tuning.json"
@@ -130,7 +130,7 @@ class Selector:
     def from_environment(cls, world_size, environ=None, deterministic=False):
         environ = os.environ if environ is None else environ
         overrides = {}
-        for collective in COLLECTIVES:
+        for collective in BUILDERS:  # alltoallv too
             variable = override_variable(collective)
             value = environ.get(variable, "").strip()
             if value and value != "auto":

@@ -85,9 +85,9 @@ def plans_used(monkeypatch):
     used = []
     real = communicator_module._plan
 
-    def spy(collective, algorithm, *args):
+    def spy(collective, algorithm, *args, **kwargs):
         used.append((collective, algorithm))
-        return real(collective, algorithm, *args)
+        return real(collective, algorithm, *args, **kwargs)
 
     monkeypatch.setattr(communicator_module, "_plan", spy)
     return used

@@ -229,6 +229,27 @@ def test_scatter_into_a_device_out_with_no_x_on_the_other_ranks(dcomm, mpi_comm,
     agree(mpi_comm, problems)
 
 
+@pytest.mark.parametrize("algorithm", cc.algorithms("alltoallv"))
+def test_alltoallv_equals_the_host_path(dcomm, mpi_comm, algorithm):
+    """Uneven blocks, empty ones included, in a fresh result and in a given device out."""
+    comm, problems = dcomm, []
+    i, j = np.indices((comm.size, comm.size))
+    for matrix in ((i + 2 * j) % 4 * 97, np.where(j == 0, 5, 0)):
+        xs = [rank_input(r, int(matrix[r].sum()) * 3, "float32").reshape(-1, 3) for r in range(comm.size)]
+        send, recv = matrix[comm.rank], matrix[:, comm.rank]
+        want = comm.alltoallv(xs[comm.rank], send, algorithm=algorithm)
+        got = D.asnumpy(comm.alltoallv(D.asarray(xs[comm.rank]), send, algorithm=algorithm))
+        out = D.empty((int(recv.sum()), 3), np.float32)
+        given = comm.alltoallv(D.asarray(xs[comm.rank]), send, recv, algorithm=algorithm, out=out)
+        blocks = [np.split(x, np.cumsum(counts)[:-1]) for x, counts in zip(xs, matrix)]
+        numpy = np.concatenate([blocks[r][comm.rank] for r in range(comm.size)])
+        for label, result in (("fresh", got), ("out", D.asnumpy(given) if given is out else None)):
+            problem = differs(want, result) or (None if np.array_equal(want, numpy) else "host differs from numpy")
+            if problem:
+                problems.append(f"{label} {matrix[comm.rank]}: {problem}")
+    agree(mpi_comm, problems)
+
+
 def test_results_are_ready_on_the_users_stream(dcomm, mpi_comm):
     """The input is written by work queued on the user's own stream (not run yet), and
     the result is read through that stream: the collective waited for the first and

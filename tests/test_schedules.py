@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collectives.algorithms import BUILDERS, ORDERED, build
+from collectives.algorithms import BUILDERS, ORDERED, VARIABLE, build
+from collectives.sim import alltoallv_counts, reference as sim_reference
 from collectives.schedule import Copy, Recv, Reduce, Schedule, Send, compile_plan, sl
 from collectives.transport.local import run_collective
 
@@ -25,13 +26,20 @@ SEGMENTED = {("allreduce", "tree"), ("broadcast", "pipeline")}
 ROOTED = ("broadcast", "reduce", "gather", "scatter")
 
 
-def check(collective, algorithm, size, count, dtype="float64", op="sum", root=0, segment=3, inplace=False):
-    """Problems with one call; ``count`` elements per rank (scatter, alltoall: per block)."""
-    inputs = [rank_input(r, count * (size if collective in ("scatter", "alltoall") else 1), dtype, op)
-              for r in range(size)]
+def check(collective, algorithm, size, count, dtype="float64", op="sum", root=0, segment=3, inplace=False,
+          counts=None):
+    """Problems with one call; ``count`` elements per rank (scatter, alltoall: per block;
+    alltoallv: ``counts[i][j]`` elements from rank i to rank j, by default the
+    simulator's uneven matrix around ``count``)."""
+    if collective in VARIABLE and counts is None:
+        counts = alltoallv_counts(size, count)
+    lengths = [count * (size if collective in ("scatter", "alltoall") else 1)] * size if counts is None \
+        else [int(row.sum()) for row in counts]
+    inputs = [rank_input(r, lengths[r], dtype, op) for r in range(size)]
     kept = [x.copy() for x in inputs]
-    got = run_collective(collective, algorithm, inputs, op, root, segment, inplace)
-    want = expected_everywhere(collective, kept, op, root)
+    got = run_collective(collective, algorithm, inputs, op, root, segment, inplace, counts=counts)
+    want = sim_reference(collective, kept, counts=counts) if counts is not None \
+        else expected_everywhere(collective, kept, op, root)
     problems = []
     for r in range(size):
         if want[r] is None:
@@ -58,6 +66,17 @@ def test_every_size_count_root_and_mode(collective, algorithm):
                         for p in check(collective, algorithm, size, count, root=root, inplace=inplace, segment=segment):
                             problems.append(f"p={size} n={count} root={root} inplace={inplace} seg={segment}: {p}")
     assert not problems, "\n".join(problems[:10])
+
+
+@given(st.data())
+@settings(max_examples=60, deadline=None)
+def test_alltoallv_with_any_counts(data):
+    """Random per-peer counts, zeros and a lone non-empty peer included."""
+    size = data.draw(st.integers(1, 12))
+    counts = np.array(data.draw(st.lists(st.lists(st.integers(0, 9) | st.just(0), min_size=size, max_size=size),
+                                         min_size=size, max_size=size)))
+    dtype = data.draw(st.sampled_from(["float64", "int8", "complex64"]))
+    assert not check("alltoallv", "pairwise", size, 0, dtype, counts=counts)
 
 
 @pytest.mark.parametrize("collective,algorithm", [ca for ca in ALGORITHMS if ca[0] in ("allreduce", "reduce_scatter", "reduce")])
@@ -188,23 +207,29 @@ def test_device_plans_equal_the_plain_ones_bit_for_bit(collective, algorithm, or
     for size in (1, 2, 3, 5, 8, 17):
         for count in (0, 1, size + 1, 100):
             for inplace in ([False, True] if collective in ("allreduce", "reduce") else [False]):
-                inputs = [rng.standard_normal(count * (size if collective in ("scatter", "alltoall") else 1))
-                          for _ in range(size)]
-                plain_plans = [compile_plan(build(collective, algorithm, r, size, count, root=size - 1, segment=3,
-                                                  ordered=ordered), inplace=inplace) for r in range(size)]
+                matrix = alltoallv_counts(size, count) if collective in VARIABLE else None
+                lengths = [count * (size if collective in ("scatter", "alltoall") else 1)] * size if matrix is None \
+                    else [int(row.sum()) for row in matrix]
+                inputs = [rng.standard_normal(n) for n in lengths]
+
+                def schedule_of(r):
+                    mine = None if matrix is None else (tuple(matrix[r].tolist()), tuple(matrix[:, r].tolist()))
+                    return build(collective, algorithm, r, size, count, root=size - 1, segment=3, ordered=ordered,
+                                 counts=mine)
+
+                plain_plans = [compile_plan(schedule_of(r), inplace=inplace) for r in range(size)]
                 plain = run_collective(collective, algorithm, [x.copy() for x in inputs], "sum", size - 1, 3,
-                                       inplace, plans=plain_plans)
+                                       inplace, plans=plain_plans, counts=matrix)
                 plans = []
                 for r in range(size):
-                    schedule = fuse_reductions(build(collective, algorithm, r, size, count, root=size - 1, segment=3,
-                                                     ordered=ordered), inplace=inplace)
+                    schedule = fuse_reductions(schedule_of(r), inplace=inplace)
                     reductions = [op for op in schedule.ops if isinstance(op, (Reduce, ReduceMany))]
                     if algorithm == "direct" and 2 <= size <= 16 and collective != "allgather" \
                             and collective != "broadcast":
                         assert len(reductions) == 1 and (size == 2 or isinstance(reductions[0], ReduceMany)), (size, r)
                     plans.append(compile_plan(split_schedule(schedule, 7), inplace=inplace))
                 device = run_collective(collective, algorithm, [x.copy() for x in inputs], "sum", size - 1, 3,
-                                        inplace, plans=plans)
+                                        inplace, plans=plans, counts=matrix)
                 for r in range(size):
                     if (plain[r] is None) != (device[r] is None) or \
                             (plain[r] is not None and plain[r].tobytes() != device[r].tobytes()):

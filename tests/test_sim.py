@@ -144,6 +144,9 @@ def expected_counters(collective, algorithm, p, count, root=0, segments=1):
                 row = (children, (extent - 1) * n, extent * n if vr else 0, 0)
         elif key == ("alltoall", "pairwise"):  # n: one block
             row = (p - 1, (p - 1) * n, (p - 1) * n, 0)
+        elif key == ("alltoallv", "pairwise"):  # the default matrix: count·((r+j) % 3) elements to rank j
+            out = [((r + j) % 3) * n for j in range(p) if j != r]  # symmetric: as many come back
+            row = (sum(1 for m in out if m), sum(out), sum(out), 0)
         elif key == ("alltoall", "bruck"):  # the slots with bit k set, at every step k
             moved = sum(sum(1 for i in range(p) if i & (1 << k)) for k in range(lg_ceil))
             row = (lg_ceil, moved * n, moved * n, 0)
@@ -290,7 +293,29 @@ CLOSED_FORMS = [
 
 def test_closed_forms_cover_all_but_the_tree():
     missing = {ca for ca in ALGORITHMS} - set(CLOSED_FORMS)
-    assert missing == {("allreduce", "tree")}  # its special cases: test_tree_times
+    # The tree's special cases: test_tree_times. alltoallv's time depends on which
+    # uneven blocks meet: with equal blocks it is alltoall's (test_alltoallv_...).
+    assert missing == {("allreduce", "tree"), ("alltoallv", "pairwise")}
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5, 8, 16])
+def test_alltoallv_with_equal_blocks_costs_what_alltoall_does(p):
+    count = 7
+    equal = sim.costs("alltoallv", "pairwise", p, count, counts=np.full((p, p), count))
+    plain = sim.costs("alltoall", "pairwise", p, count)
+    assert counters(equal) == counters(plain) and equal.nbytes == plain.nbytes
+    assert equal.time(1e-5, 1e-9, 1e-10) == plain.time(1e-5, 1e-9, 1e-10)
+
+
+def test_alltoallv_counts_are_checked():
+    with pytest.raises(ValueError, match="counts must be a 3×3 matrix"):
+        sim.run("alltoallv", "pairwise", 3, 2, counts=np.ones((3, 2), int))
+    with pytest.raises(ValueError, match="counts must be"):
+        sim.run("alltoallv", "pairwise", 2, 2, counts=[[1, -1], [0, 0]])
+    with pytest.raises(TypeError, match="counts is a parameter of alltoallv, not of alltoall"):
+        sim.run("alltoall", "pairwise", 2, 2, counts=[[1, 1], [1, 1]])
+    got = sim.run("alltoallv", "pairwise", 3, 0, counts=[[0, 2, 0], [1, 0, 0], [0, 0, 3]])
+    assert [r.size for r in got.results] == [1, 2, 3]
 
 
 @pytest.mark.parametrize("collective,algorithm", CLOSED_FORMS)
@@ -443,8 +468,14 @@ def test_results_equal_numpy_bit_for_bit_on_every_rank(call):
     collective, algorithm, dtype, op, p, count, root, segment, inplace = call
     result = sim.run(collective, algorithm, p, count, dtype, op, root, segment_size=segment, inplace=inplace)
     per_rank = count * p if collective in ("scatter", "alltoall") else count  # count per block
-    inputs = [sim.simulate.make_input(r, p, per_rank, dtype, op) for r in range(p)]
-    want = expected_everywhere(collective, inputs, op, root)
+    if collective == "alltoallv":  # the simulator's default matrix
+        matrix = sim.alltoallv_counts(p, count)
+        inputs = [sim.simulate.make_input(r, p, int(matrix[r].sum()), dtype, op) for r in range(p)]
+        want = [np.concatenate([np.split(x, np.cumsum(row)[:-1])[r] for x, row in zip(inputs, matrix)])
+                for r in range(p)]
+    else:
+        inputs = [sim.simulate.make_input(r, p, per_rank, dtype, op) for r in range(p)]
+        want = expected_everywhere(collective, inputs, op, root)
     for r in range(p):
         if want[r] is None:
             assert result.results[r] is None

@@ -4,7 +4,7 @@ Every algorithm is a function ``build(rank, size, count, *, root, segment) ->
 Schedule`` (see ``collectives.schedule``); ``count`` is the element count of the
 input (for allgather and gather: of one rank's contribution; for scatter: of the block
 each rank receives; for alltoall: of one block, a rank's input holding ``size`` of
-them). ``native`` is not here: it is the MPI library's own collective, which the
+them; for alltoallv: unused, the per-peer ``counts`` say it all). ``native`` is not here: it is the MPI library's own collective, which the
 transport calls directly.
 """
 
@@ -13,6 +13,10 @@ from . import alltoall, binomial, bruck, direct, pipeline, recursive_doubling, r
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "gather", "scatter", "alltoall")
 ROOTED = ("broadcast", "reduce", "gather", "scatter")  # the collectives that take a root
+# Collectives whose blocks differ per peer: their plans are keyed by the per-peer counts,
+# not one count, so the sweeps over COLLECTIVES (which size every input from one count)
+# leave them out and they have tests of their own.
+VARIABLE = ("alltoallv",)
 
 BUILDERS = {
     "allreduce": {
@@ -53,6 +57,9 @@ BUILDERS = {
         "pairwise": alltoall.pairwise,
         "bruck": alltoall.bruck,
     },
+    "alltoallv": {
+        "pairwise": alltoall.pairwise,
+    },
 }
 
 # Deterministic mode: the algorithms that can reduce in rank order (built with
@@ -74,7 +81,7 @@ NATIVE_BELOW = 4 * 1024  # bytes
 def algorithms(collective):
     """The algorithm names ``collective`` accepts, ``"native"`` and ``"auto"`` included."""
     if collective not in BUILDERS:
-        raise ValueError(f"collective must be one of {', '.join(COLLECTIVES)}; got {collective!r}")
+        raise ValueError(f"collective must be one of {', '.join(BUILDERS)}; got {collective!r}")
     return tuple(BUILDERS[collective]) + ("native", "auto")
 
 
@@ -97,16 +104,18 @@ def cost_model_choice(collective, nbytes, size, own=False):
     From the cost model (``README.md``, "Algorithms"): the MPI library's own collective
     for tiny buffers (its per-message latency is a tenth of ours), latency-optimal
     algorithms (fewest messages) below 64 KiB, bandwidth-optimal ones above.
-    Gather, scatter and alltoall: the MPI library's own at every size, since MPICH's are
+    Gather, scatter, alltoall and alltoallv: the MPI library's own at every size, since MPICH's are
     the same schedules (binomial trees; Bruck and pairwise exchange) at a tenth of our
     per-message cost.
     ``nbytes`` is the input size (allgather and gather: the gathered size; scatter: the
-    root's whole buffer; alltoall: a rank's whole input).
+    root's whole buffer; alltoall and alltoallv: a rank's whole input).
     """
     if collective in ("gather", "scatter"):
         return "binomial" if own else "native"
     if collective == "alltoall":  # MPICH's own: Bruck and pairwise too, at a lower cost per message
         return ("bruck" if nbytes < SMALL else "pairwise") if own else "native"
+    if collective == "alltoallv":  # MPICH's own: the same pairwise exchange
+        return "pairwise" if own else "native"
     if nbytes < NATIVE_BELOW and not own:
         return "native"
     pof2 = size & (size - 1) == 0
@@ -133,10 +142,13 @@ def check_ordered(collective, algorithm):
     return algorithm
 
 
-def build(collective, algorithm, rank, size, count, *, root=0, segment=1, ordered=False):
+def build(collective, algorithm, rank, size, count, *, root=0, segment=1, ordered=False, counts=None):
     """The schedule of ``algorithm`` for one rank; ``ordered``: reductions in rank order
-    (deterministic mode; only the algorithms in ``ORDERED`` can)."""
+    (deterministic mode; only the algorithms in ``ORDERED`` can); ``counts``: this
+    rank's ``(send, recv)`` element counts per peer (the collectives in ``VARIABLE``)."""
     builder = BUILDERS[collective][algorithm]
+    if collective in VARIABLE:
+        return builder(rank, size, count, counts=counts)
     if ordered and collective in ORDERED:
         check_ordered(collective, algorithm)
         return builder(rank, size, count, root=root, segment=segment, ordered=True)

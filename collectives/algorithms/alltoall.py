@@ -1,4 +1,6 @@
-"""All-to-all: rank r's block j goes to rank j, as block r of its result.
+"""All-to-all: rank r's block j goes to rank j, as block r of its result. In
+alltoallv the blocks differ in length: rank r sends send[j] elements to rank j and
+receives recv[i] from rank i (recv[i] is rank i's send[r]).
 
     pairwise, p = 4 (step k: send to r+k, receive from r-k)
     step 1: 0→1 1→2 2→3 3→0
@@ -10,7 +12,8 @@
     (packed into one message each way); then slot i holds the block from rank r-i
 
 Pairwise: p-1 messages of n/p bytes per rank, (p-1)(α + n/p·β) with one message at a
-time, the bandwidth-optimal choice; the transport posts all p-1 steps at once (the
+time, the bandwidth-optimal choice (alltoallv: p-1 messages at most, empty blocks are
+not sent; Σ_j (α + send[j]·β) out); the transport posts all p-1 steps at once (the
 step order is the order they are posted in), so no step waits for the one before.
 Bruck: ⌈lg p⌉ messages of at most ⌈p/2⌉ blocks, ⌈lg p⌉(α + n/2·β) for p a power of
 two: fewer messages, each block travels up to lg p times; the choice for small blocks.
@@ -21,15 +24,32 @@ the rotated input plus two packing areas of ⌈p/2⌉ blocks (Bruck).
 from ..schedule import Schedule, sl
 
 
-def pairwise(rank, size, count, **_):
-    """``count`` is the block: ``in`` and ``out`` hold ``size * count`` elements."""
+def pairwise(rank, size, count, counts=None, **_):
+    """``count`` is the block: ``in`` and ``out`` hold ``size * count`` elements.
+    ``counts`` (alltoallv): ``(send, recv)``, the element count of each block this rank
+    sends and receives, in rank order, packed one after another in ``in`` and ``out``;
+    ``send[rank] == recv[rank]``."""
+    send, recv = counts if counts is not None else ((count,) * size, (count,) * size)
+    first_in, first_out = _starts(send), _starts(recv)
+
+    def block(buf, starts, lengths, j):
+        return sl(buf, starts[j], starts[j] + lengths[j])
+
     s = Schedule([])
-    s.copy(sl("out", rank * count, (rank + 1) * count), sl("in", rank * count, (rank + 1) * count))
+    s.copy(block("out", first_out, recv, rank), block("in", first_in, send, rank))
     for k in range(1, size):
         to, frm = (rank + k) % size, (rank - k) % size
-        s.send(to, sl("in", to * count, (to + 1) * count))
-        s.recv(frm, sl("out", frm * count, (frm + 1) * count))
+        s.send(to, block("in", first_in, send, to))
+        s.recv(frm, block("out", first_out, recv, frm))
     return s
+
+
+def _starts(lengths):
+    """Where each block begins when blocks of ``lengths`` are packed in order."""
+    starts = [0]
+    for n in lengths[:-1]:
+        starts.append(starts[-1] + n)
+    return starts
 
 
 def bruck(rank, size, count, **_):

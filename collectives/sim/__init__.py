@@ -19,7 +19,7 @@ levels: ranks per node, with inter-node α and β on a link each node shares.
 (see :mod:`collectives.sim.project`).
 """
 
-from .simulate import Costs, SimResult, algorithms, costs, reference, run
+from .simulate import Costs, SimResult, algorithms, alltoallv_counts, costs, reference, run
 from .timing import Model
 
-__all__ = ["Costs", "Model", "SimResult", "algorithms", "costs", "reference", "run"]
+__all__ = ["Costs", "Model", "SimResult", "algorithms", "alltoallv_counts", "costs", "reference", "run"]

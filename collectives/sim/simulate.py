@@ -6,7 +6,7 @@ from functools import cached_property
 import numpy as np
 
 from .. import ops as ops_layer
-from ..algorithms import BUILDERS, COLLECTIVES, SEGMENTED, block_bounds, build, check_ordered
+from ..algorithms import BUILDERS, SEGMENTED, VARIABLE, block_bounds, build, check_ordered
 from ..arrays import check_dtype
 from ..communicator import DEFAULT_SEGMENT_SIZE, _check_segment_size  # segments as the Communicator cuts them
 from ..errors import CollectiveError
@@ -17,14 +17,22 @@ from .timing import Graph, Model
 
 # Schedules that exist only in the simulator: baselines to compare with, not algorithms.
 BASELINES = {("allreduce", "parameter_server"): parameter_server.allreduce}
-PARAMS = ("segment_size", "servers", "inplace", "ordered")
+PARAMS = ("segment_size", "servers", "inplace", "ordered", "counts")
+
+
+def alltoallv_counts(world_size, count):
+    """The uneven alltoallv the simulator runs unless given ``counts``: rank i sends
+    ``count * ((i + j) % 3)`` elements to rank j (empty, one and two blocks; ``count``
+    on average)."""
+    i, j = np.indices((world_size, world_size))
+    return count * ((i + j) % 3)
 
 
 def algorithms(collective):
     """The algorithms the simulator runs for ``collective`` (the library's, without
     ``native``/``auto``, plus the baselines)."""
     if collective not in BUILDERS:
-        raise ValueError(f"collective must be one of {', '.join(COLLECTIVES)}; got {collective!r}")
+        raise ValueError(f"collective must be one of {', '.join(BUILDERS)}; got {collective!r}")
     return tuple(BUILDERS[collective]) + tuple(a for c, a in BASELINES if c == collective)
 
 
@@ -56,9 +64,11 @@ class Costs:
     @property
     def nbytes(self):
         """The size the benchmarks call S: the input, or for allgather and gather the
-        gathered output, for scatter the root's whole buffer, for alltoall a rank's input."""
+        gathered output, for scatter the root's whole buffer, for alltoall a rank's input
+        (alltoallv: a rank's mean input, ``count`` the mean block)."""
         n = self.count * self.dtype.itemsize
-        return n * self.world_size if self.collective in ("allgather", "gather", "scatter", "alltoall") else n
+        return n * self.world_size if self.collective in ("allgather", "gather", "scatter", "alltoall",
+                                                          "alltoallv") else n
 
     @cached_property
     def _graph(self):
@@ -138,6 +148,20 @@ def _check_args(collective, algorithm, world_size, count, dtype, op, root, param
         raise ValueError(f"inplace: {collective} has no in-place form here (allreduce, reduce and broadcast do)")
     if params.get("ordered"):
         check_ordered(collective, algorithm)
+    if "counts" in params:
+        if collective not in VARIABLE:
+            raise TypeError(f"counts is a parameter of {', '.join(VARIABLE)}, not of {collective}")
+        counts = np.asarray(params["counts"])
+        if counts.shape != (world_size, world_size) or counts.dtype.kind not in "iu" or (counts < 0).any():
+            raise ValueError(f"counts must be a {world_size}×{world_size} matrix of non-negative integers "
+                             "(counts[i][j]: elements rank i sends rank j)")
+
+
+def _counts(collective, world_size, count, params):
+    """The alltoallv matrix: ``counts[i][j]`` elements from rank i to rank j."""
+    if collective not in VARIABLE:
+        return None
+    return np.asarray(params["counts"]) if "counts" in params else alltoallv_counts(world_size, count)
 
 
 def plans_for(collective, algorithm, world_size, count, dtype="float32", root=0, **params):
@@ -153,8 +177,10 @@ def plans_for(collective, algorithm, world_size, count, dtype="float32", root=0,
     if (collective, algorithm) in SEGMENTED:
         segment = max(1, int(params.get("segment_size", DEFAULT_SEGMENT_SIZE)) // np.dtype(dtype).itemsize)
     ordered = bool(params.get("ordered", False))
+    matrix = _counts(collective, world_size, count, params)
     return [
-        compile_plan(build(collective, algorithm, r, world_size, count, root=root, segment=segment, ordered=ordered),
+        compile_plan(build(collective, algorithm, r, world_size, count, root=root, segment=segment, ordered=ordered,
+                           counts=None if matrix is None else (tuple(matrix[r].tolist()), tuple(matrix[:, r].tolist()))),
                      inplace)
         for r in range(world_size)
     ]
@@ -173,13 +199,15 @@ def costs(collective, algorithm, world_size, count, dtype="float32", root=0, **p
 def run(collective, algorithm, world_size, count, dtype="float32", op="sum", root=0, **params):
     """Run ``collective`` with ``algorithm`` for ``world_size`` virtual ranks in this
     process, on integer-valued NumPy inputs of ``count`` elements per rank (allgather and
-    gather: each rank's contribution; scatter and alltoall: each block), and check every rank's result against NumPy's reduction
+    gather: each rank's contribution; scatter and alltoall: each block; alltoallv: the
+    mean block, its blocks as ``counts`` says, default :func:`alltoallv_counts`), and check every rank's result against NumPy's reduction
     of the same inputs: equal values (+0 and -0 alike), and for allreduce the same
     bits on every rank.
 
     ``params``: ``segment_size`` (bytes, for the pipelined ``tree`` and ``pipeline``),
     ``inplace`` (the in-place form of the call), ``servers`` (``parameter_server``),
-    ``ordered`` (reductions in rank order, as in deterministic mode).
+    ``ordered`` (reductions in rank order, as in deterministic mode), ``counts``
+    (alltoallv: ``counts[i][j]`` elements from rank i to rank j).
     Raises :class:`~collectives.CollectiveError` if a result differs from NumPy's.
     """
     _check_args(collective, algorithm, world_size, count, dtype, op, root, params)
@@ -189,14 +217,17 @@ def run(collective, algorithm, world_size, count, dtype="float32", op="sum", roo
         raise ValueError("op 'avg' is not modelled for the parameter_server baseline; use op='sum'")
     plans = plans_for(collective, algorithm, world_size, count, dtype, root, **params)
     per_rank = count * world_size if collective in ("scatter", "alltoall") else count  # count per block
-    inputs = [make_input(r, world_size, per_rank, dtype, op) for r in range(world_size)]
+    matrix = _counts(collective, world_size, count, params)
+    inputs = [make_input(r, world_size, per_rank if matrix is None else int(matrix[r].sum()), dtype, op)
+              for r in range(world_size)]
     inplace = bool(params.get("inplace", False))
-    got = local.run_collective(collective, algorithm, [x.copy() for x in inputs], op, root, inplace=inplace, plans=plans)
+    got = local.run_collective(collective, algorithm, [x.copy() for x in inputs], op, root, inplace=inplace, plans=plans,
+                               counts=matrix)
     contributors = range(world_size)
     if baseline:  # servers hold no data and get no result
         contributors = range(int(params.get("servers", 1)), world_size)
         got = [got[r] if r in contributors else None for r in range(world_size)]
-    want = reference(collective, [inputs[r] for r in contributors], op, root if not baseline else 0)
+    want = reference(collective, [inputs[r] for r in contributors], op, root if not baseline else 0, matrix)
     for r in range(world_size):
         expected = None if (baseline and r not in contributors) else want[r - contributors.start]
         _check_equal(r, got[r], expected, collective, algorithm)
@@ -227,9 +258,13 @@ _UFUNCS = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum,
            "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
 
 
-def reference(collective, inputs, op="sum", root=0):
-    """NumPy's answer for every rank, given every rank's input (flat arrays)."""
+def reference(collective, inputs, op="sum", root=0, counts=None):
+    """NumPy's answer for every rank, given every rank's input (flat arrays; alltoallv:
+    ``counts[i][j]`` elements from rank i to rank j)."""
     size = len(inputs)
+    if collective == "alltoallv":  # block r of every input, in rank order
+        blocks = [np.split(x, np.cumsum(row)[:-1]) for x, row in zip(inputs, counts)]
+        return [np.concatenate([blocks[i][r] for i in range(size)]) for r in range(size)]
     if collective == "allgather":
         return [np.concatenate(inputs)] * size
     if collective == "broadcast":

@@ -69,12 +69,14 @@ def run(plans, inputs, outputs, op, dtype):
         raise CollectiveError(f"ranks {stuck} never finished: the schedules deadlock")
 
 
-def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, inplace=False, plans=None):
+def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, inplace=False, plans=None,
+                   counts=None):
     """Run ``collective`` with ``algorithm`` for ``len(inputs)`` virtual ranks in this
     process and return each rank's result as the Communicator would shape it (flat;
     ``None`` for the non-roots of reduce and gather). ``inputs[r]`` is rank r's flat
     array; for scatter only the root's counts (``len(inputs)`` blocks); for alltoall each
-    holds ``len(inputs)`` blocks.
+    holds ``len(inputs)`` blocks; for alltoallv ``counts[i][j]`` elements go from rank i
+    to rank j.
     ``plans``: every rank's compiled plan, if the caller has built them already.
     """
     # Imported here: the algorithm registry imports nothing from the transports.
@@ -104,11 +106,17 @@ def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, i
         outputs = [np.empty(size * count if r == root else 0, dtype) for r in range(size)]
     elif collective == "alltoall":
         outputs = [np.empty(size * count, dtype) for _ in range(size)]
+    elif collective == "alltoallv":
+        counts = np.asarray(counts)
+        outputs = [np.empty(int(counts[:, r].sum()), dtype) for r in range(size)]
     else:
         outputs = [np.empty(count, dtype) for _ in range(size)]
     if plans is None:
         plans = [
-            compile_plan(build(collective, algorithm, r, size, count, root=root, segment=segment), inplace=inplace)
+            compile_plan(build(collective, algorithm, r, size, count, root=root, segment=segment,
+                               counts=None if counts is None else (tuple(counts[r].tolist()),
+                                                                   tuple(counts[:, r].tolist()))),
+                         inplace=inplace)
             for r in range(size)
         ]
     run(plans, inputs, outputs, op, dtype)
