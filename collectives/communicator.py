@@ -230,6 +230,7 @@ class Communicator:
         self._tag_limit = self._comm.Get_attr(MPI.TAG_UB) + 1
         self._sequence = 0
         self._progress = Progress(Liveness(mpi_comm.Dup()), self.stall_warn)
+        self._p2p_comm = mpi_comm.Dup()  # send/recv: never matched with a collective's messages
         self._workspace = _Workspace()
         self._devices = {}  # backend -> DeviceContext, made at the first call on that device
         self._node_comm = None
@@ -299,6 +300,7 @@ class Communicator:
             if self._node_comm is not None:
                 self._node_comm.Free()
             self._comm.Free()
+            self._p2p_comm.Free()
             self._progress.liveness.free()
 
     # -- collectives ------------------------------------------------------------
@@ -676,6 +678,108 @@ class Communicator:
                     raise ValueError(message)
                 raise CollectiveError(f"alltoallv: no data moved, since {message}")
         return learned
+
+    # -- point to point ----------------------------------------------------------------
+    def send(self, x, dst, tag=0, *, timeout=None):
+        """Send ``x`` to rank ``dst``; returns once ``x`` may be changed again. Not
+        collective: ``dst`` alone takes part, with a :meth:`recv` of the same ``tag`` into
+        an array of the same size in bytes. Messages from one rank to another with one
+        tag arrive in the order they were sent. They travel on a private MPI
+        communicator, apart from every collective's messages and the caller's own.
+        ``timeout`` as for collectives (the communicator is broken after it)."""
+        handle = self._send(x, dst, tag, timeout, blocking=True)
+        return handle.wait()
+
+    def send_async(self, x, dst, tag=0, *, timeout=None):
+        """Start :meth:`send`: returns a :class:`~collectives.Handle` (``wait()`` gives
+        None). Leave ``x`` alone until it has finished. A message to this rank itself
+        is allowed here (with a :meth:`recv_async` to match it), not in :meth:`send`."""
+        return self._send(x, dst, tag, timeout, blocking=False)
+
+    def recv(self, out, src=None, tag=0, *, timeout=None):
+        """Receive a message from rank ``src`` (None: any rank) with ``tag`` into ``out``
+        (an array of exactly the message's size in bytes, any shape; filled in place) and
+        return ``out``. A message of another size raises
+        :class:`~collectives.MessageSizeError`. To learn which rank a message from any
+        rank came from, use :meth:`recv_async`: its handle's ``source``."""
+        return self._recv(out, src, tag, timeout, blocking=True).wait()
+
+    def recv_async(self, out, src=None, tag=0, *, timeout=None):
+        """Start :meth:`recv`: returns a handle whose ``wait()`` gives ``out`` and whose
+        ``source`` is then the sending rank."""
+        return self._recv(out, src, tag, timeout, blocking=False)
+
+    def _check_peer(self, peer, name, blocking, any_rank=False):
+        if peer is None and any_rank:
+            return None
+        if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.size:
+            allowed = " or None (any rank)" if any_rank else ""
+            raise ValueError(f"{name} must be a rank in 0..{self.size - 1}{allowed}; got {peer!r}")
+        if blocking and peer == self.rank:
+            raise ValueError(f"{name} is this rank ({peer}): a blocking message to itself could only wait forever; "
+                             "use send_async and recv_async")
+        return int(peer)
+
+    def _check_tag(self, tag):
+        if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag < self._tag_limit:
+            raise ValueError(f"tag must be an integer in 0..{self._tag_limit - 1}; got {tag!r}")
+        return int(tag)
+
+    def _p2p_open(self, what):
+        if self._progress.broken is not None:
+            raise CollectiveError(f"{what}: this communicator is broken by an earlier failure "
+                                  f"({self._progress.broken}); make a new Communicator")
+
+    def _send(self, x, dst, tag, timeout, blocking):
+        from .transport import p2p
+
+        x = as_array(x, "x")
+        dst = self._check_peer(dst, "dst", blocking)
+        tag = self._check_tag(tag)
+        timeout = self._timeout_for(timeout)
+        describe = f"send to rank {dst} (tag {tag})"
+        self._p2p_open(describe)
+        payload = p2p.device_to_host(x) if isinstance(x, DeviceArray) else p2p.as_bytes(x)
+        handle = p2p.PointHandle(self._progress, describe, _nothing,
+                                 lambda: self._p2p_comm.Isend([payload, MPI.BYTE], dst, tag), dst, tag, payload.nbytes,
+                                 False, timeout, self._sequence)
+        return handle.start()
+
+    def _recv(self, out, src, tag, timeout, blocking):
+        from .transport import p2p
+
+        if out is None:
+            raise ValueError("out must be the array that receives the message; got None")
+        if not isinstance(out, np.ndarray) and not is_device(out):
+            raise TypeError(f"out must be a numpy.ndarray or a device array; got {type(out).__name__}")
+        target = as_array(out, "out")
+        if not isinstance(target, DeviceArray) and not target.flags.writeable:
+            raise ValueError("out must be writable: the message is received into it")
+        src = self._check_peer(src, "src", blocking, any_rank=True)
+        tag = self._check_tag(tag)
+        timeout = self._timeout_for(timeout)
+        describe = f"recv from {'any rank' if src is None else f'rank {src}'} (tag {tag})"
+        self._p2p_open(describe)
+        if isinstance(target, DeviceArray):
+            landing = np.empty(0, np.uint8) if not target.nbytes else target.backend.pinned(target.nbytes)
+
+            def finish():
+                p2p.host_to_device(landing, target)
+                return out
+        elif target.flags.c_contiguous:
+            landing, finish = p2p.as_bytes(target), lambda: out
+        else:
+            staged = np.empty(target.shape, target.dtype)
+            landing = p2p.as_bytes(staged)
+
+            def finish():
+                target[...] = staged
+                return out
+        source = MPI.ANY_SOURCE if src is None else src
+        handle = p2p.PointHandle(self._progress, describe, finish,
+                                 lambda: self._p2p_comm.Irecv([landing, MPI.BYTE], source, tag), src, tag, landing.nbytes,
+                                 True, timeout, self._sequence)
+        return handle.start()
 
     def poll(self):
         """Advance this communicator's calls in flight without blocking, as far as their

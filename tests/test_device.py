@@ -250,6 +250,31 @@ def test_alltoallv_equals_the_host_path(dcomm, mpi_comm, algorithm):
     agree(mpi_comm, problems)
 
 
+def test_send_and_recv_device_arrays(dcomm, mpi_comm):
+    """Device to device, device to host and host to device, strided on both sides."""
+    comm, problems = dcomm, []
+    to, frm = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    mine = rank_input(comm.rank, 6 * 8, "float32").reshape(6, 8)
+    want = rank_input(frm, 6 * 8, "float32").reshape(6, 8)[:, ::2]
+    out = D.asarray(np.full((6, 8), -1, np.float32))
+    cases = {
+        "device to device": (D.asarray(mine)[:, ::2], D.empty((6, 4), np.float32)),
+        "device to a strided device out": (D.asarray(mine[:, ::2].copy()), out[:, ::2]),
+        "host to device": (mine[:, ::2], D.empty((24,), np.float32)),
+        "device to host": (D.asarray(mine)[:, ::2], np.empty((4, 6), np.float32)),
+    }
+    for name, (x, target) in cases.items():
+        sending = comm.send_async(x, to, tag=4)
+        got = comm.recv_async(target, frm, tag=4).wait()
+        sending.wait()
+        host = got if isinstance(got, np.ndarray) else D.asnumpy(got)
+        if got is not target or not np.array_equal(host.reshape(6, 4), want):
+            problems.append(f"{name}: {host.ravel()[:4]} != {want.ravel()[:4]}")
+    if not (D.asnumpy(out)[:, 1::2] == -1).all():
+        problems.append("the strided out's other columns were written")
+    agree(mpi_comm, problems)
+
+
 def test_results_are_ready_on_the_users_stream(dcomm, mpi_comm):
     """The input is written by work queued on the user's own stream (not run yet), and
     the result is read through that stream: the collective waited for the first and

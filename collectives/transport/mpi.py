@@ -227,9 +227,8 @@ class Progress:
         raise error
 
     def _owner_of(self, status):
-        tag = status.Get_tag()
         for handle in self.active:
-            if getattr(handle, "_tag", None) == tag:
+            if handle._owns(status):
                 return handle
         return None
 
@@ -335,6 +334,10 @@ class Handle:
                 self._progress.active.remove(self)
             self._result = self._finish()
             self._finished = True
+
+    def _owns(self, status):
+        """Whether the failed message of ``status`` is one of this call's (by its tag)."""
+        return getattr(self, "_tag", None) == status.Get_tag()
 
     def _cancel(self, request, token):
         """Take back a request in flight when the engine breaks (receives only: a send's
