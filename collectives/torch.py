@@ -266,3 +266,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, comm=None, *, backwar
                    poll_interval=poll_interval, deterministic=deterministic)
     distributed._setup(None if named_parameters is None else list(named_parameters), comm, options)
     return distributed
+
+
+# The torch.distributed backend "collectives" (see collectives.torch_backend).
+from . import torch_backend  # noqa: E402
+
+torch_backend.register()
+torch_backend.set_rendezvous_environment()

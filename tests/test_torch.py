@@ -15,49 +15,9 @@ torch = pytest.importorskip("torch")
 import collectives.torch as cct  # noqa: E402
 from collectives.training import TrainingError  # noqa: E402
 from conftest import GLOBAL_BATCH, agree, identical_everywhere, shard  # noqa: E402
+from torch_reference import STEPS, batch, close, loss_fn, make_model, single_process  # noqa: E402
 
-STEPS = 3
 torch.set_num_threads(1)  # up to 8 ranks share 2 cores
-
-
-def make_model(seed):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5)).double()
-
-
-def batch(step):
-    g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(GLOBAL_BATCH, 12, generator=g, dtype=torch.float64), torch.randint(0, 5, (GLOBAL_BATCH,), generator=g)
-
-
-from conftest import GLOBAL_BATCH, agree, identical_everywhere, shard  # noqa: E402
-
-STEPS = 3
-
-
-def loss_fn(model, x, y):
-    return torch.nn.functional.cross_entropy(model(x), y)
-
-
-def single_process(optimizer_class, steps=STEPS, **options):
-    model = make_model(0)
-    optimizer = optimizer_class(model.parameters(), **options)
-    history = []
-    for step in range(steps):
-        optimizer.zero_grad()
-        loss_fn(model, *batch(step)).backward()
-        optimizer.step()
-        history.append([p.detach().clone() for p in model.parameters()])
-    return history
-
-
-from conftest import GLOBAL_BATCH, agree, identical_everywhere, shard  # noqa: E402
-
-STEPS = 3
-
-
-def close(model, reference, rtol=1e-9):
-    return all(torch.allclose(p, q, rtol=rtol, atol=rtol) for p, q in zip(model.parameters(), reference))
 
 
 @pytest.mark.parametrize("optimizer_class, options, extra", [

@@ -1,0 +1,443 @@
+"""The torch.distributed backend "collectives" (collectives.torch_backend), serially and
+under mpiexec; skipped when torch is not installed.
+
+The reference for every call is gloo in the same job: a gloo group over the same ranks
+(``new_group(backend="gloo")``) runs the same torch.distributed program on the same
+integer-valued inputs, and the results must be identical. Where gloo refuses (a
+non-contiguous tensor) the reference is NumPy. Training with DDP and FSDP must equal
+single-process training on the global batch (tests/torch_reference.py), within the
+tolerances of the adapter's tests.
+"""
+
+import datetime
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import collectives.torch  # noqa: E402,F401  (registers the backend)
+from collectives import torch_backend  # noqa: E402
+from conftest import reference, rank_input, shard  # noqa: E402
+from torch_reference import STEPS, batch, close, loss_fn, make_model, single_process  # noqa: E402
+
+torch.set_num_threads(1)  # up to 8 ranks share 2 cores
+# torch 2.13 renames all_gather_into_tensor and reduce_scatter_tensor (to *_single) with a
+# FutureWarning; programs still call them by the old names, and so do these tests.
+pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated. Please use:FutureWarning")
+TIMEOUT_S = 60  # init_process_group's timeout, which becomes the library's: a hang fails in a minute
+OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "prod": dist.ReduceOp.PRODUCT,
+       "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "band": dist.ReduceOp.BAND,
+       "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR}
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8]
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    """The default group on "collectives" (the world), and a gloo group over the same ranks."""
+    dist.init_process_group("collectives", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    yield dist.new_group(backend="gloo")
+    dist.destroy_process_group()
+
+
+def rank_tensor(rank, count, dtype, op="sum"):
+    """``conftest.rank_input`` as a tensor of ``dtype`` (exact under ``op`` at any world size)."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.from_numpy(rank_input(rank, count, "float32", op)).to(dtype)
+    return torch.from_numpy(rank_input(rank, count, str(dtype).split(".")[-1], op)).clone()
+
+
+def both(call, gloo):
+    """``call(group)`` under gloo and under collectives (the default group): the two results."""
+    return call(gloo), call(None)
+
+
+def assert_same(want, got):
+    """Identical tensors (or lists of them): same dtype, shape and bits."""
+    if isinstance(want, (list, tuple)):
+        assert len(want) == len(got)
+        for w, g in zip(want, got):
+            assert_same(w, g)
+        return
+    assert want.dtype == got.dtype and want.shape == got.shape, (want, got)
+    assert torch.equal(want, got), f"gloo gave {want}, collectives gave {got}"
+
+
+def ops_for(dtype):
+    if dtype.is_floating_point:
+        return ["sum", "avg", "prod", "max", "min"]
+    return ["sum", "prod", "max", "min", "band", "bor", "bxor"]
+
+
+# -- every call against gloo -------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_all_reduce_every_op(gloo, dtype):
+    rank = dist.get_rank()
+    for op in ops_for(dtype):
+        def call(group, op=op):
+            x = rank_tensor(rank, 37, dtype, op)
+            dist.all_reduce(x, op=OPS[op], group=group)
+            return x
+        assert_same(*both(call, gloo))
+
+
+def test_all_reduce_of_a_non_contiguous_tensor_against_numpy(gloo):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    x = torch.from_numpy(rank_input(rank, 60, "float64")).reshape(6, 10).t()  # gloo refuses this
+    assert not x.is_contiguous()
+    dist.all_reduce(x)
+    want = reference("sum", [rank_input(r, 60, "float64").reshape(6, 10).T for r in range(size)])
+    np.testing.assert_array_equal(x.numpy(), want)
+
+
+def test_broadcast_from_every_root(gloo):
+    rank = dist.get_rank()
+    for root in range(dist.get_world_size()):
+        def call(group, root=root):
+            x = rank_tensor(rank, 19, torch.float32)
+            dist.broadcast(x, src=root, group=group)
+            return x
+        assert_same(*both(call, gloo))
+
+
+def test_all_gather_and_all_gather_into_tensor(gloo):
+    rank, size = dist.get_rank(), dist.get_world_size()
+
+    def listed(group):
+        out = [torch.empty(3, 5, dtype=torch.int64) for _ in range(size)]
+        dist.all_gather(out, rank_tensor(rank, 15, torch.int64).reshape(3, 5), group=group)
+        return out
+
+    def into_tensor(group):
+        out = torch.empty(size * 7, dtype=torch.float64)
+        dist.all_gather_into_tensor(out, rank_tensor(rank, 7, torch.float64), group=group)
+        return out
+
+    assert_same(*both(listed, gloo))
+    assert_same(*both(into_tensor, gloo))
+
+
+@pytest.mark.parametrize("op", ["sum", "max", "prod"])
+def test_reduce_scatter_and_reduce_scatter_tensor(gloo, op):
+    rank, size = dist.get_rank(), dist.get_world_size()
+
+    def listed(group):
+        out = torch.empty(6, dtype=torch.float32)
+        inputs = list(rank_tensor(rank, 6 * size, torch.float32, op).chunk(size))
+        dist.reduce_scatter(out, inputs, op=OPS[op], group=group)
+        return out
+
+    def single(group):
+        out = torch.empty(2, 3, dtype=torch.int32)
+        x = rank_tensor(rank, 6 * size, torch.int32, op).reshape(2 * size, 3)
+        dist.reduce_scatter_tensor(out, x, op=OPS[op], group=group)
+        return out
+
+    assert_same(*both(listed, gloo))
+    assert_same(*both(single, gloo))
+
+
+def test_reduce_gather_and_scatter_at_every_root(gloo):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    for root in range(size):
+        def reduce(group, root=root):
+            x = rank_tensor(rank, 11, torch.int64)
+            dist.reduce(x, dst=root, group=group)
+            return x if rank == root else torch.zeros(0)  # what non-roots hold after reduce is unspecified
+
+        def gather(group, root=root):
+            out = [torch.empty(4, dtype=torch.float32) for _ in range(size)] if rank == root else None
+            dist.gather(rank_tensor(rank, 4, torch.float32), out, dst=root, group=group)
+            return out or []
+
+        def scatter(group, root=root):
+            out = torch.empty(2, 3, dtype=torch.float64)
+            blocks = list(rank_tensor(rank, 6 * size, torch.float64).reshape(size, 2, 3)) if rank == root else None
+            dist.scatter(out, blocks, src=root, group=group)
+            return out
+
+        for call in (reduce, gather, scatter):
+            assert_same(*both(call, gloo))
+
+
+def test_all_to_all_equal_blocks_and_uneven_ones(gloo):
+    rank, size = dist.get_rank(), dist.get_world_size()
+
+    def equal(group):
+        outputs = [torch.empty(3, dtype=torch.int64) for _ in range(size)]
+        dist.all_to_all(outputs, list(rank_tensor(rank, 3 * size, torch.int64).chunk(size)), group=group)
+        return outputs
+
+    assert_same(*both(equal, gloo))
+    # Uneven blocks (NCCL allows them, gloo does not): rank r sends (r + j) % 3 + 1
+    # elements to rank j; block i received must be what rank i made for this rank.
+    inputs = [rank_tensor(rank * size + j, (rank + j) % 3 + 1, torch.float32) for j in range(size)]
+    outputs = [torch.empty((i + rank) % 3 + 1) for i in range(size)]
+    dist.all_to_all(outputs, inputs)
+    assert_same([rank_tensor(i * size + rank, (i + rank) % 3 + 1, torch.float32) for i in range(size)], outputs)
+
+
+def test_all_to_all_single_equal_and_with_split_sizes(gloo):
+    rank, size = dist.get_rank(), dist.get_world_size()
+
+    def equal(group):
+        out = torch.empty(size * 2, 3, dtype=torch.int64)
+        dist.all_to_all_single(out, rank_tensor(rank, size * 6, torch.int64).reshape(size * 2, 3), group=group)
+        return out
+
+    def split(group):
+        send = [(rank + j) % 3 for j in range(size)]  # zero rows included
+        recv = [(i + rank) % 3 for i in range(size)]
+        x = rank_tensor(rank, sum(send) * 4, torch.float64).reshape(sum(send), 4)
+        out = torch.empty(sum(recv), 4, dtype=torch.float64)
+        dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
+        return out
+
+    assert_same(*both(equal, gloo))
+    assert_same(*both(split, gloo))
+
+
+def test_point_to_point_in_a_ring(gloo):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if size == 1:
+        pytest.skip("point-to-point needs a peer")
+    right, left = (rank + 1) % size, (rank - 1) % size
+
+    def blocking(group):  # even ranks send first, odd ranks receive first
+        x, got = rank_tensor(rank, 8, torch.float32), torch.empty(8)
+        if rank % 2 == 0:
+            dist.send(x, right, group=group)
+            dist.recv(got, left, group=group)
+        else:
+            dist.recv(got, left, group=group)
+            dist.send(x, right, group=group)
+        return got
+
+    def nonblocking(group):
+        got = torch.empty(5, dtype=torch.int64)
+        works = [dist.isend(rank_tensor(rank, 5, torch.int64), right, group=group, tag=3),
+                 dist.irecv(got, left, group=group, tag=3)]
+        for work in works:
+            work.wait()
+        return got
+
+    def batched(group):
+        got = [torch.empty(4), torch.empty(2)]
+        ops = [dist.P2POp(dist.isend, rank_tensor(rank, 4, torch.float32), right, group),
+               dist.P2POp(dist.irecv, got[0], left, group),
+               dist.P2POp(dist.isend, rank_tensor(rank + 9, 2, torch.float32), left, group),
+               dist.P2POp(dist.irecv, got[1], right, group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return got
+
+    for call in (blocking, nonblocking, batched):
+        assert_same(*both(call, gloo))
+
+
+def test_recv_from_any_source_reports_the_sender(gloo):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if size == 1:
+        pytest.skip("point-to-point needs a peer")
+    if rank == 0:
+        got, senders = torch.empty(1), []
+        for _ in range(size - 1):
+            sender = dist.recv(got)  # src=None: any source; torch returns the sender
+            assert got.item() == 10.0 * sender
+            senders.append(sender)
+        assert sorted(senders) == list(range(1, size))
+    else:
+        dist.send(torch.tensor([10.0 * rank]), 0)
+
+
+def test_objects_and_barrier(gloo):
+    rank, size = dist.get_rank(), dist.get_world_size()
+
+    def objects(group):
+        listed = [{"rank": rank, "word": "x" * rank}, rank * 1.5] if rank == 0 else [None, None]
+        dist.broadcast_object_list(listed, src=0, group=group)
+        gathered = [None] * size
+        dist.all_gather_object(gathered, ("from", rank, list(range(rank))), group=group)
+        return listed, gathered
+
+    want, got = both(objects, gloo)
+    assert got == want
+    dist.barrier()
+
+
+# -- Work, groups, timeout, what has no mapping --------------------------------------------------
+def test_async_work_wait_is_completed_and_future(gloo):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    x = rank_tensor(rank, 1000, torch.float64)
+    work = dist.all_reduce(x, async_op=True)
+    assert work.wait() is True
+    assert work.is_completed() and work.is_success()
+    want = reference("sum", [rank_input(r, 1000, "float64") for r in range(size)])
+    np.testing.assert_array_equal(x.numpy(), want)
+    y = rank_tensor(rank, 10, torch.float32)
+    future = dist.all_reduce(y, async_op=True).get_future()
+    (result,) = future.wait()
+    assert result is y and torch.equal(y, torch.from_numpy(reference("sum", [rank_input(r, 10, "float32")
+                                                                             for r in range(size)])))
+    out = torch.empty(size * 3)
+    work = dist.all_gather_into_tensor(out, rank_tensor(rank, 3, torch.float32), async_op=True)
+    while not work.is_completed():  # polling drives it to the end
+        pass
+    assert torch.equal(out, torch.cat([rank_tensor(r, 3, torch.float32) for r in range(size)]))
+
+
+def test_subgroups_are_sub_communicators(gloo):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    members = list(range(0, size, 2))  # new_group is collective over the world: every rank calls it
+    ours, theirs = dist.new_group(members), dist.new_group(members, backend="gloo")
+    if rank not in members:
+        return
+    assert isinstance(ours, torch_backend.ProcessGroup) and ours.comm.size == len(members)
+    for op in ("sum", "max"):
+        results = []
+        for group in (theirs, ours):
+            x = rank_tensor(rank, 9, torch.int32, op)
+            dist.all_reduce(x, op=OPS[op], group=group)
+            results.append(x)
+        assert_same(*results)
+    out = [torch.empty(2) for _ in members]
+    dist.all_gather(out, torch.full((2,), float(rank)), group=ours)
+    assert [int(o[0]) for o in out] == members
+
+
+def test_the_init_timeout_becomes_the_library_timeout(gloo):
+    group = dist.group.WORLD
+    assert isinstance(group, torch_backend.ProcessGroup) and group.getBackendName() == "collectives"
+    assert group.comm.timeout == TIMEOUT_S
+
+
+def test_what_has_no_mapping_says_so(gloo):
+    with pytest.raises(NotImplementedError, match="PREMUL_SUM"):
+        dist.all_reduce(torch.ones(3), op=dist._make_nccl_premul_sum(2.0))
+    # torch itself allows monitored_barrier on gloo only; comm.barrier(timeout=...) is ours.
+    with pytest.raises(ValueError, match="only implemented for GLOO"):
+        dist.monitored_barrier()
+    with pytest.raises(ValueError, match="split sizes must have one entry per rank"):
+        dist.all_to_all_single(torch.empty(1), torch.ones(1), [1] * (dist.get_world_size() + 1),
+                               [1] * (dist.get_world_size() + 1))
+
+
+# -- training: DDP and FSDP unchanged --------------------------------------------------------------
+class WithUnused(torch.nn.Module):
+    """``make_model``'s layers plus a layer the forward pass never uses."""
+
+    def __init__(self, seed):
+        super().__init__()
+        self.body = make_model(seed)
+        self.unused = torch.nn.Linear(12, 5).double()
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def train_ddp(micro=1, hook=None, model=None, **ddp_options):
+    """DDP over the default ("collectives") group, from rank-dependent initial weights
+    (DDP broadcasts rank 0's), SGD with momentum, ``micro`` micro-batches per step
+    (all but the last under ``no_sync()``); the parameters after each step."""
+    class Comm:  # conftest.shard needs only rank and size
+        rank, size = dist.get_rank(), dist.get_world_size()
+
+    model = model or make_model(dist.get_rank() * 7)
+    ddp = DDP(model, **ddp_options)
+    if hook is not None:
+        ddp.register_comm_hook(None, hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.5, momentum=0.9)
+    history = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        for index in range(micro):
+            x, y = shard(Comm, *batch(step), micro=micro, index=index)
+            if index < micro - 1:
+                with ddp.no_sync():
+                    (loss_fn(ddp, x, y) / micro).backward()
+            else:
+                (loss_fn(ddp, x, y) / micro).backward()
+        optimizer.step()
+        history.append([p.detach().clone() for p in model.parameters()])
+    return history
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_ddp_trains_equal_to_single_process(gloo, micro):
+    want = single_process(torch.optim.SGD, lr=0.5, momentum=0.9)
+    for step, got in enumerate(train_ddp(micro=micro)):
+        assert close(got, want[step]), f"step {step}: DDP differs from single-process training beyond rtol 1e-9"
+
+
+def test_ddp_with_unused_parameters(gloo):
+    want = single_process(torch.optim.SGD, lr=0.5, momentum=0.9)
+    model = WithUnused(dist.get_rank() * 7)
+    before = model.unused.weight.detach().clone()
+    dist.broadcast(before, 0)  # DDP starts every rank from rank 0's weights
+    history = train_ddp(model=model, find_unused_parameters=True)
+    for step, got in enumerate(history):
+        assert close(got[:len(want[step])], want[step]), f"step {step}: differs from single-process training"
+    assert torch.equal(model.unused.weight, before)  # no gradient, no step
+
+
+def test_ddp_fp16_compress_hook(gloo):
+    want = single_process(torch.optim.SGD, lr=0.5, momentum=0.9)
+    for step, got in enumerate(train_ddp(hook=default_hooks.fp16_compress_hook)):
+        assert close(got, want[step], rtol=1e-3), f"step {step}: fp16-compressed DDP drifts beyond 1e-3"
+
+
+def test_fsdp2_trains_equal_to_single_process(gloo):
+    from torch.distributed.fsdp import fully_shard
+
+    class Comm:
+        rank, size = dist.get_rank(), dist.get_world_size()
+
+    want = single_process(torch.optim.SGD, lr=0.5)
+    model = make_model(0)  # FSDP shards rank-identical weights; it does not broadcast
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss_fn(model, *shard(Comm, *batch(step))).backward()
+        optimizer.step()
+        got = [p.full_tensor() for p in model.parameters()]
+        assert close(got, want[step]), f"step {step}: FSDP differs from single-process training beyond rtol 1e-9"
+
+
+# -- rendezvous --------------------------------------------------------------------------------------
+JOB = """
+import datetime, sys, torch.distributed as dist
+import collectives.torch
+try:
+    dist.init_process_group("collectives", timeout=datetime.timedelta(seconds=20))
+except RuntimeError as error:
+    print("RAISED", error)
+    sys.exit(0)
+print("NO ERROR")
+"""
+
+
+@pytest.mark.serial
+def test_rank_disagreeing_with_mpi_is_a_clear_error(tmp_path):
+    """RANK swapped on two ranks: init_process_group raises on both, naming both views."""
+    mpiexec = os.environ.get("MPIEXEC") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "MPIR_", "HYDRA_"))}
+    env.pop("MASTER_ADDR", None), env.pop("MASTER_PORT", None)
+    command = [mpiexec, "-n", "1", "-env", "RANK", "1", "-env", "WORLD_SIZE", "2", sys.executable, str(script),
+               ":", "-n", "1", "-env", "RANK", "0", "-env", "WORLD_SIZE", "2", sys.executable, str(script)]
+    job = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert job.returncode == 0, job.stderr
+    lines = [line for line in job.stdout.splitlines() if line.startswith(("RAISED", "NO ERROR"))]
+    assert len(lines) == 2 and all(line.startswith("RAISED") for line in lines), job.stdout + job.stderr
+    assert all("RANK" in line and "MPI says rank" in line for line in lines)
