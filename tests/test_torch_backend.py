@@ -88,6 +88,20 @@ def test_all_reduce_every_op(gloo, dtype):
         assert_same(*both(call, gloo))
 
 
+def test_all_reduce_of_bool_complex_0d_and_empty_tensors(gloo):
+    rank = dist.get_rank()
+    cases = [(lambda: torch.from_numpy(rank_input(rank, 12, "int8") > 0), op) for op in ("sum", "max", "min", "prod")]
+    cases += [(lambda: rank_tensor(rank, 5, torch.complex64), "sum"),
+              (lambda: torch.tensor(float(rank + 1)), "sum"),  # 0-d
+              (lambda: torch.ones(0, 3), "max")]  # empty
+    for make, op in cases:
+        def call(group, make=make, op=op):
+            x = make()
+            dist.all_reduce(x, op=OPS[op], group=group)
+            return x
+        assert_same(*both(call, gloo))
+
+
 def test_all_reduce_of_a_non_contiguous_tensor_against_numpy(gloo):
     rank, size = dist.get_rank(), dist.get_world_size()
     x = torch.from_numpy(rank_input(rank, 60, "float64")).reshape(6, 10).t()  # gloo refuses this

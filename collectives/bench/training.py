@@ -5,6 +5,11 @@ behind backward?
     mpiexec -n 4 python -m collectives.bench.training --bucket-mib 25,4 --algorithms auto,direct,ring \\
         --json training-n4.json
     mpiexec -n 4 python -m collectives.bench.training --framework torch    # collectives.torch.DistributedOptimizer
+    mpiexec -n 4 python -m collectives.bench.training --ddp --bucket-mib 1,5,25   # DDP: "collectives" vs gloo
+
+``--ddp`` times torch's DistributedDataParallel on the torch.distributed backend
+"collectives" against gloo (see :mod:`collectives.bench.ddp`); the rest of this text is
+about the adapter's own variants.
 
 The model is an MLP of ``--layers`` dense layers of ``--width`` x ``--width`` (float32,
 ReLU, squared loss), ``--batch`` samples per rank, forward and backward computed by
@@ -496,6 +501,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m collectives.bench.training", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--framework", choices=("numpy", "torch"), default="numpy")
+    p.add_argument("--ddp", action="store_true", help="time torch DDP on the 'collectives' backend against gloo "
+                   "(implies --framework torch; see collectives.bench.ddp)")
     p.add_argument("--layers", type=int, default=5, help="dense layers (default 5)")
     p.add_argument("--width", type=int, default=1024, help="layer width (default 1024: 4 MiB per weight)")
     p.add_argument("--batch", type=int, default=64, help="samples per rank (default 64)")
@@ -553,10 +560,14 @@ def main(argv=None):
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     limits = threadpool_limits(1) if threadpool_limits is not None else None  # noqa: F841 (kept alive)
+    if args.ddp:
+        args.framework = "torch"
     if args.framework == "torch":
         import torch
 
         torch.set_num_threads(1)
+    if args.ddp:
+        return main_ddp(args, world)
     probe = probe_progress(world) if args.probe else None
     comm = Communicator()
     failures = []
@@ -668,6 +679,33 @@ def main(argv=None):
                 info["torch"] = torch.__version__
                 info["torch_threads"] = torch.get_num_threads()
             write_json(args.json, {"machine": info, "rows": rows})
+    return 0
+
+
+def main_ddp(args, world):
+    """--ddp: DDP on "collectives" against gloo (collectives.bench.ddp)."""
+    from . import ddp
+
+    rank, size = world.Get_rank(), world.Get_size()
+    model = TorchMLP(args.layers, args.width, args.batch, rank)
+    rows, failures, ddp_info = ddp.run(args, model, world)
+    failures = [f for per_rank in world.allgather(failures) for f in per_rank]
+    if rank != 0:
+        return 1 if failures else 0
+    if failures:
+        print("correctness check FAILED, nothing timed:\n  " + "\n  ".join(sorted(set(failures))), flush=True)
+        return 1
+    print(f"correctness: every DDP variant's gradients match the mean over {size} ranks", flush=True)
+    ddp.print_table(rows, model.nbytes, size)
+    sys.stdout.flush()
+    if args.json:
+        info = {"hostname": socket.gethostname(), "cpu_count": os.cpu_count(), "world_size": size,
+                "mpi_library": mpi_library(), "mpi4py": __import__("mpi4py").__version__,
+                "numpy": np.__version__, "python": platform.python_version(), "machine": platform.machine(),
+                "model_bytes": int(model.nbytes), "layers": args.layers, "width": args.width,
+                "batch_per_rank": args.batch, "steps_per_round": args.steps, "rounds": args.rounds,
+                "warmup": args.warmup, "argv": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M:%S"), **ddp_info}
+        write_json(args.json, {"machine": info, "rows": rows})
     return 0
 
 
