@@ -5,6 +5,8 @@ loop ever touches elements. ``avg`` is a sum followed by one division by the wor
 size, applied by the owner of each result element (so every rank gets the same bits).
 """
 
+import sys
+
 import numpy as np
 
 from .arrays import is_complex, is_floating, is_integer
@@ -55,7 +57,36 @@ def _defined(op, dtype):
 
 def combine(op, a, b, out):
     """``out = a op b`` elementwise; ``out`` may alias ``a`` or ``b``."""
+    if op in _TORCH_OPS and (out.dtype == np.float16 or out.dtype.name == "bfloat16"):
+        if _combine_16_bit_with_torch(op, a, b, out):
+            return
     _UFUNCS[op](a, b, out=out)
+
+
+# NumPy's float16 loops (and ml_dtypes' bfloat16 ones) widen and round one element at a
+# time: 25x (bfloat16: 8x) slower than torch's vectorised kernels on this machine, which
+# give the same bits: each element widened to float32, added or multiplied, rounded once
+# to nearest-even (checked against NumPy on a million random bit patterns, infinities
+# and zeros of both signs included; a NaN stays a NaN, its payload may differ). So where
+# the program has imported torch (the torch adapter and backend, whose fp16 compression
+# reduces float16), sums and products of these dtypes go through torch.
+_TORCH_OPS = {"sum": "add", "avg": "add", "prod": "mul"}
+
+
+def _combine_16_bit_with_torch(op, a, b, out):
+    """``out = a op b`` through torch if it is imported and can view all three arrays
+    without copying (writable, non-negative strides); returns whether it did."""
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "from_numpy"):
+        return False
+    arrays = (a, b, out)
+    if any(x.dtype != out.dtype or x.shape != out.shape or not x.flags.writeable or min(x.strides, default=0) < 0
+           for x in arrays):
+        return False
+    dtype = torch.float16 if out.dtype == np.float16 else torch.bfloat16
+    ta, tb, tout = (torch.from_numpy(x.view(np.int16)).view(dtype) for x in arrays)
+    getattr(torch, _TORCH_OPS[op])(ta, tb, out=tout)
+    return True
 
 
 def finish(op, result, size):
