@@ -236,7 +236,7 @@ def _torch_stream(tensor):
 def DistributedOptimizer(optimizer, named_parameters=None, comm=None, *, backward_passes_per_step=1,
                          compression=None, algorithm="auto", first_bucket_bytes=training.FIRST_BUCKET_BYTES,
                          bucket_bytes=training.BUCKET_BYTES, progress_thread=False, poll_interval=50e-6,
-                         deterministic=None):
+                         deterministic=None, op="avg"):
     """Wrap ``optimizer`` so that ``step()`` applies the gradients averaged over ranks.
 
     Returns an optimizer of a subclass of ``optimizer``'s class sharing its attributes
@@ -245,7 +245,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, comm=None, *, backwar
     as soon as backward has accumulated it, and its bucket's allreduce starts when the
     bucket is full, overlapping the rest of backward. Options as in
     :class:`collectives.training.GradientReducer` (``backward_passes_per_step=k``:
-    call backward k times per step; scale the loss by 1/k for a mean). Collective.
+    call backward k times per step; scale the loss by 1/k for a mean; ``op="sum"``
+    sums the gradients instead of averaging them). Collective.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
@@ -263,7 +264,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, comm=None, *, backwar
     distributed.__dict__ = optimizer.__dict__
     options = dict(backward_passes_per_step=backward_passes_per_step, compression=compression, algorithm=algorithm,
                    first_bucket_bytes=first_bucket_bytes, bucket_bytes=bucket_bytes, progress_thread=progress_thread,
-                   poll_interval=poll_interval, deterministic=deterministic)
+                   poll_interval=poll_interval, deterministic=deterministic, op=op)
     distributed._setup(None if named_parameters is None else list(named_parameters), comm, options)
     return distributed
 

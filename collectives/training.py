@@ -326,6 +326,8 @@ class GradientReducer:
       the world size first (so the sum cannot overflow), sent and summed as float16 or
       bfloat16, and cast back; the gradients keep their dtype. ``None`` sends them as
       they are, summed then divided.
+    - ``op="sum"``: the gradients are summed over the ranks instead of averaged
+      (Horovod's ``op=Sum``); compression then sends each bucket undivided.
     - ``algorithm``: the allreduce algorithm ("auto" picks per bucket size).
     - ``deterministic=True``: every bucket's sum is the left fold over the ranks in rank
       order (see :class:`~collectives.Communicator`), so the averaged gradients, and the
@@ -342,7 +344,7 @@ class GradientReducer:
 
     def __init__(self, params, comm=None, *, first_bucket_bytes=FIRST_BUCKET_BYTES, bucket_bytes=BUCKET_BYTES,
                  backward_passes_per_step=1, compression=None, algorithm="auto", progress_thread=False,
-                 poll_interval=50e-6, deterministic=None):
+                 poll_interval=50e-6, deterministic=None, op="avg"):
         named = named_arrays(params)
         for name, array in named:
             if array.dtype.kind not in "fc" and array.dtype not in EXTRA_DTYPES:
@@ -353,6 +355,8 @@ class GradientReducer:
         k = backward_passes_per_step
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"backward_passes_per_step must be a positive integer; got {k!r}")
+        if not isinstance(op, str) or op not in ("avg", "sum"):
+            raise ValueError(f"op must be 'avg' (the mean over the ranks) or 'sum'; got {op!r}")
         if not isinstance(compression, (str, type(None))) or compression not in COMPRESSIONS:
             names = ", ".join(repr(c) for c in COMPRESSIONS)
             raise ValueError(f"compression must be one of {names}; got {compression!r}")
@@ -381,6 +385,7 @@ class GradientReducer:
 
         self.backward_passes_per_step = int(k)
         self.compression = compression
+        self.op = op
         self.names = [name for name, _ in named]
         # Backward produces the last parameters' gradients first: lay them out first.
         entries = [(name, array.shape, array.dtype) for name, array in reversed(named)]
@@ -482,6 +487,13 @@ class GradientReducer:
         self._reset()
         return {name: averaged[name] for name in self.names}
 
+    def missing(self):
+        """``{name: hand-overs still expected}`` for every parameter whose gradient has not
+        yet arrived ``backward_passes_per_step`` times this step (empty once all have:
+        :meth:`synchronize` raises for the others)."""
+        k = self.backward_passes_per_step
+        return {name: k - passes for name, passes in self._passes.items() if passes < k}
+
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside do not communicate: :meth:`gradient_ready` ignores them
@@ -536,13 +548,15 @@ class GradientReducer:
                         if wire is not None:
                             wire.stream = self._stream
                     if wire is None:
-                        handle = self._comm.allreduce_async(bucket.data, op="avg", algorithm=self.algorithm,
+                        handle = self._comm.allreduce_async(bucket.data, op=self.op, algorithm=self.algorithm,
                                                             out=bucket.data)
                     else:  # divide first: the sum of the ranks' shares cannot overflow 16 bits
+                        divisor = self._comm.size if self.op == "avg" else 1
                         if isinstance(wire, DeviceArray):
-                            device_ops.cast(wire, bucket.data, self._comm.size)  # one kernel: divide and cast
+                            device_ops.cast(wire, bucket.data, divisor)  # one kernel: divide and cast
                         else:
-                            np.divide(bucket.data, self._comm.size, out=bucket.data)
+                            if divisor != 1:
+                                np.divide(bucket.data, divisor, out=bucket.data)
                             np.copyto(wire, bucket.data, casting="same_kind")
                         handle = self._comm.allreduce_async(wire, op="sum", algorithm=self.algorithm, out=wire)
                 except Exception as exc:
