@@ -31,6 +31,8 @@ EXAMPLE_RANKS ?= 4
 EXAMPLE_ARGS  ?=
 # make bench-training: options for python -m collectives.bench.training.
 TRAINING_ARGS ?= --bucket-mib 25,5 --compression none,fp16
+# make bench-ddp: options for python -m collectives.bench.training --ddp (DDP on "collectives" vs gloo).
+DDP_ARGS      ?= --bucket-mib 1,5,25 --compression none,fp16
 
 # make examples-ps: the parameter-server example at PS_RANKS ranks, sync (same accuracy as a
 # serial train_numpy.py run) and async (within 2 points of it).
@@ -43,7 +45,7 @@ SOAK_RANKS    ?= 4
 SOAK_CALLS    ?= 20000
 SOAK_ARGS     ?= --max-growth-mib 32
 
-.PHONY: install test test-serial test-mpi test-long test-gpu demo bench bench-gpu bench-training bench-reliability bench-ps examples examples-ps soak tune project clean
+.PHONY: install test test-serial test-mpi test-long test-gpu demo bench bench-gpu bench-training bench-ddp bench-reliability bench-ps examples examples-ps soak tune project docs clean
 
 install: $(VENV)/.installed
 
@@ -137,6 +139,13 @@ bench-training: install
 	timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $(BENCH_RANKS) $(PYTHON) -m collectives.bench.training $(TRAINING_ARGS) \
 	  --json $(RESULTS)/latest-training-n$(BENCH_RANKS).json
 
+# torch DDP's step on the torch.distributed backend "collectives" against gloo, same run
+# (the same 20 MiB MLP at BENCH_RANKS ranks; every variant's gradients checked first).
+bench-ddp: install
+	mkdir -p $(RESULTS)
+	timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $(BENCH_RANKS) $(PYTHON) -m collectives.bench.training --ddp $(DDP_ARGS) \
+	  --json $(RESULTS)/latest-ddp-n$(BENCH_RANKS).json
+
 # What check mode and timeouts cost: allreduce with each against the plain call and
 # MPI_Allreduce, same run (BENCH_RANKS ranks).
 bench-reliability: install
@@ -185,5 +194,16 @@ project: install
 	$(PYTHON) -m collectives.sim --no-progress --plot $(RESULTS)/latest-projection.png \
 	  --json $(RESULTS)/latest-projection.json $(SIM_ARGS)
 
+# The documentation site (mkdocs.yml, docs/; the API reference from the docstrings)
+# into site/. --strict: a broken link or anchor, or a docstring that does not render,
+# fails the build. Installs the docs extra into the venv the first time.
+docs: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict -d site
+
+$(VENV)/.docs-installed: setup.py
+	test -x $(PYTHON) || python3 -m venv $(VENV)
+	$(PYTHON) -m pip install -q -e ".[docs]"
+	touch $@
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis site

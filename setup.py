@@ -14,8 +14,8 @@ setup(
     python_requires=">=3.10",
     # kernels/ (the CUDA sources) ships inside the package as collectives.kernels, so no
     # generic top-level module called `kernels` is installed.
-    packages=["collectives", "collectives.algorithms", "collectives.bench", "collectives.device", "collectives.sim",
-              "collectives.transport", "collectives.kernels"],
+    packages=["collectives", "collectives.algorithms", "collectives.bench", "collectives.device", "collectives.horovod",
+              "collectives.sim", "collectives.transport", "collectives.kernels"],
     package_dir={"collectives": "collectives", "collectives.kernels": "kernels"},
     package_data={"collectives": ["data/*.json"], "collectives.kernels": ["*.cu", "*.cuh", "README.md"]},
     install_requires=["mpi4py>=3.1", "numpy>=1.23"],
@@ -41,6 +41,9 @@ setup(
         "cuda13": ["cupy-cuda13x>=13", "ml_dtypes>=0.2"],
         # examples/: the digits data set ships inside scikit-learn; progress bars.
         "examples": ["scikit-learn>=1.0", "tqdm>=4.60"],
+        # make docs: the site in docs/ (mkdocs.yml). mkdocs 1.6 for link and anchor
+        # validation; mkdocstrings-python 2 (griffe 2) for docs/_ext/sphinx_roles.py.
+        "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=1.0", "mkdocstrings-python>=2.0"],
     },
     entry_points={"console_scripts": ["collectives-bench=collectives.bench.cli:main"]},
     classifiers=[

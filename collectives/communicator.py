@@ -160,7 +160,7 @@ class Communicator:
     rank passes device arrays to a call, or every rank host arrays.
 
     Every rank must call the same collectives in the same order, as with MPI. What
-    protects against the ways that goes wrong (see the README's "When things go wrong"):
+    protects against the ways that goes wrong (see docs/guides/troubleshooting.md):
 
     - ``check=True`` (``COLLECTIVES_CHECK=1``): before each call the ranks compare what
       they are calling (one 152-byte allgather) and all raise

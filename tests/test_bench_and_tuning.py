@@ -232,7 +232,7 @@ def test_selector_precedence(tmp_path, no_default_table):
 
 @serial
 def test_cost_model_rule_matches_the_readme_table():
-    """README "auto": the rule where no table answers (and native below 4 KiB)."""
+    """docs/algorithms.md, "auto": the rule where no table answers (and native below 4 KiB)."""
     cases = [
         ("allreduce", 100, 4, "native"), ("allreduce", 8192, 4, "recursive_doubling"),
         ("allreduce", 256 * 1024, 4, "recursive_halving"), ("allreduce", 256 * 1024, 3, "ring"),

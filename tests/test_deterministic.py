@@ -30,7 +30,7 @@ REDUCING = ("allreduce", "reduce_scatter", "reduce")
 def ops_of(dtype):
     # Not complex prod: NumPy's complex multiply is not correctly rounded, and its bits
     # depend on the vector path it takes (one element or several, in place or not), so
-    # no fold computed elsewhere can be the reference (the README says so).
+    # no fold computed elsewhere can be the reference (docs/guides/usage.md says so).
     return ["sum", "avg"] if np.dtype(dtype).kind == "c" else ["sum", "prod", "max", "min", "avg"]
 
 

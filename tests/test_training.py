@@ -7,7 +7,7 @@ mean gradient is summed in a different order: mean of the ranks' shard means), a
 bit-for-bit the same parameters on every rank after every step (checked with mpi4py's
 own allgather).
 
-Tolerances (documented in the README): float64, rtol 1e-9; float32, rtol 1e-5;
+Tolerances (documented in docs/guides/training.md): float64, rtol 1e-9; float32, rtol 1e-5;
 float16 compression: the averaged gradient within (p + 1) * 2**-10 of the largest
 gradient magnitude; bfloat16 compression: (p + 1) * 2**-7.
 """

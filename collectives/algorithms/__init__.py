@@ -101,7 +101,7 @@ def cost_model_choice(collective, nbytes, size, own=False):
     """What ``auto`` picks where no measured table covers the world size; ``own``: among
     the library's own algorithms only (for dtypes the MPI library cannot move).
 
-    From the cost model (``README.md``, "Algorithms"): the MPI library's own collective
+    From the cost model (``docs/algorithms.md``): the MPI library's own collective
     for tiny buffers (its per-message latency is a tenth of ours), latency-optimal
     algorithms (fewest messages) below 64 KiB, bandwidth-optimal ones above.
     Gather, scatter, alltoall and alltoallv: the MPI library's own at every size, since MPICH's are

@@ -1,6 +1,6 @@
 """The completion time of every rank's plan under the α-β-γ model.
 
-The model (also in the package docstring and the README):
+The model (also in the package docstring and docs/algorithms.md):
 
 - A message of m bytes from rank s to rank d takes ``α + m·β`` once it has started.
   It starts when both sides have posted it (the send's data is ready and the receive's
