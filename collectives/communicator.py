@@ -26,6 +26,13 @@ from .transport.liveness import Liveness
 from .transport.mpi import PlanHandle, Progress, RequestHandle, check_timeout
 from .tuning import Selector
 
+# MPI libraries reduce float16 in scalar software loops: MPICH 5's allreduce of float16
+# ran at 0.07 GB/s busbw at 4 ranks here, 4-20x slower than the library's own algorithms
+# from 64 KiB on (bench/results/epyc-2vcpu-mpich5/float16-n4.txt). The tuning tables are
+# measured in float32, so ``auto`` does not hand float16 reductions of this many bytes
+# or more to MPI; below it MPI's lower latency wins.
+FLOAT16_NATIVE_UP_TO = 64 << 10
+
 DEFAULT_SEGMENT_SIZE = 256 * 1024  # bytes; COLLECTIVES_SEGMENT_SIZE overrides
 DEFAULT_DEVICE_SEGMENT_SIZE = 4 << 20  # bytes; COLLECTIVES_DEVICE_SEGMENT_SIZE overrides
 
@@ -238,15 +245,32 @@ class Communicator:
     def __repr__(self):
         return f"<collectives.Communicator rank {self.rank} of {self.size}>"
 
-    def choose(self, collective, nbytes, device=False):
+    def choose(self, collective, nbytes, device=False, dtype=None):
         """``(algorithm, why)``: what ``auto`` picks for ``collective`` on ``nbytes`` bytes
         (allgather and gather: the gathered size; scatter: the root's whole buffer;
         alltoall: a rank's whole input) at this world size, and which rule decided;
-        ``device=True`` for device arrays."""
+        ``device=True`` for device arrays; ``dtype`` where it matters (float16
+        reductions and dtypes MPI has no type for stay off ``native``)."""
         check_algorithm(collective, "auto")
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
             raise ValueError(f"nbytes must be a non-negative number of bytes; got {nbytes!r}")
-        return self._selector.explain(collective, int(nbytes), bool(device))
+        choice, why = self._selector.explain(collective, int(nbytes), bool(device))
+        if choice == "native" and dtype is not None:
+            instead = self._instead_of_native(collective, int(nbytes), np.dtype(dtype), bool(device))
+            if instead is not None:
+                return instead
+        return choice, why
+
+    def _instead_of_native(self, collective, nbytes, dtype, device):
+        """``(algorithm, why)`` where ``auto`` must not hand ``dtype`` to MPI, else None."""
+        if is_extra(dtype):
+            return (cost_model_choice(collective, nbytes, self.size, own=True),
+                    f"the cost model among the library's own algorithms (MPI has no type for {dtype.name})")
+        if (dtype == np.float16 and not device and collective in ("allreduce", "reduce", "reduce_scatter")
+                and nbytes >= FLOAT16_NATIVE_UP_TO and collective not in self._selector.overrides):
+            return (cost_model_choice(collective, nbytes, self.size, own=True),
+                    "the cost model among the library's own algorithms (MPI reduces float16 in slow software loops)")
+        return None
 
     def release_memory(self):
         """Drop the scratch buffers kept between calls (they are made again when needed),
@@ -841,12 +865,16 @@ class Communicator:
     def _resolve(self, collective, algorithm, nbytes, dtype, device=False):
         if algorithm != "auto" and self.deterministic:
             check_ordered(collective, algorithm)
-        chosen = self._selector.choose(collective, nbytes, device) if algorithm == "auto" else algorithm
-        if chosen == "native" and is_extra(dtype):  # MPI has no type for it: our latency-optimal algorithm
-            if algorithm == "native":
-                raise ValueError(f"algorithm 'native' cannot move {dtype.name} (the MPI library has no type for it); "
-                                 "use one of the library's algorithms or 'auto'")
-            chosen = cost_model_choice(collective, nbytes, self.size, own=True)
+        if algorithm == "native" and is_extra(dtype):
+            raise ValueError(f"algorithm 'native' cannot move {dtype.name} (the MPI library has no type for it); "
+                             "use one of the library's algorithms or 'auto'")
+        if algorithm != "auto":
+            return algorithm
+        chosen = self._selector.choose(collective, nbytes, device)
+        if chosen == "native":
+            instead = self._instead_of_native(collective, nbytes, dtype, device)
+            if instead is not None:
+                return instead[0]
         return chosen
 
     def _start(self, collective, algorithm, count, inp, out, inplace, op, root, segment_size, finish, blocking,

@@ -911,3 +911,30 @@ def test_interleaved_runs_every_call_in_rotating_order(mpi_comm):
     if n != 9:
         problems.append(f"iterations with a large budget: {n}, expected max_iters")
     agree(mpi_comm, problems)
+
+
+def test_auto_keeps_float16_reductions_off_native_from_64_kib(comm):
+    """MPI reduces float16 in software loops (20x slower than ours here): where the table
+    says native, auto hands MPI a float16 reduction only below FLOAT16_NATIVE_UP_TO bytes,
+    and choose(dtype=) says so; an override to native is obeyed."""
+    from collectives.communicator import FLOAT16_NATIVE_UP_TO
+    from collectives.tuning import Selector
+
+    always_native = comm.dup()
+    try:
+        always_native._selector = Selector(comm.size, overrides={})
+        always_native._selector.explain = lambda collective, nbytes, device=False: ("native", "stub table")
+        always_native._selector.choose = lambda collective, nbytes, device=False: "native"
+        big, f16 = FLOAT16_NATIVE_UP_TO, np.dtype("float16")
+        for collective in ("allreduce", "reduce", "reduce_scatter"):
+            chosen, why = always_native.choose(collective, big, dtype="float16")
+            assert chosen != "native" and "float16" in why
+            assert always_native._resolve(collective, "auto", big, f16) == chosen
+            assert always_native._resolve(collective, "auto", big - 2, f16) == "native"  # small: MPI's latency wins
+            assert always_native.choose(collective, big, dtype="float32")[0] == "native"
+            assert always_native._resolve(collective, "native", big, f16) == "native"  # asked for: given
+        assert always_native.choose("broadcast", big, dtype="float16")[0] == "native"  # no reduction
+        always_native._selector.overrides = {"allreduce": "native"}  # COLLECTIVES_ALLREDUCE_ALGORITHM=native
+        assert always_native._resolve("allreduce", "auto", big, f16) == "native"
+    finally:
+        always_native.free()

@@ -188,7 +188,7 @@ def measure(case, comm, world, names, args, gloo_group, ordered_comm=None):
             "world_size": case.size, "dtype": case.dtype.name, "op": case.op, "inplace": case.inplace,
             **stats, "algbw_GBps": algbw, "busbw_GBps": algbw * factor,
             "chosen": (comm if name == "auto" else ordered_comm).choose(case.collective, case.nbytes,
-                                                                        case.device is not None)[0]
+                                                                        case.device is not None, case.dtype)[0]
             if name in ("auto", "deterministic") else None,
             "extra_mem_bytes": None, "wrong": None, "device": args.device,
         }
