@@ -113,14 +113,15 @@ def nccl_bus_factor(collective, p):
     """nccl-tests' PERFORMANCE.md: busbw = algbw * factor."""
     return {"allreduce": 2 * (p - 1) / p, "reduce_scatter": (p - 1) / p,
             "allgather": (p - 1) / p, "broadcast": 1.0, "reduce": 1.0,
-            "gather": (p - 1) / p, "scatter": (p - 1) / p, "alltoall": (p - 1) / p}[collective]
+            "gather": (p - 1) / p, "scatter": (p - 1) / p, "alltoall": (p - 1) / p,
+            "alltoallv": (p - 1) / p}[collective]
 
 
 def reported_bytes(collective, requested, p, itemsize):
     """The size the harness reports for a requested size: whole elements, and for
     reduce_scatter, allgather, gather and scatter whole elements per rank (at least one each)."""
-    unit = itemsize * p if collective in ("reduce_scatter", "allgather", "gather", "scatter", "alltoall") \
-        else itemsize
+    unit = itemsize * p if collective in ("reduce_scatter", "allgather", "gather", "scatter", "alltoall",
+                                          "alltoallv") else itemsize
     return max(unit, requested - requested % unit)
 
 
@@ -593,7 +594,8 @@ def test_sizes_and_defaults():
 
 @serial
 @pytest.mark.parametrize("argv,message", [
-    (["-c", "alltoallv"], "--collectives: 'alltoallv'"),
+    (["-c", "alltoallw"], "--collectives: 'alltoallw'"),
+    (["-c", "alltoallv", "--tune"], "--collectives: alltoallv has per-peer counts"),
     (["-a", "fastest"], "--algorithms: 'fastest'"),
     (["-c", "broadcast", "-a", "ring"], "--algorithms: 'ring' is not an algorithm of broadcast"),
     (["-f", "1"], "--factor >= 2"),
@@ -678,6 +680,33 @@ def test_main_end_to_end(mpi_comm, tmp_path):
         if json_path.exists() or csv_path.exists():
             problems.append("a rank other than 0 wrote files")
     agree(mpi_comm, problems)
+
+
+@pytest.mark.parametrize("device", ["host", "standin"])
+def test_alltoallv_is_benchmarked_on_request_and_never_tuned(mpi_comm, tmp_path, device):
+    """-c alltoallv (uneven blocks, sim.alltoallv_counts) is timed and checked against
+    MPI_Alltoallv; 'all' leaves it out, and --tune refuses it."""
+    p = mpi_comm.Get_size()
+    json_path = tmp_path / "rows.json"
+    problems = []
+    run_main(["-c", "alltoallv", "-b", "8", "-e", "4K", "-f", "8", "--check", "--device", device,
+              "--json", str(json_path)] + FAST, problems)
+    if mpi_comm.Get_rank() == 0:
+        with reported(problems):
+            rows = json.loads(json_path.read_text())
+            if sorted({r["bytes"] for r in rows}) != [reported_bytes("alltoallv", s, p, 4) for s in (8, 64, 512, 4096)]:
+                problems.append(f"sizes {sorted({r['bytes'] for r in rows})}")
+            for r in rows:
+                if r["wrong"] != 0 or r["algorithm"] not in cc.algorithms("alltoallv"):
+                    problems.append(f"alltoallv/{r['algorithm']} {r['bytes']}: wrong = {r['wrong']}")
+                if r["busbw_GBps"] != pytest.approx(r["algbw_GBps"] * nccl_bus_factor("alltoallv", p), rel=1e-9):
+                    problems.append(f"alltoallv/{r['algorithm']}: busbw/algbw = {r['busbw_GBps'] / r['algbw_GBps']}")
+            if sorted({r["algorithm"] for r in rows}) != sorted(cc.algorithms("alltoallv")):
+                problems.append(f"algorithms {sorted({r['algorithm'] for r in rows})}")
+    agree(mpi_comm, problems)
+    with pytest.raises(SystemExit):
+        cli.parse_args(["-c", "alltoallv", "--tune", str(tmp_path / "t.json")])
+    assert "alltoallv" not in cli.parse_args([]).collectives
 
 
 def test_main_plot(mpi_comm, tmp_path):

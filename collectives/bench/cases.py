@@ -10,6 +10,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..demo import collective_input, native_result
+from ..sim.simulate import alltoallv_counts
 
 MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN, "band": MPI.BAND, "bor": MPI.BOR,
            "bxor": MPI.BXOR}
@@ -21,7 +22,7 @@ def bus_factor(collective, world_size):
     p = world_size
     if collective == "allreduce":
         return 2 * (p - 1) / p
-    if collective in ("reduce_scatter", "allgather", "gather", "scatter", "alltoall"):
+    if collective in ("reduce_scatter", "allgather", "gather", "scatter", "alltoall", "alltoallv"):
         return (p - 1) / p
     return 1.0
 
@@ -33,9 +34,10 @@ def element_count(collective, nbytes, world_size, itemsize):
     reduce, the whole (scattered or gathered) buffer for reduce_scatter, allgather,
     gather and scatter, which are rounded to a whole number of elements per rank (at
     least one). For allgather, gather, scatter and alltoall the count is one block (for
-    alltoall the size is a rank's input).
+    alltoall the size is a rank's input); for alltoallv the average block, the blocks
+    being uneven (``sim.alltoallv_counts``: 0, 1 and 2 times it).
     """
-    if collective in ("reduce_scatter", "allgather", "gather", "scatter", "alltoall"):
+    if collective in ("reduce_scatter", "allgather", "gather", "scatter", "alltoall", "alltoallv"):
         per_rank = max(1, nbytes // (itemsize * world_size))
         return per_rank * world_size if collective == "reduce_scatter" else per_rank
     return max(1, nbytes // itemsize)
@@ -50,14 +52,20 @@ class Case:
 
     def __init__(self, collective, nbytes, world, dtype, op, inplace, root=0, device=None):
         self.collective, self.dtype, self.op, self.root = collective, np.dtype(dtype), op, root
-        self.inplace = inplace and collective not in ("gather", "scatter", "alltoall")  # they have no in-place form
+        self.inplace = inplace and collective not in ("gather", "scatter", "alltoall", "alltoallv")  # no in-place form
         self.world = world  # the mpi4py communicator the native calls run on
         self.rank, self.size = world.Get_rank(), world.Get_size()
         self.count = element_count(collective, nbytes, self.size, self.dtype.itemsize)
-        scale = self.size if collective in ("allgather", "gather", "scatter", "alltoall") else 1
+        scale = self.size if collective in ("allgather", "gather", "scatter", "alltoall", "alltoallv") else 1
         self.nbytes = self.count * self.dtype.itemsize * scale
-        self.fresh = collective_input(self.rank, self.size, collective, self.count, self.dtype,
-                                      "prod" if op == "prod" else "sum")
+        if collective == "alltoallv":  # rank i sends count * ((i + j) % 3) elements to rank j
+            counts = alltoallv_counts(self.size, self.count)
+            self.send_counts, self.recv_counts = counts[self.rank].tolist(), counts[:, self.rank].tolist()
+            self.fresh = collective_input(self.rank, self.size, "allreduce", sum(self.send_counts), self.dtype,
+                                          "prod" if op == "prod" else "sum")
+        else:
+            self.fresh = collective_input(self.rank, self.size, collective, self.count, self.dtype,
+                                          "prod" if op == "prod" else "sum")
         self.x = self.fresh.copy()
         if collective == "gather":
             self.out = np.empty((self.size, self.count), self.dtype)
@@ -65,6 +73,8 @@ class Case:
             self.out = np.empty(self.count, self.dtype)
         elif collective == "alltoall":
             self.out = np.empty((self.size, self.count), self.dtype)
+        elif collective == "alltoallv":
+            self.out = np.empty(sum(self.recv_counts), self.dtype)
         elif collective == "allgather":
             self.out = np.empty((self.size, self.count), self.dtype)
             if inplace:  # MPI_IN_PLACE style: this rank's input is its row of the output
@@ -80,7 +90,7 @@ class Case:
             if collective == "allgather":
                 self.dout = device.empty(self.out.shape, self.dtype)
                 self.dx = self.dout[self.rank] if inplace else device.empty(self.x.shape, self.dtype)
-            elif collective in ("reduce_scatter", "gather", "scatter", "alltoall"):
+            elif collective in ("reduce_scatter", "gather", "scatter", "alltoall", "alltoallv"):
                 self.dx, self.dout = device.empty(self.x.shape, self.dtype), device.empty(self.out.shape, self.dtype)
             else:
                 self.dx = device.empty(self.x.shape, self.dtype)
@@ -122,6 +132,8 @@ class Case:
             return lambda: comm.scatter(x, root, algorithm, out)
         if c == "alltoall":
             return lambda: comm.alltoall(x, algorithm, out)
+        if c == "alltoallv":
+            return lambda: comm.alltoallv(x, self.send_counts, self.recv_counts, algorithm, out)
         return lambda: comm.reduce(x, root, op, algorithm, out)
 
     def native(self, mpi_comm):
@@ -165,9 +177,19 @@ class Case:
             return lambda: mpi_comm.Scatter(x if self.rank == root else None, out, root)
         if c == "alltoall":
             return lambda: mpi_comm.Alltoall(x, out)
+        if c == "alltoallv":
+            send, recv = self._vector_specs(x, out)
+            return lambda: mpi_comm.Alltoallv(send, recv)
         if self.rank != root:  # MPI_IN_PLACE is for the root only
             return lambda: mpi_comm.Reduce(x, None, mpi_op, root)
         return lambda: mpi_comm.Reduce(send, out, mpi_op, root)
+
+    def _vector_specs(self, x, out):
+        """mpi4py's ``[buffer, (counts, displacements)]`` for MPI_Alltoallv."""
+        def spec(buffer, counts):
+            return [buffer, (counts, np.concatenate(([0], np.cumsum(counts)[:-1])).tolist())]
+
+        return spec(x, self.send_counts), spec(out, self.recv_counts)
 
     def gloo(self, group):
         """torch.distributed's gloo collective, or None where gloo has no equivalent."""
@@ -197,7 +219,11 @@ class Case:
         """Run once on fresh input; the number of elements on this rank that differ
         from what the MPI library's own collective gives."""
         self._reset()
-        expected = native_result(self.world, self.collective, self.fresh, self.op, self.root)
+        if self.collective == "alltoallv":
+            expected = np.empty_like(self.out)
+            self.world.Alltoallv(*self._vector_specs(self.fresh, expected))
+        else:
+            expected = native_result(self.world, self.collective, self.fresh, self.op, self.root)
         self._reset()
         run()
         got = self.result()

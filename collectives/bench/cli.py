@@ -19,7 +19,7 @@ import sys
 from mpi4py import MPI
 
 from .. import Communicator
-from ..algorithms import COLLECTIVES, ORDERED, algorithms
+from ..algorithms import COLLECTIVES, ORDERED, VARIABLE, algorithms
 from ..arrays import SUPPORTED_DTYPES
 from ..ops import OPS, check_op
 from ..tuning import TuningTable
@@ -51,7 +51,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="collectives-bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-c", "--collectives", default="all",
-                   help=f"comma-separated, from {','.join(COLLECTIVES)}; or 'all' (default)")
+                   help=f"comma-separated, from {','.join(COLLECTIVES + VARIABLE)}; or 'all' (default: all but {','.join(VARIABLE)})")
     p.add_argument("-a", "--algorithms", default="all",
                    help="comma-separated algorithm names, each run where the collective has it; "
                         "'all' (default) is every algorithm plus native and auto")
@@ -91,8 +91,11 @@ def parse_args(argv):
 
     args.collectives = list(COLLECTIVES) if args.collectives == "all" else args.collectives.split(",")
     for c in args.collectives:
-        if c not in COLLECTIVES:
-            p.error(f"--collectives: {c!r} is not one of {', '.join(COLLECTIVES)}")
+        if c not in COLLECTIVES + VARIABLE:
+            p.error(f"--collectives: {c!r} is not one of {', '.join(COLLECTIVES + VARIABLE)}")
+        if c in VARIABLE and args.tune:
+            p.error(f"--collectives: {c} has per-peer counts, which one size in bytes does not describe: "
+                    "--tune leaves it out (auto runs native's Alltoallv)")
     if args.algorithms == "all":
         args.algorithms = None
     else:
