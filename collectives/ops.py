@@ -84,8 +84,11 @@ def _combine_16_bit_with_torch(op, a, b, out):
            for x in arrays):
         return False
     dtype = torch.float16 if out.dtype == np.float16 else torch.bfloat16
-    ta, tb, tout = (torch.from_numpy(x.view(np.int16)).view(dtype) for x in arrays)
-    getattr(torch, _TORCH_OPS[op])(ta, tb, out=tout)
+    try:
+        ta, tb, tout = (torch.from_numpy(x.view(np.int16)).view(dtype) for x in arrays)
+    except (RuntimeError, TypeError, ValueError):  # e.g. a torch built without NumPy support
+        return False
+    getattr(torch, _TORCH_OPS[op])(ta, tb, out=tout)  # with torch's intra-op threads, as the program set them
     return True
 
 

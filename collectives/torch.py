@@ -16,6 +16,12 @@ CUDA tensors through DLPack as CuPy arrays (``pip install collectives[torch,cuda
 then the gradient buckets live on the GPU, and the reducer's copies, casts and
 collectives follow torch's current stream. torch is an optional extra (``pip install
 collectives[torch]``): importing :mod:`collectives` never imports it.
+
+Importing this module also registers the torch.distributed backend ``"collectives"``
+(:mod:`collectives.torch_backend`) and, under ``mpiexec`` with several ranks and no
+``MASTER_ADDR``, agrees on a rendezvous address: a gather and a broadcast on
+``MPI.COMM_WORLD``, so every rank must import it, at the same point relative to its
+own COMM_WORLD collectives.
 """
 
 import collections

@@ -24,6 +24,7 @@ uses the timeout given to ``init_process_group``/``new_group``.
 import datetime
 import os
 import socket
+import warnings
 
 import numpy as np
 import torch
@@ -49,22 +50,41 @@ def _op(reduce_op, what):
                               f"(it has {', '.join(str(op).split('.')[-1] for op in _OPS)})")
 
 
-def _array(tensor):
-    """What the library takes for ``tensor``: a CUDA tensor as it is, a CPU tensor as a
-    NumPy view of its memory (bfloat16 and bool as collectives.torch views them)."""
-    from .torch import _numpy  # the adapter's conversion (bfloat16 through ml_dtypes, bool as bytes)
+def _array(tensor, what, reduced=False):
+    """The library's zero-copy view of ``tensor`` (collectives.torch's conversion: a
+    NumPy array on the CPU, bfloat16 through ml_dtypes and bool as bytes; a device array
+    for CUDA). ``reduced``: the call reduces it, which bfloat16 cannot be without
+    ml_dtypes (its bits would be summed as integers)."""
+    from . import torch as adapter
 
-    if tensor.device.type == "cuda":
-        return tensor.detach()
-    return _numpy(tensor.detach(), "tensor", "tensor")
+    if reduced and tensor.dtype == torch.bfloat16 and adapter._BFLOAT16 is None:
+        raise NotImplementedError(f"{what}: reducing bfloat16 tensors needs ml_dtypes (pip install ml_dtypes)")
+    if reduced and tensor.dtype == torch.bool and tensor.device.type == "cuda":
+        raise NotImplementedError(f"{what}: reducing bool CUDA tensors is not supported; use uint8")
+    return adapter._numpy(tensor.detach(), "tensor", what)
+
+
+def _view(tensor, shape, what, reduced=False):
+    """``tensor``'s memory as a library array of ``shape`` (no copy), or None where its
+    strides allow no such view (a non-contiguous CPU tensor: the caller copies)."""
+    shape = tuple(shape)
+    if tuple(tensor.shape) == shape:
+        return _array(tensor, what, reduced)
+    if tensor.is_contiguous():
+        return _array(tensor.reshape(shape), what, reduced)  # a view of contiguous memory
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{what}: a non-contiguous {tensor.device.type} tensor; pass a contiguous one")
+    view = _array(tensor, what, reduced).view()
+    try:
+        view.shape = shape  # NumPy refuses where this would need a copy
+    except AttributeError:
+        return None
+    return view
 
 
 def _copy_into(tensor, result):
-    """Write ``result`` (an array, or a tensor for CUDA) into ``tensor``."""
-    if isinstance(result, torch.Tensor):
-        tensor.copy_(result.reshape(tensor.shape))
-    else:
-        _array(tensor)[...] = np.asarray(result).reshape(tensor.shape)
+    """Write ``result`` (a NumPy array) into the CPU tensor ``tensor``, element for element."""
+    _array(tensor, "output")[...] = np.asarray(result).reshape(tensor.shape)
 
 
 def _rows(tensor):
@@ -81,37 +101,62 @@ def _flat(tensors):
     return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
+def _same_dtype(what, *tensors):
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        raise ValueError(f"{what}: every tensor must have the same dtype; got {', '.join(sorted(map(str, dtypes)))}")
+
+
 class Work(dist.Work):
     """One call in flight: ``wait()`` finishes it (and copies results where torch wants
-    them); ``get_future()`` waits, then returns a completed future."""
+    them); ``get_future()`` waits, then returns a completed future. ``parts``: Works
+    this one finishes with (coalesced calls)."""
 
-    def __init__(self, handles=(), after=None, result=None):
+    def __init__(self, handles=(), after=None, result=None, parts=()):
         super().__init__()
-        self._handles, self._after, self._result = list(handles), after, result
-        self._done = False
+        self._handles, self._after, self._result, self._parts = list(handles), after, result, list(parts)
+        self._done, self._error = False, None
 
-    def _finish(self):
-        for handle in self._handles:
-            handle.wait()
-        if self._after is not None:
-            self._after()
-        self._done = True
+    def _finish(self, timeout=None):
+        try:
+            for part in self._parts:
+                part.wait(timeout)
+            for handle in self._handles:
+                handle.wait() if timeout is None else handle.wait(timeout)
+            if self._after is not None:
+                self._after()
+        except Exception as exc:
+            self._error = exc
+            raise
+        finally:
+            self._done = True
 
     def wait(self, timeout=None):
+        """Finish the call (``timeout``: a timedelta or seconds bounding each wait, else
+        the group's timeout); raises what the call raised."""
+        if isinstance(timeout, datetime.timedelta):
+            timeout = timeout.total_seconds() if timeout.total_seconds() > 0 else None
+        if self._error is not None:
+            raise self._error
         if not self._done:
-            self._finish()
+            self._finish(timeout)
         return True
 
     def is_completed(self):
-        if not self._done and all(handle.test() for handle in self._handles):
+        """Whether the call has finished (advancing it as far as it can go meanwhile)."""
+        if not self._done and all(part.is_completed() for part in self._parts) \
+                and all(handle.test() for handle in self._handles):
             self._finish()
         return self._done
 
     def is_success(self):
-        return self.is_completed()
+        return self._done and self._error is None
 
     def exception(self):
-        return None
+        return self._error
+
+    def result(self):
+        return self._result
 
     def get_future(self):
         self.wait()
@@ -126,14 +171,24 @@ class Work(dist.Work):
 
 
 class ProcessGroup(dist.ProcessGroup):
-    """torch.distributed's collectives on a :class:`~collectives.Communicator`."""
+    """torch.distributed's collectives on a :class:`~collectives.Communicator`.
+    ``owned``: an MPI communicator the group made for itself (freed with it)."""
 
-    def __init__(self, comm):
+    def __init__(self, comm, owned=None):
         super().__init__(comm.rank, comm.size)
-        self.comm = comm
+        self.comm, self._owned = comm, owned
 
     def getBackendName(self):
         return BACKEND
+
+    def shutdown(self):
+        """Free the group's MPI communicators (``destroy_process_group`` calls this on
+        every member)."""
+        if self.comm._comm != MPI.COMM_NULL:
+            self.comm.free()
+            if self._owned is not None:
+                self._owned.Free()
+                self._owned = None
 
     # torch names every group and looks groups up by name (DeviceMesh, FSDP2). The C++
     # ProcessGroup keeps the name on its device backends, which a Python group has none
@@ -158,18 +213,15 @@ class ProcessGroup(dist.ProcessGroup):
     # -- reductions -----------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce")
-        handles = []
-        for tensor in tensors:
-            x = _array(tensor)
-            handles.append(self.comm.allreduce_async(x, op=op, out=x))
-        return Work(handles, result=tensors)
+        arrays = [_array(tensor, "all_reduce", reduced=True) for tensor in tensors]  # every check first
+        return Work([self.comm.allreduce_async(x, op=op, out=x) for x in arrays], result=tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
 
     def reduce(self, tensors, opts):
         op, root = _op(opts.reduceOp, "reduce"), opts.rootRank
-        x = _array(tensors[0])
+        x = _array(tensors[0], "reduce", reduced=True)
         handle = self.comm.reduce_async(x, root=root, op=op, out=x if self.comm.rank == root else None)
         return Work([handle], result=tensors)
 
@@ -178,110 +230,147 @@ class ProcessGroup(dist.ProcessGroup):
         output, inputs = output_tensors[0], input_tensors[0]
         self._same_sizes(inputs, output, "reduce_scatter")
         stacked = _flat(inputs).to(output.device)
-        handle = self.comm.reduce_scatter_async(_array(stacked), op=op)
-        return Work([handle], after=lambda: _copy_into(output, handle.wait()), result=[output])
+        return self._reduce_scatter(output, stacked, op, "reduce_scatter")
 
     def reduce_scatter_single(self, output, input, opts):
         op = _op(opts.reduceOp, "reduce_scatter_tensor")
         if input.numel() != output.numel() * self.comm.size:
             raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, not world size × "
                              f"output's ({self.comm.size} × {output.numel()})")
-        handle = self.comm.reduce_scatter_async(_array(input.reshape(-1)), op=op)
-        return Work([handle], after=lambda: _copy_into(output, handle.wait()), result=[output])
+        _same_dtype("reduce_scatter_tensor", input, output)
+        return self._reduce_scatter(output, input, op, "reduce_scatter_tensor")
+
+    def _reduce_scatter(self, output, input, op, what):
+        x = _view(input, (input.numel(),), what, reduced=True)
+        if x is None:
+            x = _array(input.reshape(-1), what, reduced=True)  # a contiguous copy
+        out = _view(output, (output.numel(),), what)
+        handle = self.comm.reduce_scatter_async(x, op=op, out=out)
+        after = None if out is not None else (lambda: _copy_into(output, handle.wait()))
+        return Work([handle], after=after, result=[output])
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return Work([], after=lambda: [w.wait() for w in works], result=outputs)
+        return Work(parts=works, result=outputs)
 
     # -- moving data ----------------------------------------------------------------------
     def broadcast(self, tensors, opts):
-        handles = [self.comm.broadcast_async(_array(t), root=opts.rootRank) for t in tensors]  # in place
-        return Work(handles, result=tensors)
+        arrays = [_array(t, "broadcast") for t in tensors]
+        return Work([self.comm.broadcast_async(x, root=opts.rootRank) for x in arrays], result=tensors)  # in place
 
     def allgather(self, output_tensors, input_tensors, opts=None):
-        works = []
         for outputs, tensor in zip(output_tensors, input_tensors):
             self._same_sizes(outputs, tensor, "all_gather")
-            handle = self.comm.allgather_async(_array(tensor))
+        works = []
+        for outputs, tensor in zip(output_tensors, input_tensors):
+            handle = self.comm.allgather_async(_array(tensor, "all_gather"))
             works.append((handle, outputs))
 
         def after():
             for handle, outputs in works:
                 rows = handle.wait()
-                for i, out in enumerate(outputs):
-                    _copy_into(out, rows[i])
+                for out, row in zip(outputs, rows):
+                    self._copy_row(out, row)
 
         return Work([h for h, _ in works], after=after, result=output_tensors)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        return self.allgather(output_lists, input_list, opts)
+        """``output_lists[r][j]`` receives input ``j`` of rank ``r`` (one allgather per input)."""
+        if len(output_lists) != self.comm.size:
+            raise ValueError(f"all_gather_coalesced: expected {self.comm.size} output lists (one per rank); "
+                             f"got {len(output_lists)}")
+        for outputs in output_lists:
+            if len(outputs) != len(input_list):
+                raise ValueError("all_gather_coalesced: every output list must hold one tensor per input")
+            for out, tensor in zip(outputs, input_list):
+                if out.numel() != tensor.numel() or out.dtype != tensor.dtype:
+                    raise ValueError("all_gather_coalesced: each output must match its input's size and dtype")
+        handles = [self.comm.allgather_async(_array(tensor, "all_gather_coalesced")) for tensor in input_list]
+
+        def after():
+            for j, handle in enumerate(handles):
+                for rank, row in enumerate(handle.wait()):
+                    self._copy_row(output_lists[rank][j], row)
+
+        return Work(handles, after=after, result=output_lists)
 
     def all_gather_single(self, output, input, opts=None):
         if output.numel() != input.numel() * self.comm.size:
             raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements, not world size × "
                              f"input's ({self.comm.size} × {input.numel()})")
-        handle = self.comm.allgather_async(_array(input.reshape(-1)))
-        return Work([handle], after=lambda: _copy_into(output, handle.wait()), result=[output])
+        _same_dtype("all_gather_into_tensor", input, output)
+        x = _view(input, (input.numel(),), "all_gather_into_tensor")
+        if x is None:
+            x = _array(input.reshape(-1), "all_gather_into_tensor")
+        out = _view(output, (self.comm.size, input.numel()), "all_gather_into_tensor")
+        handle = self.comm.allgather_async(x, out=out)
+        after = None if out is not None else (lambda: _copy_into(output, handle.wait()))
+        return Work([handle], after=after, result=[output])
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return Work([], after=lambda: [w.wait() for w in works], result=outputs)
+        return Work(parts=works, result=outputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def gather(self, output_tensors, input_tensors, opts):
         root, tensor = opts.rootRank, input_tensors[0]
-        handle = self.comm.gather_async(_array(tensor), root=root)
         outputs = output_tensors[0] if self.comm.rank == root else []
         if self.comm.rank == root:
             self._same_sizes(outputs, tensor, "gather")
+        handle = self.comm.gather_async(_array(tensor, "gather"), root=root)
 
         def after():
             rows = handle.wait()
-            for i, out in enumerate(outputs):
-                _copy_into(out, rows[i])
+            for out, row in zip(outputs, rows if rows is not None else []):
+                self._copy_row(out, row)
 
         return Work([handle], after=after, result=output_tensors)
 
     def scatter(self, output_tensors, input_tensors, opts):
         root, output = opts.rootRank, output_tensors[0]
+        out = _view(output, tuple(output.shape), "scatter")
         if self.comm.rank == root:
             self._same_sizes(input_tensors[0], output, "scatter")
             rows = torch.stack([t.detach().reshape(output.shape) for t in input_tensors[0]]).to(output.device)
-            handle = self.comm.scatter_async(_array(rows), root=root)
+            handle = self.comm.scatter_async(_array(rows, "scatter"), root=root, out=out)
         else:
-            handle = self.comm.scatter_async(None, root=root, out=_array(torch.empty_like(output)))
-        return Work([handle], after=lambda: _copy_into(output, handle.wait()), result=[output])
+            handle = self.comm.scatter_async(None, root=root, out=out)
+        return Work([handle], result=[output])
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
+        _same_dtype("all_to_all", *output_tensors, *input_tensors)
         send = [t.numel() for t in input_tensors]
         recv = [t.numel() for t in output_tensors]
         flat = _flat(input_tensors)
-        if output_tensors:
-            flat = flat.to(dtype=output_tensors[0].dtype, device=output_tensors[0].device)
-        handle = self.comm.alltoallv_async(_array(flat), send, recv)
+        if input_tensors:
+            flat = flat.to(dtype=input_tensors[0].dtype, device=input_tensors[0].device)  # an empty list's dtype
+        handle = self.comm.alltoallv_async(_array(flat, "all_to_all"), send, recv)
 
         def after():
             result, start = handle.wait(), 0
             for out, n in zip(output_tensors, recv):
-                _copy_into(out, result[start:start + n])
+                self._copy_row(out, result[start:start + n])
                 start += n
 
         return Work([handle], after=after, result=output_tensors)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         size = self.comm.size
+        _same_dtype("all_to_all_single", input, output)
         x, y = _rows(input), _rows(output)
         send = list(input_split_sizes) or self._equal_split(x.shape[0], "input")
         recv = list(output_split_sizes) or self._equal_split(y.shape[0], "output")
         if len(send) != size or len(recv) != size:
             raise ValueError(f"all_to_all_single: split sizes must have one entry per rank ({size})")
-        handle = self.comm.alltoallv_async(_array(x), send, recv, out=_array(y) if output.is_contiguous() else None)
-        return Work([handle], after=lambda: _copy_into(output, handle.wait()), result=[output])
+        out = _view(output, tuple(y.shape), "all_to_all_single")
+        handle = self.comm.alltoallv_async(_array(x, "all_to_all_single"), send, recv, out=out)
+        after = None if out is not None else (lambda: _copy_into(output, handle.wait()))
+        return Work([handle], after=after, result=[output])
 
     alltoall_base = all_to_all_single
 
@@ -291,15 +380,25 @@ class ProcessGroup(dist.ProcessGroup):
 
     # -- point to point -------------------------------------------------------------------
     def send(self, tensors, dst, tag):
-        return Work([self.comm.send_async(_array(t), dst, tag) for t in tensors])
+        return Work([self.comm.send_async(_array(t, "send"), dst, tag) for t in tensors])
 
     def recv(self, tensors, src, tag):
-        return Work([self.comm.recv_async(_array(t), src, tag) for t in tensors], result=tensors)
+        return Work([self.comm.recv_async(_array(t, "recv"), src, tag) for t in tensors], result=tensors)
 
     def recv_anysource(self, tensors, tag):
-        return Work([self.comm.recv_async(_array(t), None, tag) for t in tensors], result=tensors)
+        return Work([self.comm.recv_async(_array(t, "recv"), None, tag) for t in tensors], result=tensors)
 
     # -- helpers ----------------------------------------------------------------------------
+    @staticmethod
+    def _copy_row(tensor, row):
+        """Copy the library's result ``row`` (a host or device array) into ``tensor``."""
+        if tensor.device.type == "cpu":
+            _copy_into(tensor, row)
+        else:  # on the device: a tensor, or an array torch reads through DLPack
+            if not isinstance(row, torch.Tensor):
+                row = torch.from_dlpack(getattr(row, "data", row))
+            tensor.copy_(row.reshape(tensor.shape))
+
     def _equal_split(self, rows, which):
         if rows % self.comm.size:
             raise ValueError(f"all_to_all_single: the {which} has {rows} rows, which world size "
@@ -316,21 +415,33 @@ class ProcessGroup(dist.ProcessGroup):
 
 
 def _create(dist_backend_opts, backend_options):
-    """torch's creator for a group: a Communicator over the group's ranks."""
-    world = MPI.COMM_WORLD
-    ranks = list(dist_backend_opts.global_ranks_in_group) or list(range(dist_backend_opts.group_size))
-    if len(ranks) == world.Get_size() and ranks == list(range(world.Get_size())):
-        if dist_backend_opts.group_rank != world.Get_rank() or dist_backend_opts.group_size != world.Get_size():
+    """torch's creator for a group: a Communicator over the group's ranks (MPI's ranks:
+    the default group's are checked to be MPI's, on every rank, before anything else)."""
+    world, opts = MPI.COMM_WORLD, dist_backend_opts
+    timeout = opts.timeout.total_seconds() if isinstance(opts.timeout, datetime.timedelta) else None
+    timeout = timeout if timeout and timeout > 0 else None
+    if not dist.is_initialized():  # the default group, being made
+        if opts.group_size != world.Get_size():
             raise RuntimeError(
-                f"init_process_group('collectives'): torch says rank {dist_backend_opts.group_rank} of "
-                f"{dist_backend_opts.group_size} (RANK/WORLD_SIZE or the arguments), MPI says rank "
-                f"{world.Get_rank()} of {world.Get_size()}; unset RANK and WORLD_SIZE under mpiexec")
-        mpi_comm = world
-    else:
-        mpi_comm = world.Create_group(world.Get_group().Incl(ranks))
-    timeout = dist_backend_opts.timeout
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else None
-    return ProcessGroup(Communicator(mpi_comm, timeout=seconds if seconds and seconds > 0 else None))
+                f"init_process_group('collectives'): torch's world size is {opts.group_size} (WORLD_SIZE or the "
+                f"arguments), MPI's is {world.Get_size()}; unset RANK and WORLD_SIZE under mpiexec")
+        views = world.allgather(opts.group_rank)  # every rank hears every rank's view: all raise, or none
+        wrong = [(mpi_rank, view) for mpi_rank, view in enumerate(views) if view != mpi_rank]
+        if wrong:
+            listed = ", ".join(f"MPI rank {m} is torch rank {t}" for m, t in wrong[:8])
+            raise RuntimeError(f"init_process_group('collectives'): torch's ranks (RANK or the arguments) are not "
+                               f"MPI's: {listed}; MPI says rank {world.Get_rank()} here; unset RANK and WORLD_SIZE "
+                               "under mpiexec")
+        return ProcessGroup(Communicator(world, timeout=timeout))
+    ranks = list(opts.global_ranks_in_group)
+    if ranks == list(range(world.Get_size())):
+        return ProcessGroup(Communicator(world, timeout=timeout))
+    group = world.Get_group()
+    members = group.Incl(ranks)
+    mpi_comm = world.Create_group(members)  # collective over the members only, as new_group's creation is
+    members.Free()
+    group.Free()
+    return ProcessGroup(Communicator(mpi_comm, timeout=timeout), owned=mpi_comm)
 
 
 def _free_port():
@@ -339,24 +450,52 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _routable_address():
+    """An address of this host other hosts can reach (the interface of the default
+    route; a UDP connect sends nothing), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: never answers; only picks the route
+            address = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
+
+
 def set_rendezvous_environment(world=None):
     """Give torch's ``env://`` rendezvous what it needs from MPI: ``RANK`` and
     ``WORLD_SIZE`` where unset, and where ``MASTER_ADDR`` is unset rank 0's address and a
-    free port on it (one broadcast: collective over ``world``, MPI.COMM_WORLD)."""
+    free port on it. Collective over ``world`` (MPI.COMM_WORLD): a gather of the host
+    names and a broadcast of the address, which every rank must reach."""
     world = MPI.COMM_WORLD if world is None else world
-    os.environ.setdefault("RANK", str(world.Get_rank()))
-    os.environ.setdefault("WORLD_SIZE", str(world.Get_size()))
+    rank, size = world.Get_rank(), world.Get_size()
+    env_rank, env_size = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if size > 1 and (env_rank not in (None, str(rank)) or env_size not in (None, str(size))):
+        warnings.warn(f"RANK={env_rank} and WORLD_SIZE={env_size} disagree with MPI (rank {rank} of {size}): "
+                      "init_process_group('collectives') will refuse them (a larger WORLD_SIZE makes torch's "
+                      "store wait for ranks that never come); unset them under mpiexec", stacklevel=3)
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(size))
     if "MASTER_ADDR" in os.environ:
         return
+    if size == 1:
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        return
+    hosts = world.gather(MPI.Get_processor_name(), root=0)
     address = None
-    if world.Get_rank() == 0:
+    if rank == 0:
         try:
             host = socket.gethostbyname(MPI.Get_processor_name())
         except OSError:
             host = "127.0.0.1"
-        address = (host if world.Get_size() > 1 else "127.0.0.1", _free_port())
-    if world.Get_size() > 1:
-        address = world.bcast(address, root=0)
+        if host.startswith("127.") and len(set(hosts)) > 1:  # the host name maps to loopback: no good off-host
+            host = _routable_address() or host
+        address = (host, _free_port())
+    address = world.bcast(address, root=0)
+    if address[0].startswith("127.") and rank == 0 and len(set(hosts)) > 1:
+        warnings.warn(f"rank 0's address is {address[0]} (loopback) but the ranks span several hosts: set "
+                      "MASTER_ADDR to an address of rank 0's host the others can reach", stacklevel=3)
     os.environ["MASTER_ADDR"] = address[0]
     os.environ.setdefault("MASTER_PORT", str(address[1]))
 

@@ -58,6 +58,9 @@ def run(args, model, world):
 
     if not dist.is_initialized():
         dist.init_process_group("collectives")
+    elif dist.get_backend() != "collectives":
+        raise SystemExit(f"--ddp: this process already has a default process group on {dist.get_backend()}; "
+                         "the DDP benchmark needs its own, on 'collectives'")
     groups = {"collectives": None, "gloo": dist.new_group(backend="gloo")}
     x, target, batch = model.x, model.target, model.batch
 
