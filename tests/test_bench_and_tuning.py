@@ -618,7 +618,7 @@ def test_bad_arguments_exit_with_2(capsys, argv, message):
 
 
 FAST = ["--budget", "0.002", "--warmup", "1", "--min-iters", "2", "--max-iters", "3", "--rounds", "2",
-        "--no-progress"]
+        "--no-progress", "--no-bound"]  # the memory probe streams 192 MiB per rank: once, in test_main_end_to_end
 ROW_KEYS = {"collective", "algorithm", "bytes", "world_size", "dtype", "time_us", "p50_us", "p99_us",
             "algbw_GBps", "busbw_GBps", "wrong"}
 
@@ -660,7 +660,7 @@ def test_main_end_to_end(mpi_comm, tmp_path):
     json_path, csv_path = tmp_path / "rows.json", tmp_path / "rows.csv"
     problems = []
     run_main(["-c", "all", "-b", "8", "-e", "4K", "-f", "8", "--check",
-              "--json", str(json_path), "--csv", str(csv_path)] + FAST, problems)
+              "--json", str(json_path), "--csv", str(csv_path)] + [a for a in FAST if a != "--no-bound"], problems)
     if mpi_comm.Get_rank() == 0:
         with reported(problems):
             rows = json.loads(json_path.read_text())
@@ -676,6 +676,11 @@ def test_main_end_to_end(mpi_comm, tmp_path):
                     problems.append(f"{r['collective']}/{r['algorithm']}: extra_mem_bytes {mem}")
                 if r["algorithm"] == "auto" and r["chosen"] not in cc.algorithms(r["collective"])[:-1]:
                     problems.append(f"{r['collective']} auto chose {r['chosen']!r}")
+                has_bound = p > 1 and r["collective"] in ("allreduce", "reduce_scatter", "allgather", "broadcast")
+                if has_bound != (r["bound_us"] is not None) or \
+                        (has_bound and r["vs_bound"] != pytest.approx(r["time_us"] / r["bound_us"], rel=1e-9)):
+                    problems.append(f"{r['collective']}/{r['algorithm']}: bound_us {r['bound_us']}, "
+                                    f"vs_bound {r['vs_bound']}")
     else:
         if json_path.exists() or csv_path.exists():
             problems.append("a rank other than 0 wrote files")
@@ -967,3 +972,18 @@ def test_auto_keeps_float16_reductions_off_native_from_64_kib(comm):
         assert always_native._resolve("allreduce", "auto", big, f16) == "native"
     finally:
         always_native.free()
+
+
+@serial
+def test_the_memory_traffic_bounds():
+    """Bytes one rank reads and writes at the least (collectives.bench.membound)."""
+    from collectives.bench import membound
+
+    n = 1 << 20
+    assert membound.traffic("allreduce", n, 2) == 2.5 * n  # its half of both inputs, its half out, the other half in
+    assert membound.traffic("allreduce", n, 4) == 2.75 * n
+    assert membound.traffic("reduce_scatter", n, 4) == 1.25 * n
+    assert membound.traffic("allgather", n, 4) == membound.traffic("broadcast", n, 3) == 2 * n
+    assert membound.traffic("gather", n, 4) is None and membound.traffic("allreduce", n, 1) is None
+    assert membound.bound_us("allreduce", n, 2, 2.5e9) == pytest.approx(n / 1e9 * 1e6)
+    assert membound.bound_us("allreduce", n, 2, None) is None

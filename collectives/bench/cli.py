@@ -23,7 +23,7 @@ from ..algorithms import COLLECTIVES, ORDERED, VARIABLE, algorithms
 from ..arrays import SUPPORTED_DTYPES
 from ..ops import OPS, check_op
 from ..tuning import TuningTable
-from . import report, timing, tune
+from . import membound, report, timing, tune
 from .cases import Case, bus_factor
 from .devices import BenchDevice
 
@@ -87,6 +87,8 @@ def parse_args(argv):
                    help="also time what deterministic mode runs (auto on a Communicator(deterministic=True)), "
                         "as the contender 'deterministic', for allreduce, reduce_scatter and reduce")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--no-bound", action="store_true",
+                   help="skip the memory-bandwidth probe and the 'bound' column (time over the memory-traffic bound)")
     args = p.parse_args(argv)
 
     args.collectives = list(COLLECTIVES) if args.collectives == "all" else args.collectives.split(",")
@@ -165,9 +167,10 @@ def start_gloo(world):
     return dist.group.WORLD
 
 
-def measure(case, comm, world, names, args, gloo_group, ordered_comm=None):
+def measure(case, comm, world, names, args, gloo_group, ordered_comm=None, bandwidth=None):
     """Rows (dicts) for every contender on one case (``ordered_comm``: the deterministic
-    communicator that runs the contender ``deterministic``)."""
+    communicator that runs the contender ``deterministic``; ``bandwidth``: the memory
+    probe's bytes per second per rank, for the bound column)."""
     calls = {}
     for name in names:
         if name == "native":
@@ -202,8 +205,11 @@ def measure(case, comm, world, names, args, gloo_group, ordered_comm=None):
             row["wrong"] = world.allreduce(case.count_wrong(calls[name]), op=MPI.SUM)
         rows.append(row)
     native = rows[0]["time_us"]
+    bound = membound.bound_us(case.collective, case.nbytes, case.size, bandwidth)
     for row in rows:
         row["speedup"] = native / row["time_us"]
+        row["bound_us"] = bound
+        row["vs_bound"] = None if bound is None else row["time_us"] / bound
     return rows
 
 
@@ -267,6 +273,11 @@ def sweep(args, world, comm, device=None, ordered_comm=None):
             f"{os.cpu_count()} cpus; budget {args.budget}s x {args.rounds} interleaved rounds per contender")
         if device is not None:
             say(f"# buffers on {device.name}; native = MPI on host copies (device -> host, MPI, host -> device)")
+    bandwidth = None
+    if device is None and not args.no_bound:  # every rank at once, as the collectives run
+        bandwidth = membound.probe(world)
+        say(f"# memory: {bandwidth / 1e9:.1f} GB/s read + written per rank, all ranks at once (np.add); "
+            "bound = time / the memory-traffic bound (collectives.bench.membound)")
     rows = []
     for collective in args.collectives:
         names = contenders(collective, args)
@@ -275,7 +286,7 @@ def sweep(args, world, comm, device=None, ordered_comm=None):
             case = Case(collective, nbytes, world, args.dtype, args.op, args.inplace, device=device)
             if bar is not None:
                 bar.set_description(f"{collective} {report.human_bytes(case.nbytes)}")
-            for row in measure(case, comm, world, names, args, gloo_group, ordered_comm):
+            for row in measure(case, comm, world, names, args, gloo_group, ordered_comm, bandwidth):
                 rows.append(row)
                 say(report.line(row))
             if bar is not None:

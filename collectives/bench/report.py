@@ -15,6 +15,7 @@ COLUMNS = [  # key, header, width, format ("" for text)
     ("algbw_GBps", "algbw", 7, ".3f"),
     ("busbw_GBps", "busbw", 7, ".3f"),
     ("speedup", "vs_nat", 6, ".2f"),
+    ("vs_bound", "bound", 6, ".2f"),
     ("extra_mem_bytes", "mem", 7, ""),
     ("wrong", "#wrong", 6, ""),
 ]
@@ -51,7 +52,8 @@ def header(collective, meta):
     op = f" {meta['op']}" if collective in ("allreduce", "reduce_scatter", "reduce") else ""
     titles = " ".join(_align(title, width) for _, title, width, _ in COLUMNS)
     return (f"\n# {collective}  {meta['dtype']}{op}  {place}  world size {meta['world_size']}"
-            f"  (times in us, bw in GB/s, vs_nat = native time / time, mem = peak extra per call)\n# {titles}")
+            f"  (times in us, bw in GB/s, vs_nat = native time / time, bound = time / memory-traffic bound, "
+            f"mem = peak extra per call)\n# {titles}")
 
 
 def line(row):
@@ -97,6 +99,11 @@ def plot(path, rows, title):
             style = {"native": dict(linestyle="--", color="black", linewidth=2),
                      "gloo": dict(linestyle=":", color="gray", linewidth=2)}.get(algorithm, dict(marker="."))
             ax.plot([p[0] for p in points], [p[1] for p in points], label=algorithm, **style)
+        bounds = sorted({(r["bytes"], r["bytes"] / (r["bound_us"] * 1e3) * r["busbw_GBps"] / r["algbw_GBps"])
+                         for r in mine if r.get("bound_us")})
+        if bounds:  # the busbw a contender at the memory-traffic bound would show
+            ax.plot([b[0] for b in bounds], [b[1] for b in bounds], label="memory bound", color="red",
+                    linestyle="-.", linewidth=1)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("size (bytes)")
         ax.set_ylabel("busbw (GB/s)")
