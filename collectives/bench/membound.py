@@ -9,9 +9,12 @@ rank gets while every rank streams at once. Both are here:
   large float32 arrays into a third (``np.add(a, b, out=c)``: two streams read, one
   written, as a reduction does), at the same moment, after a barrier. The figure is
   the slowest rank's median, in bytes read + written per second.
-- :func:`traffic` is the least number of bytes one rank moves through memory for a
+- :func:`traffic` is the least number of bytes the ranks move through memory for a
   collective of ``n`` bytes at ``p`` ranks, by the best schedule shared memory allows
-  (every rank reads the others' buffers in place; nothing is copied twice):
+  (every rank reads the others' buffers in place; nothing is copied twice), divided
+  by ``p``: the machine's memory is shared, so the bound is the ranks' total traffic
+  over their total bandwidth (where one rank idles, as broadcast's root does, the
+  others can use its share):
 
   ========================  ===============================  ==========================
   collective (n: as the     one rank's share of the work     bytes read + written
@@ -24,7 +27,8 @@ rank gets while every rank streams at once. Both are here:
   reduce_scatter (n: input) read its 1/p of every input,     n + n/p
                             write its 1/p result
   allgather (n: output)     read every block, write all      2 n
-  broadcast (n)             read the root's buffer, write    2 n (the root: nothing)
+  broadcast (n)             each of the p-1 others: read     2 n (p-1)/p
+                            the root's buffer, write its own
   ========================  ===============================  ==========================
 
   Other collectives have no row (their bound column is empty). The bound is
@@ -67,8 +71,8 @@ def _min():
 
 
 def traffic(collective, nbytes, world_size):
-    """Bytes one rank must read and write for ``collective`` on ``nbytes`` (the
-    benchmark's size) at ``world_size`` ranks, or None where there is no row."""
+    """Bytes the ranks must read and write for ``collective`` on ``nbytes`` (the
+    benchmark's size) at ``world_size`` ranks, per rank, or None where there is no row."""
     n, p = float(nbytes), world_size
     if p == 1:
         return None  # nothing to move: MPI and ours copy or do nothing
@@ -76,8 +80,10 @@ def traffic(collective, nbytes, world_size):
         return (2 + (p - 1) / p) * n
     if collective == "reduce_scatter":
         return n + n / p
-    if collective in ("allgather", "broadcast"):
+    if collective == "allgather":
         return 2 * n
+    if collective == "broadcast":
+        return 2 * n * (p - 1) / p
     return None
 
 
