@@ -6,6 +6,7 @@ compiled plan for this rank (cached), and hands it to the MPI transport. The blo
 calls are the ``*_async`` calls followed by ``wait()``.
 """
 
+import itertools
 import math
 import os
 import pickle
@@ -81,7 +82,7 @@ def _check_counts(counts, name, size):
 
 def _starts(lengths):
     """Where each block begins when blocks of ``lengths`` are packed one after another."""
-    return tuple(np.concatenate(([0], np.cumsum(lengths[:-1], dtype=np.int64))).tolist()) if lengths else ()
+    return tuple(itertools.accumulate(lengths[:-1], initial=0)) if lengths else ()  # (NumPy's cumsum costs µs)
 
 
 def _check_root(root, size):
