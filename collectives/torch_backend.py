@@ -478,10 +478,19 @@ def set_rendezvous_environment(world=None):
     os.environ.setdefault("WORLD_SIZE", str(size))
     if "MASTER_ADDR" in os.environ:
         return
+    host, port = rendezvous_address(world)
+    os.environ["MASTER_ADDR"] = host
+    os.environ.setdefault("MASTER_PORT", str(port))
+
+
+def rendezvous_address(world):
+    """``(host, port)`` for a TCP rendezvous served by rank 0 of ``world``: its address
+    (where its host name resolves to loopback but the ranks span several hosts, the
+    address of its default route) and a free port there. Collective over ``world``: a
+    gather of the host names and a broadcast."""
+    rank, size = world.Get_rank(), world.Get_size()
     if size == 1:
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        return
+        return "127.0.0.1", _free_port()
     hosts = world.gather(MPI.Get_processor_name(), root=0)
     address = None
     if rank == 0:
@@ -491,13 +500,11 @@ def set_rendezvous_environment(world=None):
             host = "127.0.0.1"
         if host.startswith("127.") and len(set(hosts)) > 1:  # the host name maps to loopback: no good off-host
             host = _routable_address() or host
+            if host.startswith("127."):
+                warnings.warn(f"rank 0's address is {host} (loopback) but the ranks span several hosts: set "
+                              "MASTER_ADDR to an address of rank 0's host the others can reach", stacklevel=3)
         address = (host, _free_port())
-    address = world.bcast(address, root=0)
-    if address[0].startswith("127.") and rank == 0 and len(set(hosts)) > 1:
-        warnings.warn(f"rank 0's address is {address[0]} (loopback) but the ranks span several hosts: set "
-                      "MASTER_ADDR to an address of rank 0's host the others can reach", stacklevel=3)
-    os.environ["MASTER_ADDR"] = address[0]
-    os.environ.setdefault("MASTER_PORT", str(address[1]))
+    return world.bcast(address, root=0)
 
 
 def register():

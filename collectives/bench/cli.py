@@ -13,7 +13,6 @@ Exit status: 1 if ``--check`` found any wrong element, 2 on bad arguments.
 import argparse
 import os
 import re
-import socket
 import sys
 
 from mpi4py import MPI
@@ -156,12 +155,9 @@ def start_gloo(world):
         raise SystemExit("--peers gloo needs torch: pip install torch") from None
     if dist.is_initialized():  # a second sweep in the same processes
         return dist.group.WORLD
-    address = None
-    if world.Get_rank() == 0:
-        with socket.socket() as s:  # a free port; gloo binds it right after
-            s.bind(("", 0))
-            address = (socket.gethostbyname(socket.gethostname()), s.getsockname()[1])
-    host, port = world.bcast(address, root=0)
+    from ..torch_backend import rendezvous_address
+
+    host, port = rendezvous_address(world)  # gloo binds the port right after
     dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}",
                             rank=world.Get_rank(), world_size=world.Get_size())
     return dist.group.WORLD

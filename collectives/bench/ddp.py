@@ -30,23 +30,6 @@ from mpi4py import MPI
 MiB = 1 << 20
 
 
-def _mean_gradients(model, world):
-    """The mean over ranks of each parameter's ``.grad`` (float64, MPI's own allreduce)."""
-    mean = []
-    for p in model.parameters():
-        total = np.empty(tuple(p.shape), np.float64)
-        world.Allreduce(p.grad.numpy().astype(np.float64), total, op=MPI.SUM)
-        mean.append(total / world.Get_size())
-    return mean
-
-
-def _step(module, x, target, batch):
-    for p in module.parameters():
-        p.grad = None
-    loss = 0.5 * ((module(x) - target) ** 2).sum() / batch
-    loss.backward()
-
-
 def run(args, model, world):
     """Time DDP on both backends; returns (rows, failures, info) on every rank."""
     import torch
@@ -55,6 +38,7 @@ def run(args, model, world):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from .. import torch as _registers_the_backend  # noqa: F401
+    from .training import mean_gradients
 
     if not dist.is_initialized():
         dist.init_process_group("collectives")
@@ -62,8 +46,6 @@ def run(args, model, world):
         raise SystemExit(f"--ddp: this process already has a default process group on {dist.get_backend()}; "
                          "the DDP benchmark needs its own, on 'collectives'")
     groups = {"collectives": None, "gloo": dist.new_group(backend="gloo")}
-    x, target, batch = model.x, model.target, model.batch
-
     variants = {("compute", None, None): model.model}
     for compression in args.compression:
         for bucket in args.bucket_mib:
@@ -76,13 +58,13 @@ def run(args, model, world):
                 variants[(backend, bucket, compression)] = ddp
 
     # Every rank's own gradients first (the bare model), then one step of each variant.
-    _step(model.model, x, target, batch)
-    want = _mean_gradients(model.model, world)
+    model.step()
+    want = list(mean_gradients(model.model.named_parameters(), world).values())
     failures = []
     for key, module in variants.items():
         if key[0] == "compute":
             continue
-        _step(module, x, target, batch)
+        model.step(module)
         tol = 2e-3 if key[2] == "fp16" else 1e-5
         for p, w in zip(module.parameters(), want):
             error = np.abs(p.grad.numpy() - w).max()
@@ -98,7 +80,7 @@ def run(args, model, world):
         for _ in range(steps):
             world.Barrier()
             t0 = time.perf_counter()
-            _step(module, x, target, batch)
+            model.step(module)
             into.append(time.perf_counter() - t0)
 
     if not world.allreduce(len(failures), op=MPI.SUM):

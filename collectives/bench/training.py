@@ -208,12 +208,25 @@ class TorchMLP:
     def nbytes(self):
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
-    def step(self):
-        for p in self.model.parameters():
+    def step(self, module=None):
+        """Forward and backward on this rank's batch, through ``module`` (default the
+        model; e.g. a DistributedDataParallel wrapping a copy of it)."""
+        module = self.model if module is None else module
+        for p in module.parameters():
             p.grad = None
-        out = self.model(self.x)
+        out = module(self.x)
         loss = 0.5 * ((out - self.target) ** 2).sum() / self.batch
         loss.backward()
+
+
+def mean_gradients(named_parameters, world):
+    """``{name: the mean over ranks of its .grad}`` (float64, MPI's own allreduce)."""
+    mean = {}
+    for name, p in named_parameters:
+        total = np.empty(tuple(p.shape), np.float64)
+        world.Allreduce(p.grad.numpy().astype(np.float64), total, op=MPI.SUM)
+        mean[name] = total / world.Get_size()
+    return mean
 
 
 # -- instrumentation ---------------------------------------------------------------------
@@ -448,11 +461,7 @@ def check_torch_optimizer(model, comm, world, thread, kw):
     from .. import torch as cct
 
     model.step()
-    want = {}
-    for name, p in model.model.named_parameters():
-        total = np.empty(tuple(p.shape), np.float64)
-        world.Allreduce(p.grad.numpy().astype(np.float64), total, op=MPI.SUM)
-        want[name] = total / world.Get_size()
+    want = mean_gradients(model.model.named_parameters(), world)
     opt = cct.DistributedOptimizer(torch.optim.SGD(model.model.parameters(), lr=0.0),
                                    named_parameters=model.model.named_parameters(), comm=comm,
                                    progress_thread=thread, **kw)
