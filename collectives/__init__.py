@@ -12,6 +12,7 @@ from .communicator import Communicator
 from .errors import (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, MessageSizeError,
                      TransportError)
 from .ops import OPS, ops_for
+from .topology import Topology
 from .transport.mpi import Handle
 from . import device  # noqa: E402 (device arrays: cc.device.bfloat16, the stand-in GPU)
 from . import sim  # noqa: E402 (the simulator: cc.sim.run)
@@ -30,6 +31,7 @@ __all__ = [
     "Communicator",
     "Handle",
     "MessageSizeError",
+    "Topology",
     "TransportError",
     "algorithms",
     "ops_for",

@@ -17,7 +17,9 @@ from mpi4py import MPI
 
 from . import check as check_mode
 from . import ops
-from .algorithms import SEGMENTED, VARIABLE, block_bounds, build, check_algorithm, check_ordered, cost_model_choice
+from . import topology as topology_module
+from .algorithms import (SEGMENTED, TOPOLOGICAL, VARIABLE, block_bounds, build, check_algorithm, check_ordered,
+                         cost_model_choice)
 from .errors import CollectiveError, CollectiveMismatchError, TransportError
 from .arrays import as_array, check_out, flat_input, flat_view, is_extra, overlaps, same_memory
 from .device import DeviceArray, is_device
@@ -42,14 +44,16 @@ _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "m
 
 
 @lru_cache(maxsize=512)
-def _plan(collective, algorithm, rank, size, count, root, segment, inplace, ordered, device_split=None, counts=None):
+def _plan(collective, algorithm, rank, size, count, root, segment, inplace, ordered, device_split=None, counts=None,
+          topology=None):
     """The compiled plan of one rank (``ordered``: reductions in rank order; ``counts``:
-    the per-peer ``(send, recv)`` element counts of alltoallv). For device
+    the per-peer ``(send, recv)`` element counts of alltoallv; ``topology``: the node
+    layout, for the two-level algorithms only, so the others share plans). For device
     buffers (``device_split`` not None) its chains of reductions are fused into
     multi-input kernels and it is cut into segments of ``device_split`` elements (0:
     not cut)."""
     schedule = build(collective, algorithm, rank, size, count, root=root, segment=segment, ordered=ordered,
-                     counts=counts)
+                     counts=counts, topology=topology)
     if device_split is not None:
         schedule = fuse_reductions(schedule, inplace=inplace)
         if device_split:
@@ -192,10 +196,17 @@ class Communicator:
     picks, the segment size or the timing, so results reproduce across runs, machines
     and tunings at one world size. ``auto`` then picks among the algorithms that can
     keep that order (``direct``); naming another one is a ``ValueError``.
+
+    ``comm.topology`` (a :class:`~collectives.Topology`) is the node layout, learned
+    once at creation: ranks that MPI says can share memory are one node. The two-level
+    algorithms (``hierarchical``, ``hierarchical_leader``) and ``auto`` use it. ``nodes``
+    (one label per rank, the same list on every rank) replaces MPI's view, e.g. where
+    ranks of one host should act as several nodes, or in tests.
     """
 
     def __init__(self, mpi_comm=None, *, segment_size=None, check=None, timeout=None, stall_warn=None,
-                 device_segment_size=None, cuda_ipc=None, cuda_aware=None, ipc_memory=None, deterministic=None):
+                 device_segment_size=None, cuda_ipc=None, cuda_aware=None, ipc_memory=None, deterministic=None,
+                 nodes=None):
         if mpi_comm is None:
             mpi_comm = MPI.COMM_WORLD
         if not isinstance(mpi_comm, MPI.Intracomm) or mpi_comm == MPI.COMM_NULL:
@@ -231,10 +242,11 @@ class Communicator:
                                        or ipc_memory < 0):
             raise ValueError(f"ipc_memory must be a non-negative number of bytes; got {ipc_memory!r}")
         self._device_options = dict(cuda_ipc=cuda_ipc, cuda_aware=cuda_aware, ipc_memory=ipc_memory)
-        self._selector = Selector.from_environment(mpi_comm.Get_size(), deterministic=deterministic)
         self._comm = mpi_comm.Dup()
         self.rank = self._comm.Get_rank()
         self.size = self._comm.Get_size()
+        self.topology = self._learn_topology(nodes)
+        self._selector = Selector.from_environment(self.size, deterministic=deterministic, topology=self.topology)
         self._tag_limit = self._comm.Get_attr(MPI.TAG_UB) + 1
         self._sequence = 0
         self._progress = Progress(Liveness(mpi_comm.Dup()), self.stall_warn)
@@ -245,6 +257,29 @@ class Communicator:
 
     def __repr__(self):
         return f"<collectives.Communicator rank {self.rank} of {self.size}>"
+
+    def _learn_topology(self, nodes):
+        """The node layout: MPI's (ranks that share memory), or ``nodes``, one label per
+        rank, checked to be the same list on every rank (collective either way)."""
+        if nodes is None:
+            return topology_module.learn(self._comm)
+        try:
+            labels = list(nodes)
+            problem = None if len(labels) == self.size else f"has {len(labels)} labels for {self.size} ranks"
+            hash(tuple(labels))
+        except TypeError:
+            labels, problem = None, "is not a sequence of hashable labels, one per rank"
+        everyone = self._comm.allgather((problem, labels))  # every rank raises alike, before any call
+        for rank, (their_problem, their_labels) in enumerate(everyone):
+            if their_problem is not None:
+                raise ValueError(f"nodes {their_problem} (on rank {rank}); got {nodes!r}")
+            if their_labels != labels:
+                raise ValueError(f"nodes must be the same on every rank; rank {rank} gave {their_labels!r}, "
+                                 f"rank {self.rank} {labels!r}")
+        return topology_module.Topology.from_labels(labels)
+
+    def _layout_for(self, collective, algorithm):
+        return self.topology if (collective, algorithm) in TOPOLOGICAL else None
 
     def choose(self, collective, nbytes, device=False, dtype=None):
         """``(algorithm, why)``: what ``auto`` picks for ``collective`` on ``nbytes`` bytes
@@ -265,11 +300,11 @@ class Communicator:
     def _instead_of_native(self, collective, nbytes, dtype, device):
         """``(algorithm, why)`` where ``auto`` must not hand ``dtype`` to MPI, else None."""
         if is_extra(dtype):
-            return (cost_model_choice(collective, nbytes, self.size, own=True),
+            return (cost_model_choice(collective, nbytes, self.size, own=True, topology=self.topology),
                     f"the cost model among the library's own algorithms (MPI has no type for {dtype.name})")
         if (dtype == np.float16 and not device and collective in ("allreduce", "reduce", "reduce_scatter")
                 and nbytes >= FLOAT16_NATIVE_UP_TO and collective not in self._selector.overrides):
-            return (cost_model_choice(collective, nbytes, self.size, own=True),
+            return (cost_model_choice(collective, nbytes, self.size, own=True, topology=self.topology),
                     "the cost model among the library's own algorithms (MPI reduces float16 in slow software loops)")
         return None
 
@@ -291,7 +326,7 @@ class Communicator:
                             timeout=self.timeout or math.inf, stall_warn=self.stall_warn or math.inf,
                             device_segment_size=self.device_segment_size,
                             deterministic=self.deterministic if deterministic is None else deterministic,
-                            **self._device_options)
+                            nodes=self.topology.node_of, **self._device_options)
 
     def broadcast_object(self, obj, root=0, *, timeout=None):
         """``obj`` from ``root`` on every rank: a small picklable Python object (metadata
@@ -895,7 +930,7 @@ class Communicator:
             return handle.wait() if blocking else handle
         segment = self._segment(segment_size, out.itemsize) if (collective, algorithm) in SEGMENTED else 1
         plan = _plan(collective, algorithm, self.rank, self.size, count, root, segment, inplace, self.deterministic,
-                     counts=counts if collective in VARIABLE else None)
+                     counts=counts if collective in VARIABLE else None, topology=self._layout_for(collective, algorithm))
         raw, tmp = self._workspace.take(plan.tmp, out.dtype)
 
         def done():
@@ -984,7 +1019,8 @@ class Communicator:
                 count = x.size // self.size
             count = 0 if collective in VARIABLE else count  # counts say it all
             plan = _plan(collective, algorithm, self.rank, self.size, count, root, segment, inplace,
-                         self.deterministic, split, counts if collective in VARIABLE else None)
+                         self.deterministic, split, counts if collective in VARIABLE else None,
+                         self._layout_for(collective, algorithm))
             handle = device_call.start_plan(self._progress, describe, finish, self._comm, tag, plan, inp,
                                             result if result is not None else inp[:0], op, x.dtype, call, timeout)
         return handle.wait() if blocking else handle

@@ -286,3 +286,32 @@ def fuse_reductions(schedule, limit=16, inplace=False):
         out.ops.append(op)
     return out
 
+
+
+def embed(parent, child, ranks, buffers):
+    """Append ``child`` — a schedule built for a group of ``len(ranks)`` ranks, as if
+    they were the whole world — to ``parent``, run by the real ranks ``ranks`` (group
+    rank i is real rank ``ranks[i]``) on parts of ``parent``'s buffers: ``buffers`` maps
+    each of the child's buffer names it uses to ``(parent buffer, offset)``. The
+    two-level algorithms are made of the flat ones this way, written once.
+
+    A child's ``in`` and ``out`` may map onto the same elements (the step then runs in
+    place, as every algorithm can); its ``tmp`` should map onto ``tmp`` elements no
+    other live data holds, and ``parent`` grows its workspace to hold it."""
+
+    def move(field):
+        if isinstance(field, Slice):
+            buf, offset = buffers[field.buf]
+            return Slice(buf, field.lo + offset, field.hi + offset)
+        return tuple(move(f) for f in field)
+
+    for op in child.ops:
+        if isinstance(op, (Send, Recv)):
+            parent.ops.append(type(op)(ranks[op.peer], move(op[1])))
+        else:
+            parent.ops.append(type(op)(*(move(field) for field in op)))
+    if child.tmp:
+        buf, offset = buffers["tmp"]
+        if buf != "tmp":
+            raise ValueError(f"a child's workspace must map onto tmp; got {buf!r}")
+        parent.need_tmp(offset + child.tmp)

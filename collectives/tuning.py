@@ -41,6 +41,8 @@ from .algorithms import BUILDERS, COLLECTIVES, ORDERED, algorithms, check_ordere
 FORMAT = 1
 DEFAULT_TABLE = Path(__file__).parent / "data" / "tuning.json"
 TUNING_ENV = "COLLECTIVES_TUNING"
+# A node layout as Topology.key() writes it: nodes x ranks per node, or the node sizes.
+LAYOUT_KEY = re.compile(r"[1-9][0-9]*x[1-9][0-9]*|[1-9][0-9]*(\+[1-9][0-9]*)+")
 
 
 def override_variable(collective):
@@ -66,10 +68,14 @@ class TuningTable:
             if not isinstance(by_size, dict):
                 raise ValueError(f"tuning table {self.source}, {collective}: expected an object keyed by world size")
             for world_size, entries in by_size.items():
-                if not (isinstance(world_size, str) and re.fullmatch(r"[1-9][0-9]*", world_size)):
+                if isinstance(world_size, str) and re.fullmatch(r"[1-9][0-9]*", world_size):
+                    key = int(world_size)
+                elif isinstance(world_size, str) and LAYOUT_KEY.fullmatch(world_size):
+                    key = world_size  # a layout of several nodes: "2x4", "3+1"
+                else:
                     raise ValueError(f"tuning table {self.source}, {collective}: world size {world_size!r} "
-                                     "is not a positive integer")
-                self._ranges[collective, int(world_size)] = self._check(collective, world_size, entries)
+                                     "is not a positive integer nor a node layout such as 2x4 or 3+1")
+                self._ranges[collective, key] = self._check(collective, world_size, entries)
 
     def _check(self, collective, world_size, entries):
         where = f"tuning table {self.source}, {collective} at world size {world_size}"
@@ -104,7 +110,7 @@ class TuningTable:
         return cls(data.get(key), source=f"{path} ({key})" if key != "tables" else path)
 
     def world_sizes(self, collective):
-        return sorted(size for c, size in self._ranges if c == collective)
+        return sorted(size for c, size in self._ranges if c == collective and isinstance(size, int))
 
     def lookup(self, collective, nbytes, world_size):
         """The measured choice, or None if the table lacks this world size."""
@@ -118,8 +124,9 @@ class TuningTable:
 class Selector:
     """Resolves ``auto`` for one communicator's world size (decisions are cached)."""
 
-    def __init__(self, world_size, table=None, overrides=None, device_table=None, deterministic=False):
+    def __init__(self, world_size, table=None, overrides=None, device_table=None, deterministic=False, topology=None):
         self.world_size = world_size
+        self.topology = topology  # the node layout (None: one node)
         self.deterministic = deterministic
         self.table = table
         self.device_table = device_table  # measured on device arrays (collectives-bench --device --tune)
@@ -127,7 +134,7 @@ class Selector:
         self._cache = {}
 
     @classmethod
-    def from_environment(cls, world_size, environ=None, deterministic=False):
+    def from_environment(cls, world_size, environ=None, deterministic=False, topology=None):
         environ = os.environ if environ is None else environ
         overrides = {}
         for collective in BUILDERS:  # alltoallv too
@@ -145,7 +152,7 @@ class Selector:
         path = environ.get(TUNING_ENV, "").strip() or (DEFAULT_TABLE if DEFAULT_TABLE.exists() else "")
         table = TuningTable.load(path) if path else None
         device_table = TuningTable.load(path, "device_tables") if path else None
-        return cls(world_size, table, overrides, device_table, deterministic)
+        return cls(world_size, table, overrides, device_table, deterministic, topology)
 
     def choose(self, collective, nbytes, device=False):
         key = (collective, nbytes, device)
@@ -169,9 +176,15 @@ class Selector:
         if collective in self.overrides:
             return self.overrides[collective], f"forced by {override_variable(collective)}"
         table = self.device_table if device else self.table
+        several = self.topology is not None and self.topology.node_count > 1
         if table is not None:
-            choice = table.lookup(collective, nbytes, self.world_size)
+            # A table keyed by the world size alone was measured on one node; several
+            # nodes need one keyed by their layout ("2x4", "3+1").
+            key = self.topology.key() if several else self.world_size
+            choice = table.lookup(collective, nbytes, key)
             if choice is not None:
-                return choice, f"measured table {table.source}"
+                return choice, f"measured table {table.source}" + (f" (layout {key})" if several else "")
         why = "cost-model rule" + (" (no measured table for device arrays)" if device else "")
-        return cost_model_choice(collective, nbytes, self.world_size), why
+        if several:
+            why += f" for {self.topology.describe()}"
+        return cost_model_choice(collective, nbytes, self.world_size, topology=self.topology), why

@@ -117,10 +117,13 @@ def test_errors_derive_from_collective_error():
 
 def test_algorithms_lists_native_and_auto():
     assert cc.algorithms("allreduce") == (
-        "ring", "tree", "recursive_halving", "recursive_doubling", "direct", "native", "auto")
-    assert cc.algorithms("reduce_scatter") == ("ring", "recursive_halving", "direct", "native", "auto")
-    assert cc.algorithms("allgather") == ("ring", "recursive_doubling", "bruck", "direct", "native", "auto")
-    assert cc.algorithms("broadcast") == ("binomial", "pipeline", "scatter_allgather", "direct", "native", "auto")
+        "ring", "tree", "recursive_halving", "recursive_doubling", "direct", "hierarchical", "hierarchical_leader",
+        "native", "auto")
+    assert cc.algorithms("reduce_scatter") == ("ring", "recursive_halving", "direct", "hierarchical", "native", "auto")
+    assert cc.algorithms("allgather") == ("ring", "recursive_doubling", "bruck", "direct", "hierarchical", "native",
+                                          "auto")
+    assert cc.algorithms("broadcast") == ("binomial", "pipeline", "scatter_allgather", "direct", "hierarchical",
+                                          "native", "auto")
     assert cc.algorithms("reduce") == ("binomial", "direct", "native", "auto")
     assert cc.algorithms("gather") == cc.algorithms("scatter") == ("binomial", "native", "auto")
     assert cc.algorithms("alltoall") == ("pairwise", "bruck", "native", "auto")

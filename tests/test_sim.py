@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import collectives as cc
 import collectives.sim as sim
+import collectives.schedule as sim_schedule
 from collectives.algorithms import BUILDERS, ORDERED
 
 from conftest import ALL_DTYPES, expected_everywhere, ops_for
@@ -61,8 +62,28 @@ class Fold:
         return sum(self.group(1 << k, v) for k in range(self.steps))
 
 
+def binomial_row(collective, r, root, p, n):
+    """A binomial tree's row (``n``: the whole buffer; gather: one block)."""
+    lg_ceil = (p - 1).bit_length()
+    vr = (r - root) % p
+    if collective == "gather":
+        extent = min(lowbit(vr), p - vr) if vr else p  # the subtree's blocks
+        return (1 if vr else 0, extent * n if vr else 0, (extent - 1) * n, 0)
+    below = lowbit(vr) if vr else 1 << lg_ceil
+    children = sum(1 for k in range(lg_ceil) if (1 << k) < below and vr + (1 << k) < p)
+    if collective == "broadcast":
+        return (children, children * n, n if vr else 0, 0)
+    return (1 if vr else 0, n if vr else 0, children * n, children * n)  # reduce
+
+
+def add(*rows):
+    return tuple(map(sum, zip(*rows)))
+
+
 def expected_counters(collective, algorithm, p, count, root=0, segments=1):
-    """(messages sent, bytes sent, bytes received, bytes reduced) for every rank."""
+    """(messages sent, bytes sent, bytes received, bytes reduced) for every rank. The
+    two-level algorithms on one node (the default layout) are the flat algorithms they
+    are made of: see ``expected_two_level`` for several nodes."""
     n = count * ITEM * (p if collective == "allgather" else 1)
     b = n // p
     lg_ceil = (p - 1).bit_length()
@@ -73,7 +94,7 @@ def expected_counters(collective, algorithm, p, count, root=0, segments=1):
             rows.append((0, 0, 0, 0))
             continue
         key = (collective, algorithm)
-        if key in (("allreduce", "ring"), ("allreduce", "direct")):
+        if key in (("allreduce", "ring"), ("allreduce", "direct"), ("allreduce", "hierarchical")):
             row = (2 * (p - 1), 2 * (p - 1) * b, 2 * (p - 1) * b, (p - 1) * b)
         elif key in (("reduce_scatter", "ring"), ("reduce_scatter", "direct")):
             row = (p - 1, (p - 1) * b, (p - 1) * b, (p - 1) * b)
@@ -115,14 +136,14 @@ def expected_counters(collective, algorithm, p, count, root=0, segments=1):
             links = (r > 0) + sum(c < p for c in (2 * r + 1, 2 * r + 2))
             children = links - (r > 0)
             row = (segments * links, links * n, links * n, children * n)
-        elif key in (("broadcast", "binomial"), ("reduce", "binomial")):
-            vr = (r - root) % p
-            below = lowbit(vr) if vr else 1 << lg_ceil
-            children = sum(1 for k in range(lg_ceil) if (1 << k) < below and vr + (1 << k) < p)
-            if collective == "broadcast":
-                row = (children, children * n, n if vr else 0, 0)
-            else:
-                row = (1 if vr else 0, n if vr else 0, children * n, children * n)
+        elif key in (("broadcast", "binomial"), ("reduce", "binomial"), ("broadcast", "hierarchical")):
+            row = binomial_row(collective, r, root, p, n)
+        elif key == ("allreduce", "hierarchical_leader"):  # reduce to rank 0, broadcast back
+            row = add(binomial_row("reduce", r, 0, p, n), binomial_row("broadcast", r, 0, p, n))
+        elif key == ("allgather", "hierarchical"):  # gather to rank 0, broadcast back
+            row = add(binomial_row("gather", r, 0, p, b), binomial_row("broadcast", r, 0, p, n))
+        elif key == ("reduce_scatter", "hierarchical"):  # reduce to rank 0, which hands out the blocks
+            row = add(binomial_row("reduce", r, 0, p, n), (p - 1, (p - 1) * b, 0, 0) if r == 0 else (0, 0, b, 0))
         elif key == ("broadcast", "pipeline"):
             pos = (r - root) % p
             row = (segments if pos < p - 1 else 0, n if pos < p - 1 else 0, n if pos else 0, 0)
@@ -238,7 +259,7 @@ def closed_form(collective, algorithm, p, n, gamma=G, segments=1):
     lg_ceil = (p - 1).bit_length()
     pof2 = p & (p - 1) == 0
     key = (collective, algorithm)
-    if key == ("allreduce", "ring"):
+    if key in (("allreduce", "ring"), ("allreduce", "hierarchical")):  # one node: the ring it is made of
         return (p - 1) * (c(b) + g(b, gamma)) + (p - 1) * c(b)
     if key == ("reduce_scatter", "ring"):
         return (p - 1) * (c(b) + g(b, gamma))
@@ -252,7 +273,7 @@ def closed_form(collective, algorithm, p, n, gamma=G, segments=1):
         return max((p - 1) * c(b) + g(b, gamma), c(b) + (p - 1) * g(b, gamma)) + (p - 1) * c(b)
     if key == ("allgather", "bruck"):
         return lg_ceil * A + (p - 1) * b * B
-    if key == ("broadcast", "binomial"):
+    if key in (("broadcast", "binomial"), ("broadcast", "hierarchical")):
         return lg_ceil * c(n)
     if key in (("gather", "binomial"), ("scatter", "binomial")):  # n: one block; the root's ⌈lg p⌉ messages
         return lg_ceil * A + (p - 1) * n * B
@@ -279,6 +300,13 @@ def closed_form(collective, algorithm, p, n, gamma=G, segments=1):
         return lg * A + (p - 1) * b * B
     if key == ("reduce", "binomial"):
         return lg * (c(n) + g(n, gamma))
+    # The two-level algorithms on one node: their binomial steps one after the other.
+    if key == ("allreduce", "hierarchical_leader"):  # reduce, then broadcast
+        return lg * (c(n) + g(n, gamma)) + lg * c(n)
+    if key == ("allgather", "hierarchical"):  # gather, then broadcast
+        return lg * A + (p - 1) * b * B + lg * c(n)
+    if key == ("reduce_scatter", "hierarchical"):  # reduce, then the root sends p-1 blocks
+        return lg * (c(n) + g(n, gamma)) + (p - 1) * c(b)
     if key == ("broadcast", "scatter_allgather"):
         return (lg + p - 1) * A + 2 * (p - 1) * b * B
     if key == ("alltoall", "bruck"):  # n: one block; p/2 of them per step
@@ -437,6 +465,90 @@ def test_two_level_topology():
     assert direct.time(A, B, 0.0, ranks_per_node=4, inter_alpha=10 * A, inter_beta=10 * B) > two_level
     # One node holding every rank is the flat model.
     assert cost.time(A, B, 0.0, ranks_per_node=8, inter_alpha=10 * A, inter_beta=10 * B) == flat
+
+
+# ---------------------------------------------------------------- two-level algorithms
+
+TWO_LEVEL = sorted(ca for ca in ALGORITHMS if ca[1].startswith("hierarchical"))
+LAYOUTS = [(nodes, k) for nodes in (1, 2, 3, 4) for k in (1, 2, 3, 4)]  # nodes x ranks per node
+
+
+def network_bytes(result, k):
+    """Bytes each rank sends to ranks of other nodes (``k`` ranks per node, node by node)."""
+    return [sum((op.src.hi - op.src.lo) * ITEM for op in plan.ops
+                if isinstance(op, sim_schedule.Send) and op.peer // k != r // k)
+            for r, plan in enumerate(result.plans)]
+
+
+@pytest.mark.parametrize("nodes,k", LAYOUTS)
+def test_hierarchical_allreduce_counters(nodes, k):
+    # Ring reduce-scatter in the node (k-1 messages of n/k), ring allreduce of the rank's
+    # block across nodes (2(N-1) messages of n/(kN)), ring allgather in the node.
+    p, count = nodes * k, 3 * nodes * k
+    n = count * ITEM
+    result = sim.costs("allreduce", "hierarchical", p, count, nodes=k)
+    local, across = n // k, n // (k * nodes)
+    row = (2 * (k - 1) + 2 * (nodes - 1), 2 * (k - 1) * local + 2 * (nodes - 1) * across,
+           2 * (k - 1) * local + 2 * (nodes - 1) * across, (k - 1) * local + (nodes - 1) * across)
+    assert counters(result) == [row] * p
+    # The network carries each rank's 1/k share: 2(N-1)/N · n/k from every rank.
+    assert network_bytes(result, k) == [2 * (nodes - 1) * across] * p
+
+
+@pytest.mark.parametrize("nodes,k", LAYOUTS)
+@pytest.mark.parametrize("collective,algorithm,flat", [
+    ("allreduce", "hierarchical_leader", "recursive_doubling"),
+    ("broadcast", "hierarchical", "scatter_allgather"),
+])
+def test_only_leaders_cross_nodes_with_the_flat_algorithm(nodes, k, collective, algorithm, flat):
+    # What crosses the network is the flat algorithm among one rank per node, on the
+    # whole buffer; the other ranks never leave their node.
+    p, count = nodes * k, 3 * nodes * k
+    result = sim.costs(collective, algorithm, p, count, nodes=k)
+    among_leaders = sim.costs(collective, flat, nodes, count).bytes_sent
+    assert network_bytes(result, k) == [among_leaders[r // k] if r % k == 0 else 0 for r in range(p)]
+
+
+@pytest.mark.parametrize("nodes,k", LAYOUTS)
+@pytest.mark.parametrize("collective", ["allgather", "reduce_scatter"])
+def test_hierarchical_allgather_and_reduce_scatter_send_each_node_segment_once(nodes, k, collective):
+    # A ring among the leaders over the nodes' segments (k blocks each): every leader
+    # sends N-1 segments; nothing else crosses a node.
+    p, count = nodes * k, 3 * nodes * k
+    result = sim.costs(collective, "hierarchical", p, count, nodes=k)
+    block = count * ITEM if collective == "allgather" else count * ITEM // p  # one rank's block
+    assert network_bytes(result, k) == [(nodes - 1) * k * block if r % k == 0 else 0 for r in range(p)]
+
+
+@pytest.mark.parametrize("collective,algorithm", TWO_LEVEL)
+@pytest.mark.parametrize("nodes", [[0, 0, 0, 1], [0, 1, 1, 1, 1, 2], [0, 1, 0, 1, 2], [1, 0, 0, 1, 1, 0, 2, 2]],
+                         ids=["3+1", "1+4+1", "round-robin", "shuffled"])
+def test_two_level_algorithms_on_uneven_and_interleaved_nodes(collective, algorithm, nodes):
+    p = len(nodes)
+    for count in (0, 1, p + 2, 7 * p):
+        roots = range(p) if collective == "broadcast" else [0]
+        for root in roots:
+            for inplace in ((False, True) if collective == "allreduce" else (False,)):
+                sim.run(collective, algorithm, p, count, "float64", root=root, nodes=nodes, inplace=inplace)
+
+
+def test_hierarchical_beats_the_ring_where_the_network_is_slow():
+    # 2 nodes x 4, the network 100x slower than the node: the ring crosses it with
+    # 2(p-1)/p·n per node link, the two-level algorithm with 2(N-1)/N·n, 1.75x less.
+    p, count = 8, 8 * 4096
+    model = dict(alpha=A, beta=B, gamma=G, ranks_per_node=4, inter_alpha=100 * A, inter_beta=100 * B)
+    ring = sim.costs("allreduce", "ring", p, count).time(**model)
+    two_level = sim.costs("allreduce", "hierarchical", p, count, nodes=4).time(**model)
+    assert ring / two_level > 1.5
+    # On one node, the two-level algorithm is the ring.
+    assert sim.costs("allreduce", "hierarchical", p, count, nodes=8).time(**model) == ring
+
+
+def test_nodes_are_checked():
+    with pytest.raises(ValueError, match="nodes must be ranks per node or one node label per rank"):
+        sim.run("allreduce", "hierarchical", 4, 8, nodes=[0, 1])
+    with pytest.raises(ValueError, match="ranks_per_node must be a positive integer"):
+        sim.run("allreduce", "hierarchical", 4, 8, nodes=0)
 
 
 def test_four_thousand_ranks():

@@ -9,7 +9,8 @@ transport calls directly.
 """
 
 from ._layout import block_bounds  # noqa: F401 (used by the communicator)
-from . import alltoall, binomial, bruck, direct, pipeline, recursive_doubling, recursive_halving, ring, scatter_allgather, tree
+from . import (alltoall, binomial, bruck, direct, hierarchical, pipeline, recursive_doubling, recursive_halving, ring,
+               scatter_allgather, tree)
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "gather", "scatter", "alltoall")
 ROOTED = ("broadcast", "reduce", "gather", "scatter")  # the collectives that take a root
@@ -25,23 +26,28 @@ BUILDERS = {
         "recursive_halving": recursive_halving.allreduce,
         "recursive_doubling": recursive_doubling.allreduce,
         "direct": direct.allreduce,
+        "hierarchical": hierarchical.allreduce,
+        "hierarchical_leader": hierarchical.allreduce_leader,
     },
     "reduce_scatter": {
         "ring": ring.reduce_scatter,
         "recursive_halving": recursive_halving.reduce_scatter,
         "direct": direct.reduce_scatter,
+        "hierarchical": hierarchical.reduce_scatter,
     },
     "allgather": {
         "ring": ring.allgather,
         "recursive_doubling": recursive_doubling.allgather,
         "bruck": bruck.allgather,
         "direct": direct.allgather,
+        "hierarchical": hierarchical.allgather,
     },
     "broadcast": {
         "binomial": binomial.broadcast,
         "pipeline": pipeline.broadcast,
         "scatter_allgather": scatter_allgather.broadcast,
         "direct": direct.broadcast,
+        "hierarchical": hierarchical.broadcast,
     },
     "reduce": {
         "binomial": binomial.reduce,
@@ -67,6 +73,11 @@ BUILDERS = {
 # The collectives not listed reduce nothing: every algorithm of theirs, native
 # included, moves the same bits whatever the order.
 ORDERED = {"allreduce": ("direct",), "reduce_scatter": ("direct",), "reduce": ("direct",)}
+
+# Two-level algorithms: their builders take the communicator's node layout (``topology``,
+# a :class:`collectives.topology.Topology`); with one node they run as flat ones.
+TOPOLOGICAL = frozenset((collective, name) for collective, names in BUILDERS.items() for name in names
+                        if name.startswith("hierarchical"))
 
 # Algorithms cut into pipelining segments; their default segment size in bytes.
 SEGMENTED = {("allreduce", "tree"): tree.DEFAULT_SEGMENT_BYTES, ("broadcast", "pipeline"): pipeline.DEFAULT_SEGMENT_BYTES}
@@ -97,7 +108,13 @@ def check_algorithm(collective, algorithm):
 _VALID = {collective: frozenset(algorithms(collective)) for collective in BUILDERS}
 
 
-def cost_model_choice(collective, nbytes, size, own=False):
+def two_level(topology):
+    """True where the two-level algorithms have something to gain: several nodes, and
+    more than one rank on some node."""
+    return topology is not None and topology.node_count > 1 and max(topology.ranks_per_node) > 1
+
+
+def cost_model_choice(collective, nbytes, size, own=False, topology=None):
     """What ``auto`` picks where no measured table covers the world size; ``own``: among
     the library's own algorithms only (for dtypes the MPI library cannot move).
 
@@ -109,6 +126,10 @@ def cost_model_choice(collective, nbytes, size, own=False):
     per-message cost.
     ``nbytes`` is the input size (allgather and gather: the gathered size; scatter: the
     root's whole buffer; alltoall and alltoallv: a rank's whole input).
+
+    With several nodes (``topology``), the two-level algorithms from 64 KiB (the
+    network, not the per-message cost, decides there), the leader-based allreduce
+    below: see ``hierarchical``.
     """
     if collective in ("gather", "scatter"):
         return "binomial" if own else "native"
@@ -118,6 +139,11 @@ def cost_model_choice(collective, nbytes, size, own=False):
         return "pairwise" if own else "native"
     if nbytes < NATIVE_BELOW and not own:
         return "native"
+    if two_level(topology) and collective in ("allreduce", "reduce_scatter", "allgather", "broadcast"):
+        if nbytes >= SMALL:
+            return "hierarchical"
+        if collective == "allreduce":
+            return "hierarchical_leader"
     pof2 = size & (size - 1) == 0
     if collective == "allreduce":
         if nbytes < SMALL:
@@ -142,11 +168,14 @@ def check_ordered(collective, algorithm):
     return algorithm
 
 
-def build(collective, algorithm, rank, size, count, *, root=0, segment=1, ordered=False, counts=None):
+def build(collective, algorithm, rank, size, count, *, root=0, segment=1, ordered=False, counts=None, topology=None):
     """The schedule of ``algorithm`` for one rank; ``ordered``: reductions in rank order
     (deterministic mode; only the algorithms in ``ORDERED`` can); ``counts``: this
-    rank's ``(send, recv)`` element counts per peer (the collectives in ``VARIABLE``)."""
+    rank's ``(send, recv)`` element counts per peer (the collectives in ``VARIABLE``);
+    ``topology``: the node layout (the algorithms in ``TOPOLOGICAL``; None: one node)."""
     builder = BUILDERS[collective][algorithm]
+    if (collective, algorithm) in TOPOLOGICAL:
+        return builder(rank, size, count, root=root, segment=segment, topology=topology)
     if collective in VARIABLE:
         return builder(rank, size, count, counts=counts)
     if ordered and collective in ORDERED:

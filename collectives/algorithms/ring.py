@@ -17,31 +17,34 @@ from ..schedule import Schedule, sl
 from ._layout import block_bounds
 
 
-def reduce_scatter_ring(s, pos, size, bounds, ranks, partial_in_out):
+def reduce_scatter_ring(s, pos, size, bounds, ranks, partial_in_out, source="in", dest="out", slots_at=0):
     """Ring reduce-scatter steps: afterwards ``pos`` holds block ``pos`` reduced.
 
-    ``ranks[i]`` is the real rank at ring position i. Partial sums of the other
-    blocks live in ``out`` (allreduce: ``out`` is full size) or, if not
+    ``ranks[i]`` is the real rank at ring position i. The contributions are read from
+    buffer ``source`` at ``bounds`` (offsets into the buffer). Partial sums of the
+    other blocks live in ``dest`` (allreduce: ``out`` is full size) or, if not
     ``partial_in_out``, in the receive slot itself (reduce_scatter: ``out`` is one
-    block). The final reduction of block ``pos`` goes to ``out`` at ``bounds[pos]``
-    (allreduce) or at 0 (reduce_scatter).
+    block). The final reduction of block ``pos`` goes to ``dest`` at ``bounds[pos]``
+    (allreduce) or at 0 (reduce_scatter). The two receive slots are ``tmp`` from
+    ``slots_at``. ``source`` may be ``dest`` (the two-level algorithms reduce in place).
     """
     right, left = ranks[(pos + 1) % size], ranks[(pos - 1) % size]
     width = max(bounds[b + 1] - bounds[b] for b in range(size))
-    s.need_tmp(2 * width)
+    s.need_tmp(slots_at + 2 * width)
     held = None  # slice holding the partial sum to send next
     for t in range(size - 1):
         send_b = (pos - t - 1) % size
-        s.send(right, held if held is not None else sl("in", bounds[send_b], bounds[send_b + 1]))
+        s.send(right, held if held is not None else sl(source, bounds[send_b], bounds[send_b + 1]))
         recv_b = (pos - t - 2) % size
         length = bounds[recv_b + 1] - bounds[recv_b]
-        slot = sl("tmp", (t % 2) * width, (t % 2) * width + length)
+        first = slots_at + (t % 2) * width
+        slot = sl("tmp", first, first + length)
         s.recv(left, slot)
-        own = sl("in", bounds[recv_b], bounds[recv_b + 1])
+        own = sl(source, bounds[recv_b], bounds[recv_b + 1])
         if t == size - 2:
-            dst = sl("out", bounds[recv_b], bounds[recv_b + 1]) if partial_in_out else sl("out", 0, length)
+            dst = sl(dest, bounds[recv_b], bounds[recv_b + 1]) if partial_in_out else sl(dest, 0, length)
         else:
-            dst = sl("out", bounds[recv_b], bounds[recv_b + 1]) if partial_in_out else slot
+            dst = sl(dest, bounds[recv_b], bounds[recv_b + 1]) if partial_in_out else slot
         s.reduce(dst, slot, own)
         held = dst
 

@@ -6,18 +6,19 @@ from functools import cached_property
 import numpy as np
 
 from .. import ops as ops_layer
-from ..algorithms import BUILDERS, SEGMENTED, VARIABLE, block_bounds, build, check_ordered
+from ..algorithms import BUILDERS, SEGMENTED, TOPOLOGICAL, VARIABLE, block_bounds, build, check_ordered
 from ..arrays import check_dtype
 from ..communicator import DEFAULT_SEGMENT_SIZE, _check_segment_size  # segments as the Communicator cuts them
 from ..errors import CollectiveError
 from ..schedule import Recv, Reduce, Send, compile_plan
+from ..topology import Topology
 from ..transport import local
 from . import parameter_server
 from .timing import Graph, Model
 
 # Schedules that exist only in the simulator: baselines to compare with, not algorithms.
 BASELINES = {("allreduce", "parameter_server"): parameter_server.allreduce}
-PARAMS = ("segment_size", "servers", "inplace", "ordered", "counts")
+PARAMS = ("segment_size", "servers", "inplace", "ordered", "counts", "nodes")
 
 
 def alltoallv_counts(world_size, count):
@@ -148,6 +149,7 @@ def _check_args(collective, algorithm, world_size, count, dtype, op, root, param
         raise ValueError(f"inplace: {collective} has no in-place form here (allreduce, reduce and broadcast do)")
     if params.get("ordered"):
         check_ordered(collective, algorithm)
+    topology_of(world_size, params.get("nodes"))  # raises on a bad layout
     if "counts" in params:
         if collective not in VARIABLE:
             raise TypeError(f"counts is a parameter of {', '.join(VARIABLE)}, not of {collective}")
@@ -155,6 +157,24 @@ def _check_args(collective, algorithm, world_size, count, dtype, op, root, param
         if counts.shape != (world_size, world_size) or counts.dtype.kind not in "iu" or (counts < 0).any():
             raise ValueError(f"counts must be a {world_size}×{world_size} matrix of non-negative integers "
                              "(counts[i][j]: elements rank i sends rank j)")
+
+
+def topology_of(world_size, nodes):
+    """The :class:`~collectives.topology.Topology` that ``nodes`` names: None (one
+    node), a number of ranks per node (placed node by node, the last node holding the
+    rest) or one node label per rank."""
+    if nodes is None:
+        return None
+    if _is_int(nodes):
+        return Topology.uniform(int(world_size), int(nodes))
+    try:
+        labels = list(nodes)
+        hash(tuple(labels))
+    except TypeError:
+        labels = None
+    if labels is None or len(labels) != world_size:
+        raise ValueError(f"nodes must be ranks per node or one node label per rank ({world_size}); got {nodes!r}")
+    return Topology.from_labels(labels)
 
 
 def _counts(collective, world_size, count, params):
@@ -178,9 +198,11 @@ def plans_for(collective, algorithm, world_size, count, dtype="float32", root=0,
         segment = max(1, int(params.get("segment_size", DEFAULT_SEGMENT_SIZE)) // np.dtype(dtype).itemsize)
     ordered = bool(params.get("ordered", False))
     matrix = _counts(collective, world_size, count, params)
+    topology = topology_of(world_size, params.get("nodes")) if (collective, algorithm) in TOPOLOGICAL else None
     return [
         compile_plan(build(collective, algorithm, r, world_size, count, root=root, segment=segment, ordered=ordered,
-                           counts=None if matrix is None else (tuple(matrix[r].tolist()), tuple(matrix[:, r].tolist()))),
+                           counts=None if matrix is None else (tuple(matrix[r].tolist()), tuple(matrix[:, r].tolist())),
+                           topology=topology),
                      inplace)
         for r in range(world_size)
     ]
@@ -207,7 +229,9 @@ def run(collective, algorithm, world_size, count, dtype="float32", op="sum", roo
     ``params``: ``segment_size`` (bytes, for the pipelined ``tree`` and ``pipeline``),
     ``inplace`` (the in-place form of the call), ``servers`` (``parameter_server``),
     ``ordered`` (reductions in rank order, as in deterministic mode), ``counts``
-    (alltoallv: ``counts[i][j]`` elements from rank i to rank j).
+    (alltoallv: ``counts[i][j]`` elements from rank i to rank j), ``nodes`` (the node
+    layout the two-level algorithms see: ranks per node, or one node label per rank;
+    default one node).
     Raises :class:`~collectives.CollectiveError` if a result differs from NumPy's.
     """
     _check_args(collective, algorithm, world_size, count, dtype, op, root, params)

@@ -1,0 +1,123 @@
+"""Which ranks share a node: learned once per communicator, given to the two-level
+algorithms and to ``auto``.
+
+    node 0: ranks 0 1 2      node 1: ranks 3 4 5 6      (uneven nodes work)
+            local 0 1 2              local 0 1 2 3
+
+A :class:`Topology` is the list of nodes, each the ascending list of its ranks. A
+rank's *local rank* is its index on its node; the node's *leader* is its local rank 0
+(its lowest rank). Nodes are numbered by their lowest rank, so every rank numbers them
+the same way whatever order MPI placed the ranks in.
+
+:func:`learn` asks MPI (``Split_type(COMM_TYPE_SHARED)``: ranks that can share memory)
+and allgathers each rank's node; :meth:`Topology.from_labels` takes any per-rank
+labels, for a simulated layout or to override MPI's view (``Communicator(nodes=...)``).
+"""
+
+from dataclasses import dataclass
+from functools import cached_property
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The nodes of a communicator: ``nodes[j]`` is the ascending tuple of the ranks on
+    node j, and nodes are in the order of their lowest rank."""
+
+    nodes: tuple
+
+    def __post_init__(self):
+        ranks = sorted(r for node in self.nodes for r in node)
+        if ranks != list(range(len(ranks))) or any(not node for node in self.nodes):
+            raise ValueError(f"nodes must split ranks 0..p-1 into non-empty groups; got {self.nodes!r}")
+        if any(list(node) != sorted(node) for node in self.nodes) or \
+                [node[0] for node in self.nodes] != sorted(node[0] for node in self.nodes):
+            raise ValueError(f"nodes must be ascending and ordered by their lowest rank; got {self.nodes!r}")
+
+    @classmethod
+    def from_labels(cls, labels):
+        """The topology in which ranks with equal ``labels[r]`` share a node."""
+        labels = list(labels)
+        groups = {}
+        for rank, label in enumerate(labels):
+            groups.setdefault(label, []).append(rank)
+        return cls(tuple(sorted((tuple(g) for g in groups.values()), key=lambda g: g[0])))
+
+    @classmethod
+    def uniform(cls, size, ranks_per_node):
+        """``size`` ranks placed node by node, ``ranks_per_node`` on each (the last node
+        holds the rest)."""
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be a positive integer; got {ranks_per_node!r}")
+        return cls.from_labels(r // ranks_per_node for r in range(size))
+
+    @classmethod
+    def single(cls, size):
+        """Every rank on one node."""
+        return cls((tuple(range(size)),))
+
+    @property
+    def size(self):
+        """The number of ranks."""
+        return sum(len(node) for node in self.nodes)
+
+    @property
+    def node_count(self):
+        return len(self.nodes)
+
+    @cached_property
+    def node_of(self):
+        """``node_of[r]``: the node of rank r."""
+        table = [0] * self.size
+        for j, node in enumerate(self.nodes):
+            for r in node:
+                table[r] = j
+        return tuple(table)
+
+    @cached_property
+    def local_rank(self):
+        """``local_rank[r]``: rank r's index on its node."""
+        table = [0] * self.size
+        for node in self.nodes:
+            for i, r in enumerate(node):
+                table[r] = i
+        return tuple(table)
+
+    @property
+    def ranks_per_node(self):
+        """The node sizes, in node order."""
+        return tuple(len(node) for node in self.nodes)
+
+    @property
+    def contiguous(self):
+        """True when every node holds consecutive ranks (host-major placement)."""
+        return all(node[-1] - node[0] == len(node) - 1 for node in self.nodes)
+
+    def describe(self):
+        """A short text such as ``2 nodes x 4 ranks`` or ``2 nodes (3+1 ranks)``."""
+        sizes = self.ranks_per_node
+        if len(set(sizes)) == 1:
+            return f"{len(sizes)} node{'s' * (len(sizes) > 1)} x {sizes[0]} rank{'s' * (sizes[0] > 1)}"
+        return f"{len(sizes)} nodes ({'+'.join(map(str, sizes))} ranks)"
+
+    def key(self):
+        """How ``auto``'s tables name the layout: ``"1x4"``, ``"2x2"``, ``"3+1"``."""
+        sizes = self.ranks_per_node
+        return f"{len(sizes)}x{sizes[0]}" if len(set(sizes)) == 1 else "+".join(map(str, sizes))
+
+
+def learn(mpi_comm):
+    """The topology of ``mpi_comm`` as MPI sees it (collective): ranks that can share
+    memory are one node."""
+    node_comm = mpi_comm.Split_type(_shared_type(), key=mpi_comm.Get_rank())
+    try:
+        # the node's label: the lowest communicator rank on it (the node's rank 0, by key)
+        leader = node_comm.bcast(mpi_comm.Get_rank(), root=0)
+    finally:
+        node_comm.Free()
+    return Topology.from_labels(mpi_comm.allgather(leader))
+
+
+def _shared_type():
+    from mpi4py import MPI
+
+    return MPI.COMM_TYPE_SHARED
