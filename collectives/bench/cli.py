@@ -187,8 +187,8 @@ def measure(case, comm, world, names, args, gloo_group, ordered_comm=None, bandw
         algbw = case.nbytes / (stats["time_us"] * 1e-6) / 1e9
         row = {
             "collective": case.collective, "algorithm": name, "bytes": case.nbytes, "count": case.count,
-            "world_size": case.size, "dtype": case.dtype.name, "op": case.op, "inplace": case.inplace,
-            **stats, "algbw_GBps": algbw, "busbw_GBps": algbw * factor,
+            "world_size": case.size, "layout": comm.topology.key(), "dtype": case.dtype.name, "op": case.op,
+            "inplace": case.inplace, **stats, "algbw_GBps": algbw, "busbw_GBps": algbw * factor,
             "chosen": (comm if name == "auto" else ordered_comm).choose(case.collective, case.nbytes,
                                                                         case.device is not None, case.dtype)[0]
             if name in ("auto", "deterministic") else None,
@@ -253,7 +253,8 @@ def sweep(args, world, comm, device=None, ordered_comm=None):
     rank0 = world.Get_rank() == 0
     gloo_group = start_gloo(world) if "gloo" in args.peers else None
     size_list = sizes(args.begin, args.end, args.factor)
-    meta = {"dtype": args.dtype, "op": args.op, "inplace": args.inplace, "world_size": world.Get_size()}
+    meta = {"dtype": args.dtype, "op": args.op, "inplace": args.inplace, "world_size": world.Get_size(),
+            "layout": comm.topology.key()}
     bar = None
     if rank0 and not args.no_progress:
         try:

@@ -69,16 +69,23 @@ def thresholds(rows, window=SMOOTHING):
     return entries
 
 
+def table_key(row):
+    """What a row's table is keyed by: its world size on one node, its node layout
+    (``"2x4"``, ``"3+1"``) on several, which a one-node table says nothing of."""
+    layout = row.get("layout")
+    return layout if layout and not layout.startswith("1x") else str(row["world_size"])
+
+
 def tables_from_rows(rows):
-    """``{collective: {world_size: thresholds}}`` from benchmark rows."""
+    """``{collective: {world_size or layout: thresholds}}`` from benchmark rows."""
     groups = {}
     for row in rows:
-        groups.setdefault((row["collective"], row["world_size"]), []).append(row)
+        groups.setdefault((row["collective"], table_key(row)), []).append(row)
     tables = {}
-    for (collective, world_size), group in sorted(groups.items()):
+    for (collective, key), group in sorted(groups.items()):
         entries = thresholds(group)
         if entries:
-            tables.setdefault(collective, {})[str(world_size)] = entries
+            tables.setdefault(collective, {})[key] = entries
     return tables
 
 
