@@ -717,6 +717,52 @@ def synthetic_rows(params, world_sizes=(2, 4)):
     return rows
 
 
+def two_level_rows(params, layouts=((2, 2), (2, 4), (4, 1))):
+    """Rows measured (here: made by the model) across nodes, ``layout`` as the benchmark
+    writes it."""
+    rows = []
+    for nodes, k in layouts:
+        p = nodes * k
+        for algorithm in BUILDERS["allreduce"]:
+            extra = {"nodes": k} if algorithm.startswith("hierarchical") else {}
+            for nbytes in (1 << 16, 1 << 20, 1 << 22):
+                count = nbytes // 4
+                t = sim.costs("allreduce", algorithm, p, count, **extra).time(*params[:3], k, *params[3:])
+                rows.append(dict(collective="allreduce", algorithm=algorithm, bytes=nbytes, count=count, world_size=p,
+                                 layout=f"{nodes}x{k}", dtype="float32", time_us=t * 1e6))
+    return rows
+
+
+def test_two_level_fit_recovers_the_network_and_the_node():
+    from collectives.sim import calibrate
+
+    truth = (9e-6, 2e-10, 3e-10, 40e-6, 8e-9)  # the network: 40 us, 125 MB/s
+    rows = calibrate.load_rows_from(two_level_rows(truth, layouts=((2, 2), (4, 1))))
+    fitted = calibrate.fit(rows)
+    assert fitted == pytest.approx(truth, rel=1e-6)
+    held_out = calibrate.load_rows_from(two_level_rows(truth, layouts=((2, 4),)))
+    assert max(abs(e) for *_, e in calibrate.compare(held_out, fitted)) < 1e-6
+    with pytest.raises(ValueError, match="nodes of equal size placed node by node"):
+        calibrate.fit([dict(rows[0], layout="3+1")])
+
+
+def test_the_command_line_fits_two_levels_and_compares_held_out_runs(tmp_path, capsys):
+    import json
+
+    from collectives.sim.__main__ import main
+
+    truth = (9e-6, 2e-10, 3e-10, 40e-6, 8e-9)
+    fit_file, held_out = tmp_path / "fit.json", tmp_path / "held.json"
+    fit_file.write_text(json.dumps(two_level_rows(truth, layouts=((2, 2), (4, 1)))))
+    held_out.write_text(json.dumps(two_level_rows(truth, layouts=((2, 4),))))
+    main(["--fit", str(fit_file), "--compare", str(held_out), "--max-world-size", "16", "--world-size", "8",
+          "--max-bytes", "64K", "--servers", "2", "--plot", str(tmp_path / "p.png"), "--no-progress"])
+    out = capsys.readouterr().out
+    assert "inter_alpha 40.00 us" in out and "inter_beta 8.0000 ns/B" in out
+    assert "2x4 " in out and "2x2 " not in out  # the held-out rows only
+    assert "allreduce hierarchical" in out and "within 25%: 100%" in out
+
+
 def test_fit_recovers_the_parameters_that_made_the_times():
     from collectives.sim import calibrate
 

@@ -3,13 +3,16 @@
     python -m collectives.sim                                   # α, β, γ of a typical cluster
     python -m collectives.sim --alpha 2e-6 --beta 8e-11 --gamma 1e-10
     python -m collectives.sim --fit bench/results/HOST/n2.json bench/results/HOST/n4.json
+    python -m collectives.sim --fit run1-2x2.json run1-2x4.json --compare run2-2x2.json run2-2x4.json
 
 Prints, and plots (``--plot``, PNG), the predicted time and busbw of every allreduce
 algorithm and of a parameter server (S server ranks besides the p workers) against
 the world size p (2 … 4096) at one message size, and against the message size at one
 world size. With ``--fit``, α, β and γ are fitted to benchmark results
 (``collectives-bench --json``) first, and the predictions for the benchmark's own runs
-are printed against what it measured.
+are printed against what it measured (``--compare``: runs not used in the fit). Rows
+measured across several nodes (their ``layout``, e.g. ``2x4``) make it a two-level fit:
+the network's α′ and β′ too.
 """
 
 import argparse
@@ -32,6 +35,9 @@ def parse_args(argv):
     model.add_argument("--fit", nargs="+", metavar="JSON", help="fit alpha, beta, gamma to these benchmark results")
     model.add_argument("--fit-from", type=parse_bytes, default=0, metavar="BYTES",
                        help="fit to rows of at least this size (default: all)")
+    model.add_argument("--compare", nargs="+", metavar="JSON",
+                       help="with --fit: print predicted against measured for these runs, not used in the fit "
+                            "(default: the fitted runs)")
     model.add_argument("--compare-from", type=parse_bytes, default=1 << 20, metavar="BYTES",
                        help="print predicted against measured from this size (default 1M)")
     model.add_argument("--ranks-per-node", type=int, help="two levels: ranks per node")
@@ -55,6 +61,8 @@ def parse_args(argv):
     given = [args.alpha is not None, args.beta is not None, args.gamma is not None]
     if args.fit and any(given):
         p.error("give either --fit or --alpha/--beta/--gamma, not both")
+    if args.compare and not args.fit:
+        p.error("--compare needs --fit")
     for name in ("alpha", "beta", "gamma", "inter_alpha", "inter_beta"):
         value = getattr(args, name)
         if value is not None and value < 0:
@@ -83,15 +91,23 @@ def main(argv=None):
     if args.fit:
         try:
             rows = calibrate.load_rows(args.fit)
-            alpha, beta, gamma = calibrate.fit(rows, args.fit_from)
+            fitted = calibrate.fit(rows, args.fit_from)
+            held_out = calibrate.load_rows(args.compare) if args.compare else rows
         except (OSError, ValueError, TypeError) as e:
             sys.exit(f"python -m collectives.sim: --fit: {e}")
-        params = dict(alpha=alpha, beta=beta, gamma=gamma)
+        params = dict(zip(calibrate.NAMES, fitted))
         source = f"fitted to {', '.join(args.fit)}"
-        print(f"# fitted: alpha {alpha * 1e6:.2f} us, beta {beta * 1e9:.4f} ns/B ({1 / beta / 1e9:.2f} GB/s), "
-              f"gamma {gamma * 1e9:.4f} ns/B ({1 / gamma / 1e9:.2f} GB/s)" if beta and gamma else f"# fitted: {params}")
-        print(f"# predicted against measured, rows of {args.compare_from} bytes and more:")
-        print(calibrate.report(calibrate.compare(rows, (alpha, beta, gamma), args.compare_from)))
+        print("# fitted: " + ", ".join(_describe(name, value) for name, value in params.items()))
+        compared = ", ".join(args.compare) if args.compare else "the fitted runs"
+        print(f"# predicted against measured ({compared}), rows of {args.compare_from} bytes and more:")
+        comparison = calibrate.compare(held_out, fitted, args.compare_from)
+        print(calibrate.report(comparison))
+        print("\n".join(calibrate.summary(comparison, by=lambda row: f"{row['collective']} {row['algorithm']}")))
+        params = {k: v for k, v in params.items() if not k.startswith("inter")}
+        if len(fitted) == 5:  # project with the network too, at the fitted runs' ranks per node unless given
+            args.inter_alpha, args.inter_beta = fitted[3], fitted[4]
+            if args.ranks_per_node is None:
+                args.ranks_per_node = max(calibrate.nodes_of(row)[1] for row in rows if calibrate.nodes_of(row)[0] > 1)
     for name in ("alpha", "beta", "gamma"):
         if getattr(args, name) is not None:
             params[name] = getattr(args, name)
@@ -122,6 +138,13 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump({"model": model, "source": source, "by_world_size": by_p, "by_size": by_size}, f, indent=1)
         print(f"# rows: {args.json}")
+
+
+def _describe(name, value):
+    if "alpha" in name:
+        return f"{name} {value * 1e6:.2f} us"
+    rate = f" ({1 / value / 1e9:.2f} GB/s)" if value else ""
+    return f"{name} {value * 1e9:.4f} ns/B{rate}"
 
 
 def _progress(total, disabled):

@@ -10,16 +10,39 @@ reduced along that path. The fit takes a, b and g for every row at the current g
 (finite differences of the simulated time), solves the least-squares problem for the
 relative error ``(predicted - measured) / measured``, keeping each parameter ≥ 0, and
 repeats until the critical paths stop changing.
+
+Rows measured across several nodes (``layout`` such as ``"2x4"``, which
+``collectives-bench`` writes) are timed with the two-level model: messages between
+nodes cost their own α′ and β′ and share the node's link. Where any row has several
+nodes the fit has five parameters, (α, β, γ, α′, β′): the node's and the network's.
 """
+
+import re
 
 import json
 
 import numpy as np
 
+from ..algorithms import TOPOLOGICAL
 from .simulate import DEFAULT_SEGMENT_SIZE, costs
 
 OTHER_LIBRARIES = ("native", "gloo", "auto")
-START = (20e-6, 1e-9, 1e-9)  # α, β, γ: a first guess for the critical paths
+START = (20e-6, 1e-9, 1e-9, 30e-6, 8e-9)  # α, β, γ, α′, β′: a first guess for the critical paths
+NAMES = ("alpha", "beta", "gamma", "inter_alpha", "inter_beta")
+
+
+def nodes_of(row):
+    """``(nodes, ranks per node)`` of a row's layout (one node where it has none)."""
+    layout = row.get("layout") or f"1x{row['world_size']}"
+    match = re.fullmatch(r"([0-9]+)x([0-9]+)", str(layout))
+    if not match:
+        raise ValueError(f"layout {layout!r}: the model times nodes of equal size placed node by node (NxK) only")
+    return int(match[1]), int(match[2])
+
+
+def parameter_count(rows):
+    """3 (α, β, γ) for rows of one node; 5 where some row spans several nodes."""
+    return 5 if any(nodes_of(r)[0] > 1 for r in rows) else 3
 
 
 def load_rows(paths):
@@ -56,20 +79,25 @@ class _Prediction:
 
     def __init__(self, row):
         self.row = row
+        self.nodes, self.ranks_per_node = nodes_of(row)
+        extra = {"nodes": self.ranks_per_node} if (row["collective"], row["algorithm"]) in TOPOLOGICAL else {}
         self.costs = costs(
             row["collective"], row["algorithm"], int(row["world_size"]), int(row["count"]), row["dtype"],
-            segment_size=int(row.get("segment_size") or DEFAULT_SEGMENT_SIZE),
+            segment_size=int(row.get("segment_size") or DEFAULT_SEGMENT_SIZE), **extra,
         )
         self.measured = float(row["time_us"]) * 1e-6
 
     def time(self, params):
-        return self.costs.time(*params)
+        alpha, beta, gamma, *network = params
+        if self.nodes > 1:
+            return self.costs.time(alpha, beta, gamma, self.ranks_per_node, *network)
+        return self.costs.time(alpha, beta, gamma)
 
     def coefficients(self, params):
-        """(a, b, g): how the time grows with α, β and γ around ``params``."""
+        """How the time grows with each parameter around ``params``."""
         base = self.time(params)
         coef = []
-        for k in range(3):
+        for k in range(len(params)):
             step = list(params)
             delta = max(params[k], START[k]) * 1e-3
             step[k] += delta
@@ -91,11 +119,12 @@ def _nonnegative_least_squares(matrix, target):
 
 
 def fit(rows, from_bytes=0, iterations=8):
-    """Fit (α, β, γ) to ``rows`` of at least ``from_bytes`` bytes; returns the tuple."""
+    """Fit (α, β, γ) to ``rows`` of at least ``from_bytes`` bytes, or (α, β, γ, α′, β′)
+    where some row spans several nodes; returns the tuple."""
     chosen = [_Prediction(r) for r in rows if int(r.get("bytes", 0)) >= from_bytes]
     if not chosen:
         raise ValueError(f"no benchmark rows of {from_bytes} bytes or more to fit")
-    params = START
+    params = START[:parameter_count([p.row for p in chosen])]
     for _ in range(iterations):
         matrix = np.array([[c / p.measured for c in p.coefficients(params)] for p in chosen])
         # Columns scaled to unit size so that α (µs) and β (ns per byte) weigh alike.
@@ -124,11 +153,12 @@ def compare(rows, params, from_bytes=0):
 def report(comparison):
     """A table of predicted against measured, and a summary per world size."""
     lines = [
-        f"{'p':>2} {'collective':<15}{'algorithm':<19}{'bytes':>10} {'measured us':>12} {'predicted us':>13} {'error':>7}"
+        f"{'layout':>6} {'collective':<15}{'algorithm':<20}{'bytes':>10} {'measured us':>12} {'predicted us':>13} "
+        f"{'error':>7}"
     ]
     for row, predicted, measured, error in comparison:
         lines.append(
-            f"{row['world_size']:>2} {row['collective']:<15}{row['algorithm']:<19}{row['bytes']:>10} "
+            f"{_layout(row):>6} {row['collective']:<15}{row['algorithm']:<20}{row['bytes']:>10} "
             f"{measured * 1e6:>12.1f} {predicted * 1e6:>13.1f} {error:>+7.0%}"
         )
     lines.append("")
@@ -136,12 +166,19 @@ def report(comparison):
     return "\n".join(lines)
 
 
-def summary(comparison):
+def _layout(row):
+    nodes, per_node = nodes_of(row)
+    return f"{nodes}x{per_node}"
+
+
+def summary(comparison, by=_layout):
+    """One line per group (``by``: a row's layout, or e.g. its algorithm) and one for all:
+    the median, mean and largest relative error."""
     lines = []
-    for p in sorted({row["world_size"] for row, *_ in comparison}) + [None]:
-        errors = np.array([abs(e) for row, _, _, e in comparison if p is None or row["world_size"] == p])
+    for p in sorted({by(row) for row, *_ in comparison}) + [None]:
+        errors = np.array([abs(e) for row, _, _, e in comparison if p is None or by(row) == p])
         if errors.size:
-            label = f"world size {p}" if p is not None else "all"
+            label = str(p) if p is not None else "all"
             lines.append(
                 f"{label:<13} rows {errors.size:>4}  |error| median {np.median(errors):.1%}, "
                 f"mean {errors.mean():.1%}, max {errors.max():.1%}; within 25%: {np.mean(errors <= 0.25):.0%}"

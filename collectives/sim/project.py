@@ -39,11 +39,14 @@ def closed_form(algorithm, p, nbytes, alpha, beta, gamma):
     return None
 
 
-def estimated_ops(algorithm, p, nbytes, servers=None):
+def estimated_ops(algorithm, p, nbytes, servers=None, ranks_per_node=None):
     """Roughly how many plan operations a simulation of this call holds."""
     if servers is not None:
         return 5 * servers * p
     lg = max(1, math.ceil(math.log2(p)))
+    if algorithm == "hierarchical":  # rings in the node and across: k and N steps per rank
+        k = min(ranks_per_node or p, p)
+        return 6 * p * (k + math.ceil(p / k))
     if algorithm in ("ring", "direct"):
         return 6 * p * (p - 1)
     if algorithm == "tree":
@@ -56,11 +59,12 @@ def predict(algorithm, p, nbytes, model, servers=None, max_ops=DEFAULT_MAX_OPS):
     the parameter server: p workers plus ``servers`` server ranks); how is "sim",
     "closed form" or None when neither could be had."""
     count = nbytes // 4
-    if estimated_ops(algorithm, p, nbytes, servers) <= max_ops:
+    if estimated_ops(algorithm, p, nbytes, servers, model.get("ranks_per_node")) <= max_ops:
         if servers is not None:
             cost = costs("allreduce", "parameter_server", p + servers, count, servers=servers)
         else:
-            cost = costs("allreduce", algorithm, p, count, segment_size=SEGMENT)
+            nodes = model.get("ranks_per_node") if algorithm.startswith("hierarchical") else None
+            cost = costs("allreduce", algorithm, p, count, segment_size=SEGMENT, nodes=nodes)
         return cost.time(**model), "sim"
     if model.get("ranks_per_node") is None and servers is None:
         t = closed_form(algorithm, p, nbytes, model["alpha"], model["beta"], model["gamma"])
