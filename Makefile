@@ -97,7 +97,7 @@ test-long: install
 # messages did not cross the links fails.
 test-multihost: install
 	@hosts=$$(for l in $(MULTIHOST_LAYOUTS); do echo $${l%%x*}; done | sort -n | tail -1); \
-	trap '$(PYTHON) -m collectives.testbed down' EXIT; \
+	trap '$(PYTHON) -m collectives.testbed down' EXIT; trap 'exit 143' INT TERM HUP; \
 	$(PYTHON) -m collectives.testbed up --hosts $$hosts --rate $(MULTIHOST_RATE) || exit 1; \
 	mkdir -p $(RESULTS); \
 	for l in $(MULTIHOST_LAYOUTS); do \

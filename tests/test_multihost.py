@@ -13,6 +13,7 @@ runs them, as root). Elsewhere every test here skips, saying why.
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -86,9 +87,15 @@ def testbed():
     present = testbed.net.hosts_present()
     assert {0, CUT_HOST} <= set(present), f"COLLECTIVES_TESTBED_FAULTS=1 but the testbed has hosts {present}"
     rate = testbed.net.read_state().get("rates", [10**9] * (CUT_HOST + 1))[CUT_HOST]
+
+    def interrupted(signum, frame):  # a SIGTERM (make's timeout) unwinds too: the jobs get killed
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupted)
     try:
         yield testbed
     finally:  # the link as it was, whatever the test did to it
+        signal.signal(signal.SIGTERM, previous)
         testbed.set_link(CUT_HOST, True)
         testbed.set_rate(CUT_HOST, rate)
 

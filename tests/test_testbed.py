@@ -50,7 +50,7 @@ def test_host_names_and_addresses_agree():
 
 def test_host_rates_must_name_a_host_of_the_testbed():
     assert net.rates_for(3, "1gbit", {"h2": "10mbit"}) == [10**9, 10**9, 10**7]
-    with pytest.raises(ValueError, match="host_rates names host 'h3'"):
+    with pytest.raises(ValueError, match="a host rate names host 'h3'"):
         net.rates_for(3, "1gbit", {"h3": "10mbit"})
     with pytest.raises(ValueError, match="hosts must be"):
         net.rates_for(0)

@@ -5,6 +5,7 @@ iproute2, or an argument is wrong, with a one-line message naming it."""
 
 import argparse
 import json
+import signal
 import sys
 
 from . import job, names, net
@@ -80,7 +81,15 @@ def main(argv=None):
     return 0
 
 
+def _interrupted(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def run(args):
+    # A SIGTERM (timeout, a cancelled CI job) or SIGHUP must unwind through job.run's
+    # cleanup like Ctrl-C does, or the job (in a session of its own) would outlive us.
+    signal.signal(signal.SIGTERM, _interrupted)
+    signal.signal(signal.SIGHUP, _interrupted)
     argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not argv:
         raise ValueError("no program: run --layout 2x2 -- python prog.py")

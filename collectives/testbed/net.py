@@ -122,7 +122,7 @@ def rates_for(hosts, rate=DEFAULT_RATE, host_rates=None):
     for host, value in (host_rates or {}).items():
         index = names.host_index(host)
         if index >= hosts:
-            raise ValueError(f"host_rates names host {host!r}, but the testbed has hosts 0..{hosts - 1}")
+            raise ValueError(f"a host rate names host {host!r}, but the testbed has hosts 0..{hosts - 1}")
         rates[index] = parse_rate(value)
     return rates
 
