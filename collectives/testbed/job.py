@@ -22,6 +22,7 @@ What it promises:
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -221,7 +222,7 @@ def start(layout, argv, env=None, stdout=None, stderr=None):
     launcher = os.path.join(tmpdir.name, "ssh")
     ssh_py = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ssh.py")
     with open(launcher, "w") as f:
-        f.write(f"#!/bin/sh\nexec '{sys.executable}' '{ssh_py}' \"$@\"\n")
+        f.write(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(ssh_py)} \"$@\"\n")
     os.chmod(launcher, 0o755)
     job_env = {k: v for k, v in os.environ.items() if not k.startswith(_DROP)}
     job_env.update(MPI_ENV)
