@@ -25,6 +25,16 @@ TUNE_SIZES    ?= 2 3 4
 TUNING        ?= collectives-tuning.json
 # make project: extra options for python -m collectives.sim (e.g. --fit results.json).
 SIM_ARGS      ?=
+# make test-multihost (root): the MPI suite across a testbed of network namespaces joined
+# by shaped links (collectives.testbed), at each layout HOSTSxRANKS. MULTIHOST_SUITE is
+# the part of the ordinary suite run there (chosen for time); MULTIHOST_TESTS, the tests
+# written for the testbed (add files here), run whole at every layout, then serially
+# for the faults they drive from outside the job.
+MULTIHOST_LAYOUTS ?= 2x2 4x1 2x4
+MULTIHOST_RATE    ?= 1gbit
+MULTIHOST_SUITE   ?= tests/test_collectives.py tests/test_reliability.py tests/test_p2p.py tests/test_alltoallv.py
+MULTIHOST_TESTS   ?= tests/test_multihost.py
+MULTIHOST_TIMEOUT ?= 300
 
 # make examples: ranks of the distributed runs (each is compared with a serial run).
 EXAMPLE_RANKS ?= 4
@@ -45,7 +55,7 @@ SOAK_RANKS    ?= 4
 SOAK_CALLS    ?= 20000
 SOAK_ARGS     ?= --max-growth-mib 32
 
-.PHONY: install test test-serial test-mpi test-long test-gpu demo bench bench-gpu bench-training bench-ddp bench-reliability bench-ps examples examples-ps soak tune project docs clean
+.PHONY: install test test-serial test-mpi test-long test-multihost test-gpu demo bench bench-gpu bench-training bench-ddp bench-reliability bench-ps examples examples-ps soak tune project docs clean
 
 install: $(VENV)/.installed
 
@@ -80,6 +90,24 @@ test-long: install
 	    timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m pytest -q --with-mpi -m "long and not serial" tests || exit 1; \
 	  fi; \
 	done
+
+# Needs root and iproute2 (says so otherwise). Brings up as many hosts as the widest
+# layout, runs, and tears the testbed down whatever happens (the trap). Every run checks
+# the links' byte counters (bench/results/latest-multihost-*.json): a job whose inter-host
+# messages did not cross the links fails.
+test-multihost: install
+	@hosts=$$(for l in $(MULTIHOST_LAYOUTS); do echo $${l%%x*}; done | sort -n | tail -1); \
+	trap '$(PYTHON) -m collectives.testbed down' EXIT; trap 'exit 143' INT TERM HUP; \
+	$(PYTHON) -m collectives.testbed up --hosts $$hosts --rate $(MULTIHOST_RATE) || exit 1; \
+	mkdir -p $(RESULTS); \
+	for l in $(MULTIHOST_LAYOUTS); do \
+	  echo "== testbed $$l: $(MULTIHOST_SUITE) $(MULTIHOST_TESTS)"; \
+	  $(PYTHON) -m collectives.testbed run --layout $$l --timeout $(MULTIHOST_TIMEOUT) \
+	    --counters $(RESULTS)/latest-multihost-$$l.json -- $(PYTHON) -m pytest -q --with-mpi -m "not serial" \
+	    $(MULTIHOST_SUITE) $(MULTIHOST_TESTS) || exit 1; \
+	done; \
+	echo "== testbed faults (serial, 2x2)"; \
+	COLLECTIVES_TESTBED_FAULTS=1 timeout $(MULTIHOST_TIMEOUT) $(PYTHON) -m pytest -q -rs -s -m serial $(MULTIHOST_TESTS)
 
 # The GPU suite, on a machine with a CUDA GPU and CuPy (pip install -e ".[test,cuda12]", or
 # cuda13): the device tests on the GPU and the tests marked gpu, at GPU_SIZES ranks

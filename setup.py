@@ -15,7 +15,7 @@ setup(
     # kernels/ (the CUDA sources) ships inside the package as collectives.kernels, so no
     # generic top-level module called `kernels` is installed.
     packages=["collectives", "collectives.algorithms", "collectives.bench", "collectives.device", "collectives.horovod",
-              "collectives.sim", "collectives.transport", "collectives.kernels"],
+              "collectives.sim", "collectives.testbed", "collectives.transport", "collectives.kernels"],
     package_dir={"collectives": "collectives", "collectives.kernels": "kernels"},
     package_data={"collectives": ["data/*.json"], "collectives.kernels": ["*.cu", "*.cuh", "README.md"]},
     install_requires=["mpi4py>=3.1", "numpy>=1.23"],

@@ -1,0 +1,202 @@
+"""Tests that need the multi-host testbed (collectives.testbed; `make test-multihost`
+runs them, as root). Elsewhere every test here skips, saying why.
+
+- Under MPI, in a testbed job (``python -m collectives.testbed run --layout HxR --
+  python -m pytest --with-mpi -m "not serial" tests/test_multihost.py``): MPI sees the
+  layout, and every allreduce algorithm across real, shaped links equals MPI's own
+  Allreduce. The testbed's run checks that the bytes crossed the links.
+- Serially, from the root namespace, with the testbed up and
+  ``COLLECTIVES_TESTBED_FAULTS=1``: faults on a link in the middle of a job
+  (tests/multihost_fault_job.py): a link cut (the library's timeout against MPI's
+  stall) and a link throttled to 10 Mbit/s (stall warnings, then correct results).
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import collectives as cc
+
+from conftest import agree, rank_input, same
+
+LAYOUT = os.environ.get("COLLECTIVES_TESTBED_LAYOUT")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+in_a_testbed_job = pytest.mark.skipif(
+    not LAYOUT, reason="runs inside a testbed job only (make test-multihost; collectives.testbed run sets "
+                       "COLLECTIVES_TESTBED_LAYOUT)")
+
+
+def layout():
+    hosts, ranks = LAYOUT.lower().split("x")
+    return int(hosts), int(ranks)
+
+
+# -- inside a testbed job --------------------------------------------------------------------
+@in_a_testbed_job
+def test_mpi_sees_the_layout(mpi_comm):
+    hosts, ranks = layout()
+    assert mpi_comm.Get_size() == hosts * ranks, f"layout {LAYOUT} but {mpi_comm.Get_size()} ranks"
+    node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        # Host-major placement: world rank r is on host r // ranks, as local rank r % ranks.
+        mine = (node.Get_size(), node.Get_rank(), node.allgather(mpi_comm.Get_rank()))
+    finally:
+        node.Free()
+    problems = []
+    rank = mpi_comm.Get_rank()
+    host = rank // ranks
+    if mine != (ranks, rank % ranks, list(range(host * ranks, (host + 1) * ranks))):
+        problems.append(f"node communicator (size, local rank, members) = {mine}; layout {LAYOUT} "
+                        f"puts rank {rank} on host {host} with ranks {host * ranks}..{(host + 1) * ranks - 1}")
+    agree(mpi_comm, problems)
+
+
+@in_a_testbed_job
+@pytest.mark.parametrize("algorithm", [a for a in cc.algorithms("allreduce") if a != "auto"])
+@pytest.mark.parametrize("count", [1 << 20, 300_007])  # 4 MiB, and a count no rank count divides
+def test_allreduce_across_hosts_equals_mpi(comm, mpi_comm, algorithm, count):
+    x = rank_input(comm.rank, count, "float32")
+    want = np.empty_like(x)
+    mpi_comm.Allreduce(x, want)
+    got = comm.allreduce(x, algorithm=algorithm)
+    problems = [] if same(got, want) else [f"{algorithm} n={count}: got {got[:4]}, MPI {want[:4]}"]
+    agree(mpi_comm, problems)
+
+
+# -- faults, driven from outside the job -----------------------------------------------------
+FAULT_LAYOUT = "2x2"
+CUT_HOST = 1           # the last host of FAULT_LAYOUT
+TIMEOUT = 2.0          # the library's timeout in the cut test
+STALL = 5.0            # how long plain MPI is watched after the cut
+
+faults = pytest.mark.skipif(
+    os.environ.get("COLLECTIVES_TESTBED_FAULTS") != "1",
+    reason="fault tests drive a testbed that is up, as root (make test-multihost sets COLLECTIVES_TESTBED_FAULTS=1)")
+
+
+@pytest.fixture
+def testbed():
+    from collectives import testbed
+    present = testbed.net.hosts_present()
+    assert {0, CUT_HOST} <= set(present), f"COLLECTIVES_TESTBED_FAULTS=1 but the testbed has hosts {present}"
+    rate = testbed.net.read_state().get("rates", [10**9] * (CUT_HOST + 1))[CUT_HOST]
+
+    def interrupted(signum, frame):  # a SIGTERM (make's timeout) unwinds too: the jobs get killed
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupted)
+    try:
+        yield testbed
+    finally:  # the link as it was, whatever the test did to it
+        signal.signal(signal.SIGTERM, previous)
+        testbed.set_link(CUT_HOST, True)
+        testbed.set_rate(CUT_HOST, rate)
+
+
+def launch(testbed, tmp_path, mode, seconds):
+    job = testbed.start(FAULT_LAYOUT, [sys.executable, os.path.join(HERE, "multihost_fault_job.py"), mode,
+                                       str(tmp_path), str(seconds)])
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "ready").exists():
+        assert job.poll() is None, f"the {mode} job ended ({job.poll()}) before it was ready"
+        assert time.monotonic() < deadline, f"the {mode} job was not ready within 60 s"
+        time.sleep(0.02)
+    return job
+
+
+def reports(tmp_path, ranks):
+    return {r: json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in ranks
+            if (tmp_path / f"rank-{r}.json").exists()}
+
+
+def cut_ranks():
+    hosts, ranks = (int(n) for n in FAULT_LAYOUT.split("x"))
+    return list(range(CUT_HOST * ranks, (CUT_HOST + 1) * ranks)), hosts * ranks
+
+
+@faults
+@pytest.mark.serial
+def test_a_cut_link_raises_timeout_naming_the_cut_off_ranks(testbed, tmp_path):
+    from collectives.transport.liveness import ranks as name_ranks
+    cut, size = cut_ranks()
+    others = [r for r in range(size) if r not in cut]
+    job = launch(testbed, tmp_path, "cut", TIMEOUT)
+    try:
+        time.sleep(0.3)  # some calls done: the cut falls in the middle of one
+        testbed.set_link(CUT_HOST, False)
+        cut_at = time.time()
+        deadline = time.monotonic() + TIMEOUT + 10
+        while len(reports(tmp_path, others)) < len(others) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        got = reports(tmp_path, range(size))
+    finally:
+        job.kill()  # the cut-off ranks are stuck for good: the testbed ends the job
+    for r in others:
+        assert r in got, f"rank {r} did not raise within {TIMEOUT + 10:g} s of the cut: {got}"
+        report = got[r]
+        assert report["raised"] == "CollectiveTimeoutError", report
+        assert report["calls"] > 0, f"rank {r} raised in its first call: the cut was not mid-run"
+        assert f"no answer within 0.5 s from {name_ranks(cut)}" in report["message"], report["message"]
+        assert report["seconds"] <= TIMEOUT + 1.0, report
+        print(f"rank {r}: raised {report['seconds']:.2f} s after its call began, "
+              f"{report['at'] - cut_at:.2f} s after the cut (timeout {TIMEOUT:g} s)")
+
+
+@faults
+@pytest.mark.serial
+def test_a_cut_link_stalls_plain_mpi_without_an_error(testbed, tmp_path):
+    """What the library's timeout is for: MPI's own Allreduce neither finishes nor
+    raises once a host is cut off (TCP backs off); watched for STALL seconds."""
+    cut, size = cut_ranks()
+    job = launch(testbed, tmp_path, "mpi", 0)
+    try:
+        time.sleep(0.3)
+        testbed.set_link(CUT_HOST, False)
+        cut_at = time.time()
+        time.sleep(STALL)
+        got = reports(tmp_path, range(size))
+        still_running = job.poll() is None
+    finally:
+        job.kill()
+    assert still_running, "the job ended by itself after the cut"
+    for r in range(size):
+        assert got.get(r, {}).get("raised") is None, f"MPI raised on rank {r}: {got[r]}"
+        assert got[r]["completed"], f"rank {r} completed no Allreduce before the cut"
+        late = [t - cut_at for t in got[r]["completed"] if t > cut_at + 0.5]
+        assert not late, f"rank {r} completed Allreduces {late} s after the cut"
+        print(f"rank {r}: last Allreduce done {got[r]['completed'][-1] - cut_at:+.2f} s from the cut; "
+              f"nothing since, no error, for {STALL:g} s")
+
+
+@faults
+@pytest.mark.serial
+def test_a_throttled_link_warns_naming_slow_peers_and_ends_correct(testbed, tmp_path):
+    from collectives.transport.liveness import ranks as name_ranks
+    slow, size = cut_ranks()
+    job = launch(testbed, tmp_path, "slow", 0.5)
+    try:
+        time.sleep(0.2)
+        testbed.set_rate(CUT_HOST, "10mbit")
+        time.sleep(3.0)
+        testbed.set_rate(CUT_HOST, "1gbit")
+        (tmp_path / "restored").touch()
+        code = job.wait(60)
+    finally:
+        job.kill()
+    assert code == 0, f"the job exited {code}"
+    got = reports(tmp_path, range(size))
+    assert sorted(got) == list(range(size)), got
+    assert all(g["wrong"] == 0 for g in got.values()), got
+    warnings = [w for g in got.values() for w in g["warnings"]]
+    assert warnings, "no stall warning while a link ran at 10 Mbit/s"
+    named = [w for w in warnings if any(f"from {name_ranks([r])}" in w or f"for {name_ranks([r])} to" in w
+                                        for r in slow)]
+    assert named, f"no stall warning names a rank of the throttled host {slow}: {warnings[:5]}"
+    print(f"{len(warnings)} stall warnings, {len(named)} naming ranks {slow}; e.g. {named[0]}")
