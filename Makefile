@@ -33,7 +33,7 @@ SIM_ARGS      ?=
 MULTIHOST_LAYOUTS ?= 2x2 4x1 2x4
 MULTIHOST_RATE    ?= 1gbit
 MULTIHOST_SUITE   ?= tests/test_collectives.py tests/test_reliability.py tests/test_p2p.py tests/test_alltoallv.py
-MULTIHOST_TESTS   ?= tests/test_multihost.py
+MULTIHOST_TESTS   ?= tests/test_multihost.py tests/test_hierarchical.py
 MULTIHOST_TIMEOUT ?= 300
 
 # make examples: ranks of the distributed runs (each is compared with a serial run).

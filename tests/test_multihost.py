@@ -59,6 +59,13 @@ def test_mpi_sees_the_layout(mpi_comm):
 
 
 @in_a_testbed_job
+def test_the_communicator_learns_the_layout(comm):
+    hosts, ranks = layout()
+    assert comm.topology == cc.Topology.uniform(hosts * ranks, ranks)
+    assert comm.topology.key() == f"{hosts}x{ranks}"
+
+
+@in_a_testbed_job
 @pytest.mark.parametrize("algorithm", [a for a in cc.algorithms("allreduce") if a != "auto"])
 @pytest.mark.parametrize("count", [1 << 20, 300_007])  # 4 MiB, and a count no rank count divides
 def test_allreduce_across_hosts_equals_mpi(comm, mpi_comm, algorithm, count):
