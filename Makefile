@@ -35,6 +35,14 @@ MULTIHOST_RATE    ?= 1gbit
 MULTIHOST_SUITE   ?= tests/test_collectives.py tests/test_reliability.py tests/test_p2p.py tests/test_alltoallv.py
 MULTIHOST_TESTS   ?= tests/test_multihost.py tests/test_hierarchical.py
 MULTIHOST_TIMEOUT ?= 300
+# make bench-multihost (root): the allreduce sweep (every algorithm, native, auto; one
+# interleaved run per layout) and the node-to-node link rate at each layout, then the
+# training benchmark at MULTIHOST_TRAINING_LAYOUT; results and the summary table in
+# MULTIHOST_RESULTS.
+MULTIHOST_RESULTS ?= $(RESULTS)/testbed-$(MULTIHOST_RATE)
+MULTIHOST_BENCH_ARGS ?= -c allreduce -b 64K -e 64M -f 4
+MULTIHOST_TRAINING_LAYOUT ?= 2x2
+MULTIHOST_TRAINING_ARGS ?= --compression none,fp16 --steps 5 --rounds 3 --warmup 1
 
 # make examples: ranks of the distributed runs (each is compared with a serial run).
 EXAMPLE_RANKS ?= 4
@@ -55,7 +63,7 @@ SOAK_RANKS    ?= 4
 SOAK_CALLS    ?= 20000
 SOAK_ARGS     ?= --max-growth-mib 32
 
-.PHONY: install test test-serial test-mpi test-long test-multihost test-gpu demo bench bench-gpu bench-training bench-ddp bench-reliability bench-ps examples examples-ps soak tune project docs clean
+.PHONY: install test test-serial test-mpi test-long test-multihost bench-multihost test-gpu demo bench bench-gpu bench-training bench-ddp bench-reliability bench-ps examples examples-ps soak tune project docs clean
 
 install: $(VENV)/.installed
 
@@ -108,6 +116,26 @@ test-multihost: install
 	done; \
 	echo "== testbed faults (serial, 2x2)"; \
 	COLLECTIVES_TESTBED_FAULTS=1 timeout $(MULTIHOST_TIMEOUT) $(PYTHON) -m pytest -q -rs -s -m serial $(MULTIHOST_TESTS)
+
+bench-multihost: install
+	@hosts=$$(for l in $(MULTIHOST_LAYOUTS); do echo $${l%%x*}; done | sort -n | tail -1); \
+	trap '$(PYTHON) -m collectives.testbed down' EXIT; trap 'exit 143' INT TERM HUP; \
+	$(PYTHON) -m collectives.testbed up --hosts $$hosts --rate $(MULTIHOST_RATE) || exit 1; \
+	mkdir -p $(MULTIHOST_RESULTS); \
+	for l in $(MULTIHOST_LAYOUTS); do \
+	  echo "== testbed $$l: link rate, then collectives-bench $(MULTIHOST_BENCH_ARGS)"; \
+	  $(PYTHON) -m collectives.testbed run --layout $$l --timeout $(RUN_TIMEOUT) -- \
+	    $(PYTHON) -m collectives.bench.link --json $(MULTIHOST_RESULTS)/link-$$l.json || exit 1; \
+	  $(PYTHON) -m collectives.testbed run --layout $$l --timeout $(RUN_TIMEOUT) -- \
+	    $(VENV)/bin/collectives-bench $(MULTIHOST_BENCH_ARGS) --check --no-bound --no-memory --no-progress \
+	    --json $(MULTIHOST_RESULTS)/bench-$$l.json --plot $(MULTIHOST_RESULTS)/bench-$$l.png || exit 1; \
+	done; \
+	echo "== testbed $(MULTIHOST_TRAINING_LAYOUT): training"; \
+	$(PYTHON) -m collectives.testbed run --layout $(MULTIHOST_TRAINING_LAYOUT) --timeout $(RUN_TIMEOUT) -- \
+	  $(PYTHON) -m collectives.bench.training $(MULTIHOST_TRAINING_ARGS) \
+	  --json $(MULTIHOST_RESULTS)/training-$(MULTIHOST_TRAINING_LAYOUT).json || exit 1; \
+	$(PYTHON) -m collectives.bench.link --summary $(MULTIHOST_RESULTS)/link-*.json $(MULTIHOST_RESULTS)/bench-*.json \
+	  | tee $(MULTIHOST_RESULTS)/summary.txt
 
 # The GPU suite, on a machine with a CUDA GPU and CuPy (pip install -e ".[test,cuda12]", or
 # cuda13): the device tests on the GPU and the tests marked gpu, at GPU_SIZES ranks
