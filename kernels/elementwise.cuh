@@ -20,6 +20,12 @@
 //   complex     prod = (ar*br - ai*bi, ar*bi + ai*br), never contracted into an FMA
 //   divide      x / d in x's precision; complex by (d + 0j) as NumPy does it:
 //               multiply by scl = 1/d after adding the zero terms
+//   subnormals  kept, as on the CPU. CuPy compiles every RawModule with -ftz=true
+//               appended after the caller's options, and NVRTC honours the last one, so
+//               any float instruction the compiler emits would flush float32 (and
+//               bfloat16-as-float) subnormals to zero. Every float32 operation below is
+//               therefore a PTX instruction written without .ftz (the f32 helpers);
+//               test_kernels.py compiles with -ftz=true and checks the PTX has no .ftz.
 #pragma once
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
@@ -91,6 +97,86 @@ COLLECTIVES_HD u64 double_bits(double d) {
     return v.u;
 #endif
 }
+
+// -- IEEE arithmetic that is never contracted into an FMA ------------------------------
+// float32 on the device: explicit PTX without .ftz (see "subnormals" above).
+#ifdef __CUDA_ARCH__
+#define COLLECTIVES_F32_BINARY(name, instruction)                                       \
+    COLLECTIVES_HD float name(float a, float b) {                                       \
+        float r;                                                                        \
+        asm(instruction " %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));                     \
+        return r;                                                                       \
+    }
+#define COLLECTIVES_F32_COMPARE(name, instruction)                                      \
+    COLLECTIVES_HD bool name(float a, float b) {                                        \
+        u32 r;                                                                          \
+        asm("{ .reg .pred p; " instruction " p, %1, %2; selp.u32 %0, 1, 0, p; }"        \
+            : "=r"(r) : "f"(a), "f"(b));                                                \
+        return r != 0;                                                                  \
+    }
+#else
+#define COLLECTIVES_F32_BINARY(name, instruction)                                       \
+    COLLECTIVES_HD float name(float a, float b) { return a COLLECTIVES_OP_##name b; }
+#define COLLECTIVES_F32_COMPARE(name, instruction)                                      \
+    COLLECTIVES_HD bool name(float a, float b) { return a COLLECTIVES_OP_##name b; }
+#endif
+#define COLLECTIVES_OP_mul_rn *
+#define COLLECTIVES_OP_add_rn +
+#define COLLECTIVES_OP_sub_rn -
+#define COLLECTIVES_OP_div_rn /
+#define COLLECTIVES_OP_gt >
+#define COLLECTIVES_OP_lt <
+#define COLLECTIVES_OP_ge >=
+#define COLLECTIVES_OP_le <=
+COLLECTIVES_F32_BINARY(mul_rn, "mul.rn.f32")
+COLLECTIVES_F32_BINARY(add_rn, "add.rn.f32")
+COLLECTIVES_F32_BINARY(sub_rn, "sub.rn.f32")  // not add of -b: neg.f32 has an .ftz form too
+COLLECTIVES_F32_BINARY(div_rn, "div.rn.f32")
+COLLECTIVES_F32_COMPARE(gt, "setp.gt.f32")
+COLLECTIVES_F32_COMPARE(lt, "setp.lt.f32")
+COLLECTIVES_F32_COMPARE(ge, "setp.ge.f32")
+COLLECTIVES_F32_COMPARE(le, "setp.le.f32")
+#undef COLLECTIVES_F32_BINARY
+#undef COLLECTIVES_F32_COMPARE
+
+// float32 <-> float64 without a flush (cvt.f64.f32 and cvt.rn.f32.f64, no .ftz).
+COLLECTIVES_HD double widen(float f) {
+#ifdef __CUDA_ARCH__
+    double d;
+    asm("cvt.f64.f32 %0, %1;" : "=d"(d) : "f"(f));
+    return d;
+#else
+    return (double)f;
+#endif
+}
+COLLECTIVES_HD float narrow(double d) {
+#ifdef __CUDA_ARCH__
+    float f;
+    asm("cvt.rn.f32.f64 %0, %1;" : "=f"(f) : "d"(d));
+    return f;
+#else
+    return (float)d;
+#endif
+}
+
+// float64 has no flush: plain operators would do, the intrinsics keep FMA contraction out.
+COLLECTIVES_HD bool gt(double a, double b) { return a > b; }
+COLLECTIVES_HD bool lt(double a, double b) { return a < b; }
+COLLECTIVES_HD double mul_rn(double a, double b) {
+#ifdef __CUDA_ARCH__
+    return __dmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+COLLECTIVES_HD double add_rn(double a, double b) {
+#ifdef __CUDA_ARCH__
+    return __dadd_rn(a, b);
+#else
+    return a + b;
+#endif
+}
+COLLECTIVES_HD double sub_rn(double a, double b) { return add_rn(a, -b); }
 
 // -- float16 -------------------------------------------------------------------------
 // Software conversions, as NumPy's npy_halfbits_to_floatbits / npy_floatbits_to_halfbits
@@ -209,39 +295,8 @@ COLLECTIVES_HD bf16 make_bf16(float f) {
     return b;
 }
 
-COLLECTIVES_HD bf16 make_bf16(double d) { return make_bf16((float)d); }
+COLLECTIVES_HD bf16 make_bf16(double d) { return make_bf16(narrow(d)); }
 
-// -- IEEE arithmetic that is never contracted into an FMA ------------------------------
-COLLECTIVES_HD float mul_rn(float a, float b) {
-#ifdef __CUDA_ARCH__
-    return __fmul_rn(a, b);
-#else
-    return a * b;
-#endif
-}
-COLLECTIVES_HD double mul_rn(double a, double b) {
-#ifdef __CUDA_ARCH__
-    return __dmul_rn(a, b);
-#else
-    return a * b;
-#endif
-}
-COLLECTIVES_HD float add_rn(float a, float b) {
-#ifdef __CUDA_ARCH__
-    return __fadd_rn(a, b);
-#else
-    return a + b;
-#endif
-}
-COLLECTIVES_HD double add_rn(double a, double b) {
-#ifdef __CUDA_ARCH__
-    return __dadd_rn(a, b);
-#else
-    return a + b;
-#endif
-}
-COLLECTIVES_HD float sub_rn(float a, float b) { return add_rn(a, -b); }
-COLLECTIVES_HD double sub_rn(double a, double b) { return add_rn(a, -b); }
 
 // -- the reduction ops -------------------------------------------------------------------
 // Integers are computed in the unsigned type of their width: wrap-around without the
@@ -268,33 +323,34 @@ COLLECTIVES_INTEGER_OPS(u64, u64)
 #define COLLECTIVES_FLOAT_OPS(T)                                                        \
     COLLECTIVES_HD T op_sum(T a, T b) { return add_rn(a, b); }                          \
     COLLECTIVES_HD T op_prod(T a, T b) { return mul_rn(a, b); }                         \
-    COLLECTIVES_HD T op_max(T a, T b) { return (a > b || a != a) ? a : b; }              \
-    COLLECTIVES_HD T op_min(T a, T b) { return (a < b || a != a) ? a : b; }
+    COLLECTIVES_HD T op_max(T a, T b) { return (gt(a, b) || a != a) ? a : b; }          \
+    COLLECTIVES_HD T op_min(T a, T b) { return (lt(a, b) || a != a) ? a : b; }
 
 COLLECTIVES_FLOAT_OPS(f32)
 COLLECTIVES_FLOAT_OPS(f64)
 #undef COLLECTIVES_FLOAT_OPS
 
-COLLECTIVES_HD f16 op_sum(f16 a, f16 b) { return make_f16(to_float(a) + to_float(b)); }
-COLLECTIVES_HD f16 op_prod(f16 a, f16 b) { return make_f16(to_float(a) * to_float(b)); }
+COLLECTIVES_HD f16 op_sum(f16 a, f16 b) { return make_f16(add_rn(to_float(a), to_float(b))); }
+COLLECTIVES_HD f16 op_prod(f16 a, f16 b) { return make_f16(mul_rn(to_float(a), to_float(b))); }
 COLLECTIVES_HD f16 op_max(f16 a, f16 b) {
     float x = to_float(a), y = to_float(b);
-    return (x >= y || x != x) ? a : b;
+    return (ge(x, y) || x != x) ? a : b;
 }
 COLLECTIVES_HD f16 op_min(f16 a, f16 b) {
     float x = to_float(a), y = to_float(b);
-    return (x <= y || x != x) ? a : b;
+    return (le(x, y) || x != x) ? a : b;
 }
 
-COLLECTIVES_HD bf16 op_sum(bf16 a, bf16 b) { return make_bf16(to_float(a) + to_float(b)); }
-COLLECTIVES_HD bf16 op_prod(bf16 a, bf16 b) { return make_bf16(to_float(a) * to_float(b)); }
+// bfloat16 has float32's exponent range, so its subnormals are float32 subnormals.
+COLLECTIVES_HD bf16 op_sum(bf16 a, bf16 b) { return make_bf16(add_rn(to_float(a), to_float(b))); }
+COLLECTIVES_HD bf16 op_prod(bf16 a, bf16 b) { return make_bf16(mul_rn(to_float(a), to_float(b))); }
 COLLECTIVES_HD bf16 op_max(bf16 a, bf16 b) {
     float x = to_float(a), y = to_float(b);
-    return (x > y || x != x) ? a : b;
+    return (gt(x, y) || x != x) ? a : b;
 }
 COLLECTIVES_HD bf16 op_min(bf16 a, bf16 b) {
     float x = to_float(a), y = to_float(b);
-    return (x < y || x != x) ? a : b;
+    return (lt(x, y) || x != x) ? a : b;
 }
 
 #define COLLECTIVES_COMPLEX_OPS(C)                                                       \
@@ -327,13 +383,13 @@ struct BXor { template <class T> static COLLECTIVES_HD T apply(T a, T b) { retur
 
 // -- divide (avg's last step, and the 1/p of compression) ---------------------------------
 // x / d with d the world size, converted to x's type first (NumPy's weak Python int).
-COLLECTIVES_HD f32 divide(f32 x, double d) { return x / (f32)d; }
+COLLECTIVES_HD f32 divide(f32 x, double d) { return div_rn(x, narrow(d)); }
 COLLECTIVES_HD f64 divide(f64 x, double d) { return x / d; }
-COLLECTIVES_HD f16 divide(f16 x, double d) { return make_f16(to_float(x) / to_float(make_f16(d))); }
-COLLECTIVES_HD bf16 divide(bf16 x, double d) { return make_bf16(to_float(x) / to_float(make_bf16(d))); }
+COLLECTIVES_HD f16 divide(f16 x, double d) { return make_f16(div_rn(to_float(x), to_float(make_f16(d)))); }
+COLLECTIVES_HD bf16 divide(bf16 x, double d) { return make_bf16(div_rn(to_float(x), to_float(make_bf16(d)))); }
 COLLECTIVES_HD c64 divide(c64 x, double d) {
     // NumPy: (xr + xi*rat)*scl, (xi - xr*rat)*scl with rat = 0/d, scl = 1/(d + 0*rat).
-    float dr = (float)d, rat = 0.0f / dr, scl = 1.0f / add_rn(dr, mul_rn(0.0f, rat));
+    float dr = narrow(d), rat = div_rn(0.0f, dr), scl = div_rn(1.0f, add_rn(dr, mul_rn(0.0f, rat)));
     c64 r;
     r.re = mul_rn(add_rn(x.re, mul_rn(x.im, rat)), scl);
     r.im = mul_rn(sub_rn(x.im, mul_rn(x.re, rat)), scl);
@@ -362,8 +418,8 @@ template <> struct Cast<f32> {
     static COLLECTIVES_HD f32 from(bf16 x) { return to_float(x); }
 };
 template <> struct Cast<f64> {
-    static COLLECTIVES_HD f64 from(f16 x) { return (f64)to_float(x); }
-    static COLLECTIVES_HD f64 from(bf16 x) { return (f64)to_float(x); }
+    static COLLECTIVES_HD f64 from(f16 x) { return widen(to_float(x)); }
+    static COLLECTIVES_HD f64 from(bf16 x) { return widen(to_float(x)); }
 };
 
 // dst = D(src / divisor): the division in src's precision, then one rounding (a

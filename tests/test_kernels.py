@@ -358,7 +358,12 @@ def _nvrtc():
 @pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
 def test_nvrtc_compiles_what_the_cupy_backend_asks_for(arch):
     """The exact text (headers inlined), options and name expressions the CuPy backend
-    gives NVRTC at run time, one module per dtype, every lowered name resolved."""
+    gives NVRTC at run time, one module per dtype, every lowered name resolved.
+
+    CuPy appends ``-ftz=true`` to every RawModule's options, and NVRTC honours the last
+    option, so the kernels are compiled with it here too. Then no float instruction may
+    carry ``.ftz`` (which flushes float32 and bfloat16 subnormals to zero, where NumPy
+    keeps them: seen on an H100), except ``setp.nan``, whose answer a flush cannot change."""
     lib = _nvrtc()
     if lib is None:
         pytest.skip("libnvrtc is not installed (pip install nvidia-cuda-nvrtc, in the test extra on Linux)")
@@ -371,7 +376,7 @@ def test_nvrtc_compiles_what_the_cupy_backend_asks_for(arch):
         assert lib.nvrtcCreateProgram(ctypes.byref(program), source, b"collectives.cu", 0, None, None) == 0
         for name in names:
             assert lib.nvrtcAddNameExpression(program, name.encode()) == 0
-        options = [o.encode() for o in kernels.NVRTC_OPTIONS + (f"-arch={arch}",)]
+        options = [o.encode() for o in kernels.NVRTC_OPTIONS + (f"-arch={arch}", "-ftz=true")]
         status = lib.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
         size = ctypes.c_size_t()
         lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
@@ -381,7 +386,13 @@ def test_nvrtc_compiles_what_the_cupy_backend_asks_for(arch):
         for name in names:
             lowered = ctypes.c_char_p()
             assert lib.nvrtcGetLoweredName(program, name.encode(), char_pp(lowered)) == 0 and lowered.value, name
+        lib.nvrtcGetPTXSize(program, ctypes.byref(size))
+        ptx = ctypes.create_string_buffer(size.value)
+        assert lib.nvrtcGetPTX(program, ptx) == 0
         lib.nvrtcDestroyProgram(ctypes.byref(program))
+        flushing = sorted({line.split()[0] for line in ptx.value.decode().splitlines()
+                           if ".ftz" in line and not line.split()[0].startswith("setp.nan")})
+        assert not flushing, f"{dtype.name}: instructions that flush subnormals: {flushing}"
 
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(compile_module, DTYPES))
