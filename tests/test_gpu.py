@@ -32,8 +32,8 @@ def backend(cupy):
 
 
 # -- the kernels on the device ---------------------------------------------------------------------
-KERNEL_DTYPES = ["int8", "uint16", "int32", "int64", "uint64", "float16", "float32", "float64", "complex64",
-                 "complex128"]
+KERNEL_DTYPES = ["int8", "uint16", "int32", "int64", "uint64", "float16", "bfloat16", "float32", "float64",
+                 "complex64", "complex128"]
 
 
 @pytest.mark.serial
@@ -41,7 +41,10 @@ KERNEL_DTYPES = ["int8", "uint16", "int32", "int64", "uint64", "float16", "float
 def test_reduce_kernels_on_the_device_equal_numpy(cupy, backend, dtype):
     from test_kernels import numpy_reduce, same_bits, values
 
-    dtype = np.dtype(dtype)
+    from collectives.device.kernels import BFLOAT16
+
+    dtype = BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
+    storage = backend.storage_dtype(dtype)  # bfloat16 lives in uint16 on the device
     rng = np.random.default_rng(dtype.num)
     stream = cupy.cuda.Stream(non_blocking=True)
     for op in ops_for(dtype):
@@ -50,13 +53,14 @@ def test_reduce_kernels_on_the_device_equal_numpy(cupy, backend, dtype):
         exact = dtype.kind == "c" and op == "prod"
         for n, offset in ((1 << 20, 0), (4099, 1)):  # vector path and tail; unaligned
             a, b = values(dtype, n, rng, exact), values(dtype, n, rng, exact)
-            da = cupy.asarray(np.concatenate([a[:offset], a]))[offset:]
-            db = cupy.asarray(np.concatenate([b[:offset], b]))[offset:]
-            dst = cupy.empty(n + offset, dtype)[offset:]
+            da = cupy.asarray(np.concatenate([a[:offset], a]).view(storage))[offset:]
+            db = cupy.asarray(np.concatenate([b[:offset], b]).view(storage))[offset:]
+            dst = cupy.empty(n + offset, storage)[offset:]
             backend.reduce2(stream, op, dtype, dst, da, db)
             stream.synchronize()
             want = numpy_reduce(op, a, b)
-            assert same_bits(cupy.asnumpy(dst), want, zero_sign=op not in ("max", "min")), f"{dtype} {op} n={n}"
+            got = cupy.asnumpy(dst).view(dtype)
+            assert same_bits(got, want, zero_sign=op not in ("max", "min")), f"{dtype} {op} n={n}"
 
 
 @pytest.mark.serial
