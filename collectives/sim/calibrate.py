@@ -118,9 +118,14 @@ def _nonnegative_least_squares(matrix, target):
         active.remove(min(negative, key=lambda k: solution[k]))
 
 
-def fit(rows, from_bytes=0, iterations=8):
+def fit(rows, from_bytes=0, iterations=50):
     """Fit (α, β, γ) to ``rows`` of at least ``from_bytes`` bytes, or (α, β, γ, α′, β′)
-    where some row spans several nodes; returns the tuple."""
+    where some row spans several nodes; returns the tuple.
+
+    Each round solves for the parameters with every row's critical path held fixed,
+    then finds the paths again under the new parameters; it stops when no parameter
+    moves by 1e-6 of itself, or after ``iterations`` rounds. (Eight rounds were not
+    enough once the two-level algorithms joined the rows: their paths switch later.)"""
     chosen = [_Prediction(r) for r in rows if int(r.get("bytes", 0)) >= from_bytes]
     if not chosen:
         raise ValueError(f"no benchmark rows of {from_bytes} bytes or more to fit")
