@@ -988,3 +988,36 @@ def test_the_memory_traffic_bounds():
     assert membound.traffic("gather", n, 4) is None and membound.traffic("allreduce", n, 1) is None
     assert membound.bound_us("allreduce", n, 2, 2.5e9) == pytest.approx(n / 1e9 * 1e6)
     assert membound.bound_us("allreduce", n, 2, None) is None
+
+
+# -- the node-to-node link benchmark (collectives.bench.link) ------------------------------------------
+def test_link_rate_every_node_to_the_next_and_the_summary(tmp_path):
+    """With the ranks declared as nodes (uneven ones too), every node sends to the next
+    at once; the rate is positive and finite, agreed by every rank, and the summary sets
+    a benchmark row against it. On one node there is no rate."""
+    from mpi4py import MPI
+
+    from collectives.bench import link
+
+    world = MPI.COMM_WORLD
+    size = world.Get_size()
+    if size == 1:
+        assert link.measure(cc.Communicator(), 1 << 10, 1) is None
+        return
+    layouts = [[r for r in range(size)], [r * 3 // size for r in range(size)]]  # one rank per node; uneven
+    problems = []
+    for labels in layouts:
+        comm = cc.Communicator(nodes=labels)
+        rate = link.measure(comm, 64 << 10, 2)
+        rates = world.allgather(rate)
+        if not (rate and math.isfinite(rate) and rate > 0 and all(r == rates[0] for r in rates)):
+            problems.append(f"layout {labels}: rates {rates}")
+        comm.free()
+    agree(world, problems)
+    if world.Get_rank() == 0:
+        (tmp_path / "link.json").write_text(json.dumps({"layout": "2x2", "link_Bps": 1e8}))
+        rows = [{"collective": "allreduce", "algorithm": a, "layout": "2x2", "bytes": 1 << 24,
+                 "busbw_GBps": 0.09, "time_us": t} for a, t in (("ring", 2e5), ("hierarchical", 1e5), ("native", 3e5))]
+        (tmp_path / "bench.json").write_text(json.dumps(rows))
+        table = link.summary([str(tmp_path / "link.json"), str(tmp_path / "bench.json")])
+        assert "link 100.0 MB/s" in table and "(90%)" in table and "2.00x" in table and "3.00x hierarchical" in table

@@ -4,11 +4,13 @@
     python -m collectives.bench.link --summary link-2x4.json bench-2x4.json  # no MPI: the table
 
 Under MPI it measures what one node can push to another with MPI point-to-point messages
-(the same path the library's messages take): every rank of node 0 sends ``--bytes`` to
-the rank of the same local rank on node 1 at once, ``--repeats`` times, and the rate is
-the bytes over the slowest pair's time (the median over repeats). With one rank per node
-that is one stream; with k, the node's link shared by k streams, as a two-level
-collective shares it. Needs two nodes or more (``comm.topology``).
+(the same path the library's messages take), with every link busy as a ring collective
+keeps it: every node sends to the next one round a ring of the nodes, and receives from
+the previous one, at once. Each rank sends ``--bytes`` to the rank of the same local rank
+on the next node, ``--repeats`` times, and the rate is a node's bytes over the slowest
+rank's time (the median over repeats). With one rank per node that is one stream each
+way; with k, the node's link shared by k streams, as a two-level collective shares it.
+Needs two nodes or more (``comm.topology``).
 
 ``--summary`` reads link files and ``collectives-bench --json`` files (matched by their
 ``layout``) and prints, per layout and size, each allreduce contender's bus bandwidth,
@@ -26,36 +28,29 @@ MIB = 1 << 20
 
 
 def measure(comm, nbytes, repeats):
-    """The node-to-node rate in bytes per second (call on every rank), or None on one node."""
+    """The node-to-node rate in bytes per second, each node sending to the next and
+    receiving from the previous at once (call on every rank), or None on one node."""
     import numpy as np
+    from mpi4py import MPI
 
     topology = comm.topology
     if topology.node_count < 2:
         return None
-    first, second = topology.nodes[0], topology.nodes[1]
-    pairs = list(zip(first, second))  # (sender, receiver) by local rank
-    mine = [pair for pair in pairs if comm.rank in pair]
+    nodes = topology.nodes
+    streams = min(len(n) for n in nodes)  # local ranks present on every node
+    node, local = topology.node_of[comm.rank], topology.local_rank[comm.rank]
+    active = local < streams
     mpi = comm._comm  # the library's own duplicate: no user traffic to match
-    buffer = np.ones(nbytes, np.uint8)
+    send, receive = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
     times = []
     for _ in range(repeats + 1):  # the first round warms the connections up
         mpi.Barrier()
         start = time.perf_counter()
-        for sender, receiver in mine:
-            if comm.rank == sender:
-                mpi.Send(buffer, dest=receiver, tag=7)
-                mpi.Recv(buffer[:1], source=receiver, tag=8)  # done only when it has all arrived
-            else:
-                mpi.Recv(buffer, source=sender, tag=7)
-                mpi.Send(buffer[:1], dest=sender, tag=8)
-        times.append(mpi.allreduce(time.perf_counter() - start, op=_max()))
-    return len(pairs) * nbytes / statistics.median(times[1:])
-
-
-def _max():
-    from mpi4py import MPI
-
-    return MPI.MAX
+        if active:
+            after, before = nodes[(node + 1) % len(nodes)][local], nodes[(node - 1) % len(nodes)][local]
+            MPI.Request.Waitall([mpi.Isend(send, dest=after, tag=7), mpi.Irecv(receive, source=before, tag=7)])
+        times.append(mpi.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    return streams * nbytes / statistics.median(times[1:])
 
 
 def run(argv):
@@ -69,7 +64,8 @@ def run(argv):
             sys.exit("collectives.bench.link: needs two nodes or more; MPI sees one (comm.topology)")
         row = {"layout": comm.topology.key(), "world_size": comm.size, "bytes": args.bytes,
                "streams": min(len(n) for n in comm.topology.nodes[:2]), "link_Bps": rate}
-        print(f"# node 0 -> node 1, {row['streams']} stream(s) of {args.bytes / MIB:g} MiB: {rate / 1e6:.1f} MB/s")
+        print(f"# each node -> the next ({comm.topology.node_count} nodes in a ring), {row['streams']} stream(s) "
+              f"of {args.bytes / MIB:g} MiB each way: {rate / 1e6:.1f} MB/s per node")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(row, f, indent=1)
