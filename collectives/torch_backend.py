@@ -14,16 +14,29 @@ default to MPI's. Where they are set and disagree with MPI, ``init_process_group
 raises.
 
 Each torch call becomes the library's async call on the group's communicator and
-returns a Work whose ``wait()`` waits for it; the library's messages move while
-something waits or polls, so ``async_op=True`` overlaps work only as far as the
-program waits or polls. ``get_future()`` waits first and returns a completed future
-(DDP's comm hooks and its reducer chain on it). Each group's communicator
-uses the timeout given to ``init_process_group``/``new_group``.
+returns a Work whose ``wait()`` waits for it. The library's messages move while
+something waits or polls. By default ``get_future()`` waits first and returns a
+completed future (DDP's reducer and comm hooks chain on these futures, so a bucket's
+allreduce then runs inside backward). With ``COLLECTIVES_TORCH_PROGRESS_THREAD=1`` (or
+``group.progress_thread = True`` before its first future) a progress thread of the
+group completes the futures instead, polling the calls in flight while the program
+computes: DDP's allreduces then overlap backward. That pays only where a rank has a
+core to spare for the polling; on the 2-core development machine it made DDP's step
+5-25% slower at 2 and 4 ranks, hence off by default. The thread needs MPI initialised
+with at least ``MPI_THREAD_SERIALIZED`` (mpi4py asks for ``MPI_THREAD_MULTIPLE``);
+every call into a group's communicator, from the program or from the thread, holds the
+group's lock, so MPI is never called from two threads at once. A future nobody waits
+on still fails with the library's timeout error once the group's timeout has passed.
+Each group's communicator uses the timeout given to ``init_process_group``/``new_group``.
 """
 
+import contextlib
 import datetime
+import functools
 import os
 import socket
+import threading
+import time
 import warnings
 
 import numpy as np
@@ -109,20 +122,34 @@ def _same_dtype(what, *tensors):
 
 class Work(dist.Work):
     """One call in flight: ``wait()`` finishes it (and copies results where torch wants
-    them); ``get_future()`` waits, then returns a completed future. ``parts``: Works
-    this one finishes with (coalesced calls)."""
+    them); ``get_future()`` returns a future completed when the call finishes (by the
+    group's progress thread, or by a wait). ``parts``: Works this one finishes with
+    (coalesced calls). ``group``: the ProcessGroup that made it (set by the group),
+    whose lock every call into its communicator holds."""
 
     def __init__(self, handles=(), after=None, result=None, parts=()):
         super().__init__()
         self._handles, self._after, self._result, self._parts = list(handles), after, result, list(parts)
         self._done, self._error = False, None
+        self.group = None
+        self._started = time.monotonic()  # the group's timeout counts from here for a watched future
+        self._future, self._future_claimed = None, False
 
-    def _finish(self, timeout=None):
+    def _lock(self):
+        return self.group._lock if self.group is not None else contextlib.nullcontext()
+
+    def _finish(self, timeout=None, already_waited=0.0):
         try:
             for part in self._parts:
-                part.wait(timeout)
+                if not part._done:
+                    part._finish(timeout, already_waited)
+                elif part._error is not None:
+                    raise part._error
             for handle in self._handles:
-                handle.wait() if timeout is None else handle.wait(timeout)
+                if timeout is None:
+                    handle.wait(already_waited=already_waited)
+                else:
+                    handle.wait(timeout, already_waited=already_waited)
             if self._after is not None:
                 self._after()
         except Exception as exc:
@@ -136,17 +163,40 @@ class Work(dist.Work):
         the group's timeout); raises what the call raised."""
         if isinstance(timeout, datetime.timedelta):
             timeout = timeout.total_seconds() if timeout.total_seconds() > 0 else None
-        if self._error is not None:
-            raise self._error
-        if not self._done:
-            self._finish(timeout)
+        try:
+            with self._lock():
+                if self._error is not None:
+                    raise self._error
+                if not self._done:
+                    self._finish(timeout)
+        finally:
+            self._settle_future()
         return True
 
     def is_completed(self):
         """Whether the call has finished (advancing it as far as it can go meanwhile)."""
-        if not self._done and all(part.is_completed() for part in self._parts) \
-                and all(handle.test() for handle in self._handles):
-            self._finish()
+        with self._lock():
+            done = self._advance()
+        if done:
+            self._settle_future()
+        return done
+
+    def _advance(self):
+        """Under the group's lock: advance the call; whether it has finished (failed
+        too). Past the group's timeout since the call started, finish it with a wait
+        that times out at once (naming the missing ranks, breaking the group), as a
+        wait would have: a future nobody waits on must not hang for ever."""
+        if self._done:
+            return True
+        try:  # a failure surfaces here as well as in a wait
+            if all(part._advance() for part in self._parts) and all(handle.test() for handle in self._handles):
+                self._finish()
+            elif self.group is not None and self.group.comm.timeout is not None:
+                waited = time.monotonic() - self._started
+                if waited >= self.group.comm.timeout:
+                    self._finish(self.group.comm.timeout, already_waited=waited)
+        except Exception as exc:  # noqa: BLE001 - kept in _error: wait() raises it, the future carries it
+            self._error, self._done = self._error or exc, True
         return self._done
 
     def is_success(self):
@@ -159,15 +209,92 @@ class Work(dist.Work):
         return self._result
 
     def get_future(self):
-        self.wait()
-        future = torch.futures.Future()
-        future.set_result(self._result)
-        return future
+        """A future of the result: completed now if the call has finished, else by the
+        group's progress thread once it does (where the group has none: after a wait)."""
+        progress = self.group._progress_thread() if self.group is not None else None
+        if progress is None:
+            self.wait()
+        if self._future is None:
+            self._future = torch.futures.Future()
+        if self._done:
+            self._settle_future()
+        else:
+            progress.watch(self)
+        return self._future
+
+    def _settle_future(self):
+        """Complete the future (once, outside the group's lock: its callbacks may call the group)."""
+        with self._lock():
+            if self._future is None or self._future_claimed or not self._done:
+                return
+            self._future_claimed = True
+        if self._error is not None:
+            self._future.set_exception(self._error)
+        else:
+            self._future.set_result(self._result)
 
     def source_rank(self):
         return self._handles[0].source if self._handles else -1
 
     _source_rank = source_rank
+
+
+class _Progress:
+    """A group's progress thread: polls the Works whose futures are pending, each poll
+    under the group's lock, and completes their futures. Sleeps ``interval`` seconds
+    between polls (the program's threads get the GIL), and on a condition while no
+    future is pending."""
+
+    def __init__(self, group, interval=50e-6):
+        self.group, self.interval = group, interval
+        self._watched = []
+        self._wake = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="collectives-torch-progress", daemon=True)
+        self._thread.start()
+
+    def watch(self, work):
+        with self._wake:
+            self._watched.append(work)
+            self._wake.notify()
+
+    def stop(self):
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join()
+
+    def _loop(self):
+        while True:
+            with self._wake:
+                while not self._watched and not self._stopped:
+                    self._wake.wait()
+                if self._stopped:
+                    return
+                watched = list(self._watched)
+            with self.group._lock:
+                finished = [work for work in watched if work._advance()]
+            if finished:
+                with self._wake:
+                    self._watched = [work for work in self._watched if work not in finished]
+                for work in finished:
+                    work._settle_future()
+            time.sleep(self.interval)
+
+
+def _serialized(method):
+    """A ProcessGroup method that calls the communicator: under the group's lock, and
+    the Work it returns knows its group."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self._lock:
+            result = method(self, *args, **kwargs)
+        if isinstance(result, Work):
+            result.group = self
+            for part in result._parts:
+                part.group = self
+        return result
+    return call
 
 
 class ProcessGroup(dist.ProcessGroup):
@@ -177,13 +304,29 @@ class ProcessGroup(dist.ProcessGroup):
     def __init__(self, comm, owned=None):
         super().__init__(comm.rank, comm.size)
         self.comm, self._owned = comm, owned
+        self._lock = threading.RLock()  # every call into comm: the program's and the progress thread's
+        self._progress = None
+        # Whether pending futures get a progress thread (set before the group's first
+        # future); else get_future() waits. See the module's docstring for the trade.
+        self.progress_thread = os.environ.get("COLLECTIVES_TORCH_PROGRESS_THREAD", "0") == "1"
+
+    def _progress_thread(self):
+        """The group's progress thread (started at the first pending future), or None
+        where ``progress_thread`` is off or MPI's thread level rules it out."""
+        if self._progress is None and self.progress_thread \
+                and MPI.Query_thread() >= MPI.THREAD_SERIALIZED and self.comm._comm != MPI.COMM_NULL:
+            self._progress = _Progress(self)
+        return self._progress
 
     def getBackendName(self):
         return BACKEND
 
     def shutdown(self):
-        """Free the group's MPI communicators (``destroy_process_group`` calls this on
-        every member)."""
+        """Stop the progress thread and free the group's MPI communicators
+        (``destroy_process_group`` calls this on every member)."""
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
         if self.comm._comm != MPI.COMM_NULL:
             self.comm.free()
             if self._owned is not None:
@@ -249,8 +392,6 @@ class ProcessGroup(dist.ProcessGroup):
         after = None if out is not None else (lambda: _copy_into(output, handle.wait()))
         return Work([handle], after=after, result=[output])
 
-    _reduce_scatter_base = reduce_scatter_single
-
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
         return Work(parts=works, result=outputs)
@@ -309,13 +450,9 @@ class ProcessGroup(dist.ProcessGroup):
         after = None if out is not None else (lambda: _copy_into(output, handle.wait()))
         return Work([handle], after=after, result=[output])
 
-    _allgather_base = all_gather_single
-
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
         return Work(parts=works, result=outputs)
-
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def gather(self, output_tensors, input_tensors, opts):
         root, tensor = opts.rootRank, input_tensors[0]
@@ -372,8 +509,6 @@ class ProcessGroup(dist.ProcessGroup):
         after = None if out is not None else (lambda: _copy_into(output, handle.wait()))
         return Work([handle], after=after, result=[output])
 
-    alltoall_base = all_to_all_single
-
     def barrier(self, opts=None):
         self.comm.barrier()
         return Work()
@@ -412,6 +547,18 @@ class ProcessGroup(dist.ProcessGroup):
             if t.numel() != like.numel() or t.dtype != like.dtype:
                 raise ValueError(f"{what}: every tensor must have {like.numel()} elements of {like.dtype} "
                                  f"(uneven sizes are not supported); got {t.numel()} of {t.dtype}")
+
+
+for _name in ("allreduce", "allreduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_single",
+              "reduce_scatter_single_coalesced", "broadcast", "allgather", "allgather_coalesced", "all_gather_single",
+              "all_gather_single_coalesced", "gather", "scatter", "alltoall", "all_to_all_single", "barrier", "send",
+              "recv", "recv_anysource"):
+    setattr(ProcessGroup, _name, _serialized(getattr(ProcessGroup, _name)))
+# torch's other names for the same calls
+ProcessGroup._reduce_scatter_base = ProcessGroup.reduce_scatter_single
+ProcessGroup._allgather_base = ProcessGroup.all_gather_single
+ProcessGroup.allgather_into_tensor_coalesced = ProcessGroup.all_gather_single_coalesced
+ProcessGroup.alltoall_base = ProcessGroup.all_to_all_single
 
 
 def _create(dist_backend_opts, backend_options):

@@ -13,6 +13,7 @@ import datetime
 import os
 import subprocess
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -310,6 +311,55 @@ def test_async_work_wait_is_completed_and_future(gloo):
     assert torch.equal(out, torch.cat([rank_tensor(r, 3, torch.float32) for r in range(size)]))
 
 
+def test_futures_complete_by_themselves_while_the_program_computes(gloo):
+    """The progress thread completes a future nobody waits on (DDP's overlap): after the
+    call starts, the program only sleeps, yet the future is done and holds the result;
+    then-callbacks run with it, and a Work finished by wait() completes its future too."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(size)))
+    group.progress_thread = True
+    x = rank_tensor(rank, 100_000, torch.float64)
+    future = dist.all_reduce(x, group=group, async_op=True).get_future()
+    doubled = future.then(lambda f: f.value()[0] * 2)
+    deadline = time.monotonic() + 30
+    while not future.done() and time.monotonic() < deadline:
+        time.sleep(0.01)  # no call into torch.distributed or the library
+    assert future.done(), "nothing completed the future within 30 s"
+    want = torch.from_numpy(reference("sum", [rank_input(r, 100_000, "float64") for r in range(size)]))
+    assert torch.equal(future.value()[0], want) and torch.equal(doubled.wait(), want * 2)
+    work = dist.all_reduce(rank_tensor(rank, 5, torch.float32), group=group, async_op=True)
+    work.wait()
+    assert work.get_future().done() and group._progress is not None
+    dist.destroy_process_group(group)
+
+
+def test_by_default_futures_come_completed_and_the_variable_turns_the_thread_on(gloo, monkeypatch):
+    x = torch.ones(10)
+    future = dist.all_reduce(x, async_op=True).get_future()
+    assert future.done() and torch.equal(future.value()[0], torch.full((10,), float(dist.get_world_size())))
+    assert dist.group.WORLD._progress is None
+    monkeypatch.setenv("COLLECTIVES_TORCH_PROGRESS_THREAD", "1")
+    group = dist.new_group(list(range(dist.get_world_size())))
+    assert group.progress_thread
+    dist.destroy_process_group(group)
+
+
+def test_a_failed_call_fails_its_future(gloo):
+    """A receive nobody sends to times out: the future raises the library's timeout
+    error, set by the progress thread, within the group's timeout and a few seconds."""
+    if dist.get_world_size() < 2:
+        return
+    group = dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=1))
+    group.progress_thread = True
+    if dist.get_rank() == 0:
+        future = group.recv([torch.empty(4)], 1, 99).get_future()  # rank 1 never sends tag 99
+        start = time.monotonic()
+        with pytest.raises(Exception, match="timed out"):
+            future.wait()
+        assert time.monotonic() - start < 10
+    MPI.COMM_WORLD.Barrier()  # the group is broken by the timeout: not reused, only dropped
+
+
 def test_subgroups_are_sub_communicators(gloo):
     rank, size = dist.get_rank(), dist.get_world_size()
     members = list(range(0, size, 2))  # new_group is collective over the world: every rank calls it
@@ -457,6 +507,16 @@ def test_ddp_trains_equal_to_single_process(gloo, micro):
     want = single_process(torch.optim.SGD, lr=0.5, momentum=0.9)
     for step, got in enumerate(train_ddp(micro=micro)):
         assert close(got, want[step]), f"step {step}: DDP differs from single-process training beyond rtol 1e-9"
+
+
+def test_ddp_with_the_progress_thread_trains_equal_to_single_process(gloo):
+    """The allreduces overlap backward (futures completed by the thread), no_sync too."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    group.progress_thread = True
+    want = single_process(torch.optim.SGD, lr=0.5, momentum=0.9)
+    for step, got in enumerate(train_ddp(micro=2, process_group=group)):
+        assert close(got, want[step]), f"step {step}: DDP differs from single-process training beyond rtol 1e-9"
+    dist.destroy_process_group(group)
 
 
 def test_ddp_with_unused_parameters(gloo):

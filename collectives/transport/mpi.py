@@ -131,13 +131,13 @@ class Progress:
                 self._next_look = now + _CHECK_EVERY
                 self._look_around(self.active[0])
 
-    def wait_for(self, handle, timeout):
+    def wait_for(self, handle, timeout, already_waited=0.0):
         """Advance until ``handle`` has finished or failed. After ``timeout`` seconds
-        (None: never) the engine breaks with a :class:`CollectiveTimeoutError`. While
-        waiting, answers liveness probes and logs a stall warning every
-        ``stall_warn`` seconds."""
-        start = time.monotonic()
-        next_look = start + _CHECK_EVERY
+        (None: never), counting ``already_waited`` seconds spent polling it elsewhere,
+        the engine breaks with a :class:`CollectiveTimeoutError`. While waiting,
+        answers liveness probes and logs a stall warning every ``stall_warn`` seconds."""
+        start = time.monotonic() - already_waited
+        next_look = time.monotonic() + _CHECK_EVERY
         next_warning = start + self.stall_warn if self.stall_warn else math.inf
         deadline = start + timeout if timeout is not None else math.inf
         while not handle._finished and handle._error is None:
@@ -287,15 +287,17 @@ class Handle:
             raise self._error
         return self._finished
 
-    def wait(self, timeout=_DEFAULT):
+    def wait(self, timeout=_DEFAULT, already_waited=0.0):
         """The call's result, once it has finished. ``timeout`` (seconds; default: the
         ``timeout`` the call was made with, else ``COLLECTIVES_TIMEOUT``, else none)
         bounds this wait: when it expires, :class:`~collectives.CollectiveTimeoutError`
         names the step, the peers whose messages are outstanding and the ranks that
-        did not answer, and the communicator is broken (see ``collectives.errors``)."""
+        did not answer, and the communicator is broken (see ``collectives.errors``).
+        ``already_waited``: seconds already spent on this call elsewhere (polling it
+        with :meth:`test`), which the timeout counts."""
         timeout = self._timeout if timeout is _DEFAULT else check_timeout(timeout)
         if not self._finished and self._error is None:
-            self._advance(lambda: self._progress.wait_for(self, timeout))
+            self._advance(lambda: self._progress.wait_for(self, timeout, already_waited))
         if self._error is not None:
             raise self._error
         return self._result
