@@ -92,6 +92,36 @@ def _combine_16_bit_with_torch(op, a, b, out):
     return True
 
 
+def cast(dst, src):
+    """``dst[...] = src`` converted to ``dst``'s dtype (compression's casts between float32
+    and float16/bfloat16, and back). Through torch where it is imported and both arrays
+    are float32 and a 16-bit float viewable without a copy: NumPy converts float16 one
+    element at a time (18 ms for 5 M elements here, torch 1.6 ms) with the same bits,
+    round to nearest even (a NaN stays a NaN; its payload may differ). float64 goes
+    through NumPy, which rounds it to float16 directly, as torch may not."""
+    if not _cast_with_torch(dst, src):
+        np.copyto(dst, src, casting="same_kind")
+
+
+def _cast_with_torch(dst, src):
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "from_numpy") or dst.shape != src.shape:
+        return False
+    names = {dst.dtype.name, src.dtype.name}
+    if names not in ({"float32", "float16"}, {"float32", "bfloat16"}):
+        return False
+    if not dst.flags.writeable or not src.flags.writeable or min(dst.strides + src.strides, default=0) < 0:
+        return False
+    try:
+        td, ts = (torch.from_numpy(x) if x.dtype == np.float32 else
+                  torch.from_numpy(x.view(np.int16)).view(torch.float16 if x.dtype == np.float16 else torch.bfloat16)
+                  for x in (dst, src))
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    td.copy_(ts)
+    return True
+
+
 def finish(op, result, size):
     """Apply the final step of ``op`` in place (the division of ``avg``)."""
     if op == "avg" and size > 1 and result.size:

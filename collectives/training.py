@@ -44,6 +44,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import device
+from . import ops as ops_layer
 from .algorithms import check_algorithm, check_ordered
 from .arrays import EXTRA_DTYPES, is_extra
 from .communicator import Communicator, _check_nbytes, _check_root
@@ -557,7 +558,7 @@ class GradientReducer:
                         else:
                             if divisor != 1:
                                 np.divide(bucket.data, divisor, out=bucket.data)
-                            np.copyto(wire, bucket.data, casting="same_kind")
+                            ops_layer.cast(wire, bucket.data)
                         handle = self._comm.allreduce_async(wire, op="sum", algorithm=self.algorithm, out=wire)
                 except Exception as exc:
                     self._error = exc
@@ -607,7 +608,7 @@ class GradientReducer:
                 self._averaged[name] = grad.original
             return
         if wire is not None:
-            np.copyto(bucket.data, wire)
+            ops_layer.cast(bucket.data, wire)
         for name in bucket.names:
             grad = self._grads[name]
             if grad.flags.writeable:
