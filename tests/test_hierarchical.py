@@ -64,6 +64,27 @@ def test_two_level_algorithms_at_every_layout(mpi_comm, collective, algorithm):
     agree(mpi_comm, [f"{p}" for p in problems])
 
 
+def test_two_level_allreduce_in_pieces_at_every_layout(mpi_comm, monkeypatch):
+    """Large buffers go through the two-level allreduce in pieces (pipelined): with the
+    piece size made small, every layout's result equals MPI's and NumPy's, in and out of
+    place, for every count around the piece boundaries."""
+    from collectives.algorithms import hierarchical
+
+    monkeypatch.setattr(hierarchical, "PIPELINE_MIN", 5)
+    problems = []
+    for name in layouts(mpi_comm.Get_size()):
+        comm = cc.Communicator(mpi_comm, nodes=layouts(mpi_comm.Get_size())[name])  # plans made under the patch
+        for count in (9, 10, 21, 5 * 4 * comm.size + 3):
+            for dtype, op in (("float64", "sum"), ("int32", "max")):
+                run_and_compare(comm, mpi_comm, "allreduce", "hierarchical", dtype, op, count, 0, None, problems)
+        x = np.arange(103, dtype=np.float64) * (comm.rank + 1)
+        comm.allreduce(x, algorithm="hierarchical", out=x)
+        if not np.array_equal(x, np.arange(103) * comm.size * (comm.size + 1) / 2):
+            problems.append(f"{name}: in place")
+        comm.free()
+    agree(mpi_comm, problems)
+
+
 @pytest.mark.parametrize("collective,algorithm", [ca for ca in TWO_LEVEL if ca[0] != "broadcast" and
                                                   ca[0] != "allgather"])
 @pytest.mark.parametrize("dtype", ["int32", "float64", "complex64", "uint8"])
