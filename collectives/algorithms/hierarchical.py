@@ -13,11 +13,11 @@ With N nodes of k ranks and n bytes, each rank sends 2(N-1)/N · n/k bytes over 
 network, and the k ranks of a node share its link: 2(N-1)/N · n per node link, where a
 flat ring over p = N·k ranks puts 2(p-1)/p · n on each link it crosses (at 2 × 4,
 n against 1.75 n). This is NCCL's and Horovod's two-level scheme. Buffers of 2 MiB and more (float32) go
-through the three steps in up to 4 pieces, in order, so that the network carries one
+through the three steps in up to 8 pieces, in order, so that the network carries one
 piece while the node reduces the next and gathers the previous one: about the
-network's time plus a quarter of the node's, where the steps in turn would add all of
-it (measured at 2 × 4 on 1 Gbit/s links: 1.62-1.72× the flat ring at 16-64 MiB, from
-1.46-1.49× without the pieces). Nodes of unequal
+network's time plus an eighth of the node's, where the steps in turn would add all of
+it (measured at 2 × 4 on 1 Gbit/s links at 16-64 MiB: 1.64-1.79× the flat ring, within
+3% of the link's bound; 4 pieces gave 1.49-1.61×, none 1.46-1.49×). Nodes of unequal
 size work: with m ranks on the smallest node, local ranks ≥ m first hand their input to
 local rank ``l mod m`` (which adds it to its own) and get the result back at the end,
 so steps 1-3 run among m ranks per node.
@@ -113,9 +113,10 @@ def allreduce(rank, size, count, *, topology=None, **_):
 # Large buffers go through the three steps in pieces, so that the network's step on one
 # piece overlaps the node's steps on the others (as NCCL pipelines its two-level
 # schedule): a piece is at least PIPELINE_MIN elements (1 MiB of float32), and there are
-# at most PIPELINE_PIECES of them (each costs every rank 2(k-1) + 2(N-1) more messages).
+# at most PIPELINE_PIECES of them (each costs every rank 2(k-1) + 2(N-1) more messages;
+# 8 beat 4 on the testbed at 2 x 4, 16 and 64 MiB).
 PIPELINE_MIN = 1 << 18
-PIPELINE_PIECES = 4
+PIPELINE_PIECES = 8
 
 
 def pipeline_pieces(count):
