@@ -42,7 +42,7 @@ MULTIHOST_TIMEOUT ?= 300
 MULTIHOST_RESULTS ?= $(RESULTS)/testbed-$(MULTIHOST_RATE)
 MULTIHOST_BENCH_ARGS ?= -c allreduce -b 64K -e 64M -f 4
 MULTIHOST_TRAINING_LAYOUT ?= 2x2
-MULTIHOST_TRAINING_ARGS ?= --compression none,fp16 --steps 5 --rounds 3 --warmup 1
+MULTIHOST_TRAINING_ARGS ?= --framework torch --bucket-mib 5 --compression none,fp16 --steps 5 --rounds 3 --warmup 1
 
 # make examples: ranks of the distributed runs (each is compared with a serial run).
 EXAMPLE_RANKS ?= 4

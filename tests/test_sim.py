@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import collectives as cc
 import collectives.sim as sim
 import collectives.schedule as sim_schedule
-from collectives.algorithms import BUILDERS, ORDERED
+from collectives.algorithms import BUILDERS, NODE_SYMMETRIC, ORDERED, SYMMETRIC, hierarchical
 
 from conftest import ALL_DTYPES, expected_everywhere, ops_for
 
@@ -165,8 +165,8 @@ def expected_counters(collective, algorithm, p, count, root=0, segments=1):
                 row = (children, (extent - 1) * n, extent * n if vr else 0, 0)
         elif key == ("alltoall", "pairwise"):  # n: one block
             row = (p - 1, (p - 1) * n, (p - 1) * n, 0)
-        elif key == ("alltoallv", "pairwise"):  # the default matrix: count·((r+j) % 3) elements to rank j
-            out = [((r + j) % 3) * n for j in range(p) if j != r]  # symmetric: as many come back
+        elif key == ("alltoallv", "pairwise"):  # the default matrix: count·((j-r mod p + 1) % 3) to rank j
+            out = [(((j - r) % p + 1) % 3) * n for j in range(p) if j != r]  # circulant: as many come back
             row = (sum(1 for m in out if m), sum(out), sum(out), 0)
         elif key == ("alltoall", "bruck"):  # the slots with bit k set, at every step k
             moved = sum(sum(1 for i in range(p) if i & (1 << k)) for k in range(lg_ceil))
@@ -841,3 +841,75 @@ def test_fit_rejects_a_file_without_our_rows(tmp_path):
                     '"dtype": "float32", "time_us": 3}]')
     with pytest.raises(ValueError, match="no rows of this library's algorithms"):
         calibrate.load_rows([path])
+
+
+# ---------------------------------------------------------------- rotation symmetry
+
+@pytest.mark.parametrize("collective,algorithm", sorted(SYMMETRIC))
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 6, 8, 12])
+def test_symmetric_calls_time_from_rank_0_as_the_full_simulation_does(collective, algorithm, p):
+    # The representatives (rank 0; ranks 0..k-1 with k ranks per node) give every
+    # rank's counters and the same time as simulating all p ranks, in every model.
+    count = 3 if collective in ("allgather", "alltoall") else 3 * p
+    for n in (count, 64 * count):
+        fast = sim.costs(collective, algorithm, p, n)
+        assert fast.symmetric
+        full = sim.simulate.Costs(collective, algorithm, p, n, "float32", 0,
+                                  sim.simulate.plan_maker(collective, algorithm, p, n))
+        assert counters(fast) == counters(full)
+        models = [dict(alpha=A, beta=B, gamma=G), dict(alpha=1.0, beta=B, gamma=0.0)]
+        models += [dict(alpha=A, beta=B, gamma=G, ranks_per_node=k, inter_alpha=7 * A, inter_beta=9 * B)
+                   for k in (2, 3, 5) if k < p]  # 5 divides none but p=5 itself: the full fallback
+        for model in models:
+            assert fast.time(**model) == full.time(**model), model
+        assert fast.rounds == full.rounds
+
+
+@pytest.mark.parametrize("collective,algorithm", sorted(NODE_SYMMETRIC))
+@pytest.mark.parametrize("p,k", [(4, 2), (6, 2), (6, 3), (8, 4), (12, 3), (8, 8), (8, 1)])
+def test_two_level_calls_time_from_one_node_as_the_full_simulation_does(collective, algorithm, p, k):
+    # Equal nodes of k ranks: one node's ranks stand for all (lcm(k, the model's ranks
+    # per node) of them), with every rank's counters and the full simulation's time.
+    count = 3 if collective == "allgather" else 3 * p
+    pieces = 8 * hierarchical.PIPELINE_MIN * p  # allreduce in 8 pieces of equal blocks
+    for n in (count, 64 * count) + ((pieces,) if collective == "allreduce" and p <= 6 else ()):
+        fast = sim.costs(collective, algorithm, p, n, nodes=k)
+        assert fast.period == k
+        full = sim.simulate.Costs(collective, algorithm, p, n, "float32", 0,
+                                  sim.simulate.plan_maker(collective, algorithm, p, n, nodes=k))
+        assert counters(fast) == counters(full)
+        models = [dict(alpha=A, beta=B, gamma=G)]
+        models += [dict(alpha=A, beta=B, gamma=G, ranks_per_node=m, inter_alpha=7 * A, inter_beta=9 * B)
+                   for m in {k, 2, 3} if m <= p]
+        for model in models:
+            assert fast.time(**model) == full.time(**model), model
+        assert fast.rounds == full.rounds
+
+
+def test_uneven_blocks_and_ordered_calls_are_not_symmetric():
+    symmetry = sim.simulate.symmetry
+    assert symmetry("allreduce", "ring", 4, 10) is None
+    assert symmetry("allreduce", "ring", 4, 12) == 1
+    assert symmetry("allreduce", "direct", 4, 12, ordered=True) is None
+    assert symmetry("allreduce", "tree", 4, 12) is None
+    assert symmetry("allreduce", "hierarchical", 8, 16, nodes=4) == 4
+    assert symmetry("allreduce", "hierarchical", 8, 12, nodes=4) is None  # blocks of 1 and 2
+    assert symmetry("allreduce", "hierarchical", 6, 12, nodes=4) is None  # nodes of 4 and 2
+    assert symmetry("allreduce", "hierarchical", 8, 16, nodes=[0, 0, 1, 1, 0, 0, 1, 1]) is None
+    assert symmetry("allreduce", "hierarchical_leader", 8, 16, nodes=4) is None
+    assert symmetry("alltoallv", "pairwise", 5, 2) == 1  # the default counts are circulant
+    assert symmetry("alltoallv", "pairwise", 3, 2, counts=np.array([[0, 1, 2]] * 3)) is None
+    result = sim.costs("allreduce", "ring", 4, 10)
+    assert not result.symmetric and len(result.plans) == 4
+
+
+def test_p_4096_with_the_algorithms_that_send_p_squared_messages():
+    # What made the projection stop at ~1024 ranks: now seconds, the counters still
+    # the closed forms (ring: 2(p-1) messages of n/p).
+    p, count = 4096, 4096 * 16
+    ring = sim.costs("allreduce", "ring", p, count)
+    assert ring.messages_sent == [2 * (p - 1)] * p
+    assert ring.bytes_sent == [2 * (p - 1) * 16 * ITEM] * p
+    assert ring.time(alpha=A, beta=B, gamma=G) > 0
+    direct = sim.costs("allgather", "direct", p, 16)
+    assert direct.messages_sent == [p - 1] * p

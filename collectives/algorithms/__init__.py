@@ -79,6 +79,24 @@ ORDERED = {"allreduce": ("direct",), "reduce_scatter": ("direct",), "reduce": ("
 TOPOLOGICAL = frozenset((collective, name) for collective, names in BUILDERS.items() for name in names
                         if name.startswith("hierarchical"))
 
+# Rotation-symmetric algorithms: where every block is the same size, rank r's plan is
+# rank 0's with every peer q read as (q + r) mod p and every block b as (b + r) mod p.
+# The simulator then times p ranks through rank 0's plan alone (a few, with nodes).
+# The deterministic (ordered) forms fold in rank order and are not symmetric; alltoallv
+# is symmetric where its counts are circulant (counts[i][j] depends on j - i mod p).
+# tests/test_sim.py checks each against the full simulation.
+SYMMETRIC = frozenset({("allreduce", "ring"), ("reduce_scatter", "ring"), ("allgather", "ring"),
+                       ("allreduce", "direct"), ("reduce_scatter", "direct"), ("allgather", "direct"),
+                       ("alltoall", "pairwise"), ("alltoall", "bruck"), ("allgather", "bruck"),
+                       ("alltoallv", "pairwise")})
+
+# Two-level algorithms symmetric under a shift by one node: with equal nodes of k ranks
+# placed node by node (and equal blocks), rank r + k's plan is rank r's with every peer
+# q read as q + k. Their steps across nodes are rings; those in a node either rings or
+# rooted at the node's leader, the same on every node.
+NODE_SYMMETRIC = frozenset({("allreduce", "hierarchical"), ("allgather", "hierarchical"),
+                            ("reduce_scatter", "hierarchical")})
+
 # Algorithms cut into pipelining segments; their default segment size in bytes.
 SEGMENTED = {("allreduce", "tree"): tree.DEFAULT_SEGMENT_BYTES, ("broadcast", "pipeline"): pipeline.DEFAULT_SEGMENT_BYTES}
 

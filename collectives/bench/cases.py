@@ -58,7 +58,7 @@ class Case:
         self.count = element_count(collective, nbytes, self.size, self.dtype.itemsize)
         scale = self.size if collective in ("allgather", "gather", "scatter", "alltoall", "alltoallv") else 1
         self.nbytes = self.count * self.dtype.itemsize * scale
-        if collective == "alltoallv":  # rank i sends count * ((i + j) % 3) elements to rank j
+        if collective == "alltoallv":  # rank i sends count * ((j - i mod p + 1) % 3) to rank j
             counts = alltoallv_counts(self.size, self.count)
             self.send_counts, self.recv_counts = counts[self.rank].tolist(), counts[:, self.rank].tolist()
             self.fresh = collective_input(self.rank, self.size, "allreduce", sum(self.send_counts), self.dtype,

@@ -2,7 +2,8 @@
 against the message size, for every allreduce algorithm and a parameter server.
 
 Each point is simulated (the library's schedules, timed by :mod:`.timing`) when the
-simulation has at most ``max_ops`` operations. Beyond that, ring, direct and the
+simulation has at most ``max_ops`` operations (a rotation-symmetric call simulates
+rank 0's plan alone, or one node's ranks: ring and direct to 4096 ranks and beyond). Beyond that, ring, direct and the
 recursive algorithms, whose messages grow as p² or p·lg p, use their closed form under
 the same model (``closed_form``; the tests check it equals the simulation wherever both
 run); the pipelined tree, which has none, is left out there. Every row says which.
@@ -11,7 +12,8 @@ run); the pipelined tree, which has none, is left out there. Every row says whic
 import math
 
 from ..algorithms import BUILDERS
-from .simulate import DEFAULT_SEGMENT_SIZE as SEGMENT, costs
+from ..algorithms.hierarchical import pipeline_pieces
+from .simulate import DEFAULT_SEGMENT_SIZE as SEGMENT, costs, symmetry
 
 ALLREDUCE = tuple(BUILDERS["allreduce"])
 DEFAULT_MAX_OPS = 400_000  # simulated operations per point: about 3 s here
@@ -44,11 +46,13 @@ def estimated_ops(algorithm, p, nbytes, servers=None, ranks_per_node=None):
     if servers is not None:
         return 5 * servers * p
     lg = max(1, math.ceil(math.log2(p)))
-    if algorithm == "hierarchical":  # rings in the node and across: k and N steps per rank
+    if algorithm == "hierarchical":  # rings in the node and across (k and N steps), per piece
         k = min(ranks_per_node or p, p)
-        return 6 * p * (k + math.ceil(p / k))
-    if algorithm in ("ring", "direct"):
-        return 6 * p * (p - 1)
+        reps = k if symmetry("allreduce", algorithm, p, nbytes // 4, nodes=k) else p  # one node's ranks alone
+        return 6 * reps * (k + math.ceil(p / k)) * len(pipeline_pieces(nbytes // 4))
+    if algorithm in ("ring", "direct"):  # symmetric with equal blocks: rank 0 (or a node's ranks) alone
+        reps = (ranks_per_node or 1) if symmetry("allreduce", algorithm, p, nbytes // 4) else p
+        return 6 * min(reps, p) * (p - 1)
     if algorithm == "tree":
         return 6 * p * max(1, math.ceil(nbytes / SEGMENT))
     return 4 * lg * p

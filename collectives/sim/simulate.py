@@ -6,7 +6,9 @@ from functools import cached_property
 import numpy as np
 
 from .. import ops as ops_layer
-from ..algorithms import BUILDERS, SEGMENTED, TOPOLOGICAL, VARIABLE, block_bounds, build, check_ordered
+from ..algorithms import (BUILDERS, NODE_SYMMETRIC, SEGMENTED, SYMMETRIC, TOPOLOGICAL, VARIABLE, block_bounds, build,
+                          check_ordered)
+from ..algorithms.hierarchical import pipeline_pieces
 from ..arrays import check_dtype
 from ..communicator import DEFAULT_SEGMENT_SIZE, _check_segment_size  # segments as the Communicator cuts them
 from ..errors import CollectiveError
@@ -23,10 +25,12 @@ PARAMS = ("segment_size", "servers", "inplace", "ordered", "counts", "nodes")
 
 def alltoallv_counts(world_size, count):
     """The uneven alltoallv the simulator runs unless given ``counts``: rank i sends
-    ``count * ((i + j) % 3)`` elements to rank j (empty, one and two blocks; ``count``
-    on average)."""
+    ``count * ((d + 1) % 3)`` elements to rank j, d = j - i mod p (one block to itself,
+    two to the next rank, none to the one after, and so on: ``count`` on average where
+    3 divides p). Every rank sends and receives as much, and the matrix is circulant,
+    so the call is rotation-symmetric (:func:`symmetry`)."""
     i, j = np.indices((world_size, world_size))
-    return count * ((i + j) % 3)
+    return count * (((j - i) % world_size + 1) % 3)
 
 
 def algorithms(collective):
@@ -45,15 +49,25 @@ class Costs:
     are not sent, as on MPI). ``rounds`` is the number of message latencies on the
     critical path (the time with α = 1, β = γ = 0). :meth:`time` gives the predicted
     completion time.
+
+    ``plan_of(rank)`` makes a rank's plan. Where the call is symmetric under a shift
+    of the ranks by ``period`` (:func:`symmetry`: 1 for a rotation-symmetric algorithm,
+    the ranks per node for a two-level one), only ranks 0 … period-1 get a plan made:
+    rank r's counters are rank (r mod period)'s, and the time comes from them alone
+    (from ranks 0 … lcm(period, k)-1 for a model of k ranks per node). ``plans``
+    makes every rank's on first use.
     """
 
-    def __init__(self, collective, algorithm, world_size, count, dtype, root, plans):
+    def __init__(self, collective, algorithm, world_size, count, dtype, root, plan_of, period=None):
         self.collective, self.algorithm = collective, algorithm
         self.world_size, self.count, self.dtype, self.root = world_size, count, np.dtype(dtype), root
-        self.plans = plans
+        self.period = period
+        self._plan_of = plan_of
+        self._representatives = []  # the plans of ranks 0, 1, … made so far
+        measured = self._reps(period) if period else self.plans
         itemsize = self.dtype.itemsize
         self.messages_sent, self.bytes_sent, self.bytes_received, self.bytes_reduced = [], [], [], []
-        for plan in plans:
+        for plan in measured:
             sent = [op.src.hi - op.src.lo for op in plan.ops if isinstance(op, Send)]
             received = sum(op.dst.hi - op.dst.lo for op in plan.ops if isinstance(op, Recv))
             reduced = sum(op.dst.hi - op.dst.lo for op in plan.ops if isinstance(op, Reduce))
@@ -61,6 +75,58 @@ class Costs:
             self.bytes_sent.append(sum(sent) * itemsize)
             self.bytes_received.append(received * itemsize)
             self.bytes_reduced.append(reduced * itemsize)
+        if period:  # rank r does what rank r mod period does
+            for counter in (self.messages_sent, self.bytes_sent, self.bytes_received, self.bytes_reduced):
+                counter *= world_size // period
+        self._graphs = {}
+
+    @property
+    def symmetric(self):
+        """Whether the simulation works from representatives (see :func:`symmetry`)."""
+        return self.period is not None
+
+    @cached_property
+    def plans(self):
+        """Every rank's plan (made here, on first use, for a symmetric call)."""
+        return [self._plan_of(r) for r in range(self.world_size)]
+
+    def _reps(self, count):
+        """The plans of ranks 0 … count-1."""
+        made = self._representatives
+        made += [self._plan_of(r) for r in range(len(made), count)]
+        return made[:count]
+
+    def _graph(self, ranks_per_node=None):
+        """The timing graph: every rank's plans, or a symmetric call's representatives
+        (ranks 0 … s-1, s = lcm(period, k) where k ranks share a node, if s divides p)."""
+        reps = self.world_size
+        if self.period:
+            shift = math.lcm(self.period, ranks_per_node) if ranks_per_node else self.period
+            if self.world_size % shift == 0:
+                reps = shift
+        if reps not in self._graphs:
+            plans = self.plans if reps == self.world_size else self._reps(reps)
+            self._graphs[reps] = Graph(plans, self.dtype.itemsize, self.world_size)
+        return self._graphs[reps]
+
+    @cached_property
+    def rounds(self):
+        return round(self._graph().time(Model(1.0, 0.0, 0.0)))
+
+    def time(self, alpha, beta, gamma, ranks_per_node=None, inter_alpha=None, inter_beta=None):
+        """Predicted completion time in seconds: α per message, β seconds per byte per
+        link, γ seconds per byte reduced; with ``ranks_per_node``, messages between
+        nodes cost ``inter_alpha``/``inter_beta`` (default: α and β) and share each
+        node's link. See :mod:`collectives.sim.timing` for the whole model."""
+        model = Model(alpha, beta, gamma, ranks_per_node, inter_alpha, inter_beta)  # checked before any work
+        return self._graph(model.ranks_per_node).time(model)
+
+    def __repr__(self):
+        return (
+            f"<{type(self).__name__} {self.collective}/{self.algorithm} p={self.world_size} "
+            f"count={self.count} {self.dtype.name}: max {max(self.bytes_sent, default=0)} bytes sent, "
+            f"{self.rounds} rounds>"
+        )
 
     @property
     def nbytes(self):
@@ -70,29 +136,6 @@ class Costs:
         n = self.count * self.dtype.itemsize
         return n * self.world_size if self.collective in ("allgather", "gather", "scatter", "alltoall",
                                                           "alltoallv") else n
-
-    @cached_property
-    def _graph(self):
-        return Graph(self.plans, self.dtype.itemsize)
-
-    @cached_property
-    def rounds(self):
-        return round(self._graph.time(Model(1.0, 0.0, 0.0)))
-
-    def time(self, alpha, beta, gamma, ranks_per_node=None, inter_alpha=None, inter_beta=None):
-        """Predicted completion time in seconds: α per message, β seconds per byte per
-        link, γ seconds per byte reduced; with ``ranks_per_node``, messages between
-        nodes cost ``inter_alpha``/``inter_beta`` (default: α and β) and share each
-        node's link. See :mod:`collectives.sim.timing` for the whole model."""
-        model = Model(alpha, beta, gamma, ranks_per_node, inter_alpha, inter_beta)  # checked before any work
-        return self._graph.time(model)
-
-    def __repr__(self):
-        return (
-            f"<{type(self).__name__} {self.collective}/{self.algorithm} p={self.world_size} "
-            f"count={self.count} {self.dtype.name}: max {max(self.bytes_sent, default=0)} bytes sent, "
-            f"{self.rounds} rounds>"
-        )
 
 
 class SimResult(Costs):
@@ -186,36 +229,73 @@ def _counts(collective, world_size, count, params):
 
 def plans_for(collective, algorithm, world_size, count, dtype="float32", root=0, **params):
     """Every virtual rank's compiled plan: the very ones the MPI transport would run."""
+    plan_of = plan_maker(collective, algorithm, world_size, count, dtype, root, **params)
+    return [plan_of(r) for r in range(int(world_size))]
+
+
+def plan_maker(collective, algorithm, world_size, count, dtype="float32", root=0, **params):
+    """``plan_of(rank)``: one virtual rank's compiled plan (the arguments checked first)."""
     _check_args(collective, algorithm, world_size, count, dtype, None, root, params)
     world_size, count, root = int(world_size), int(count), int(root)  # NumPy integers too
     inplace = bool(params.get("inplace", False)) or collective == "broadcast"
     if (collective, algorithm) in BASELINES:
         builder = BASELINES[collective, algorithm]
         servers = int(params.get("servers", 1))
-        return [compile_plan(builder(r, world_size, count, servers=servers), inplace) for r in range(world_size)]
+        return lambda r: compile_plan(builder(r, world_size, count, servers=servers), inplace)
     segment = 1
     if (collective, algorithm) in SEGMENTED:
         segment = max(1, int(params.get("segment_size", DEFAULT_SEGMENT_SIZE)) // np.dtype(dtype).itemsize)
     ordered = bool(params.get("ordered", False))
     matrix = _counts(collective, world_size, count, params)
     topology = topology_of(world_size, params.get("nodes")) if (collective, algorithm) in TOPOLOGICAL else None
-    return [
-        compile_plan(build(collective, algorithm, r, world_size, count, root=root, segment=segment, ordered=ordered,
-                           counts=None if matrix is None else (tuple(matrix[r].tolist()), tuple(matrix[:, r].tolist())),
-                           topology=topology),
-                     inplace)
-        for r in range(world_size)
-    ]
+
+    def plan_of(r):
+        counts = None if matrix is None else (tuple(matrix[r].tolist()), tuple(matrix[:, r].tolist()))
+        return compile_plan(build(collective, algorithm, r, world_size, count, root=root, segment=segment,
+                                  ordered=ordered, counts=counts, topology=topology), inplace)
+
+    return plan_of
+
+
+def symmetry(collective, algorithm, world_size, count, **params):
+    """The smallest shift s of the ranks under which the call is symmetric (rank r + s's
+    plan is rank r's with every peer q read as q + s, mod p), or None:
+
+    - 1 for one of ``collectives.algorithms.SYMMETRIC``, not ordered, with every block
+      the same size (allgather's and alltoall's always are; alltoallv's where its
+      counts are circulant; the others' where p divides count);
+    - k for one of ``NODE_SYMMETRIC`` over equal nodes of k ranks (``nodes=k`` with k
+      dividing p) and equal blocks (allreduce: p times its pieces divide count)."""
+    p, count = int(world_size), int(count)
+    if params.get("ordered"):
+        return None
+    if (collective, algorithm) in SYMMETRIC:
+        if collective in VARIABLE:
+            matrix = _counts(collective, p, count, params)
+            shifted = (np.arange(p)[None, :] - np.arange(p)[:, None]) % p  # j - i mod p
+            return 1 if np.array_equal(matrix, matrix[0][shifted]) else None
+        return 1 if collective in ("allgather", "alltoall") or count % p == 0 else None
+    nodes = params.get("nodes")
+    if (collective, algorithm) in NODE_SYMMETRIC and _is_int(nodes) and p % int(nodes) == 0:
+        k = int(nodes)
+        if collective == "allreduce" and count % (p * len(pipeline_pieces(count))):
+            return None
+        if collective == "reduce_scatter" and count % p:
+            return None
+        return k
+    return None
 
 
 def costs(collective, algorithm, world_size, count, dtype="float32", root=0, **params):
     """Counters and timing of a call without running it on data (for sweeps and fits).
 
     Same arguments as :func:`run`, less ``op``; the counts and times are the ones
-    :func:`run` gives, since they depend only on the plans.
+    :func:`run` gives, since they depend only on the plans. A symmetric call
+    (:func:`symmetry`) makes rank 0's plan alone, or one node's: p = 4096 takes seconds.
     """
-    plans = plans_for(collective, algorithm, world_size, count, dtype, root, **params)
-    return Costs(collective, algorithm, int(world_size), int(count), dtype, int(root), plans)
+    plan_of = plan_maker(collective, algorithm, world_size, count, dtype, root, **params)
+    return Costs(collective, algorithm, int(world_size), int(count), dtype, int(root), plan_of,
+                 symmetry(collective, algorithm, world_size, count, **params))
 
 
 def run(collective, algorithm, world_size, count, dtype="float32", op="sum", root=0, **params):
@@ -260,7 +340,7 @@ def run(collective, algorithm, world_size, count, dtype="float32", op="sum", roo
         for r in contributors:
             if got[r].tobytes() != first.tobytes():
                 raise CollectiveError(f"{collective}/{algorithm}: ranks {contributors.start} and {r} got different bits")
-    return SimResult(got, collective, algorithm, world_size, count, dtype, root, plans)
+    return SimResult(got, collective, algorithm, world_size, count, dtype, root, plans.__getitem__)
 
 
 def _check_equal(rank, got, expected, collective, algorithm):

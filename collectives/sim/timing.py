@@ -59,11 +59,23 @@ class Model:
 
 class Graph:
     """Every rank's plan in the arrays the timing loop reads, with each send matched
-    to its receive. Built once per simulated call and reused for every :meth:`time`."""
+    to its receive. Built once per simulated call and reused for every :meth:`time`.
 
-    def __init__(self, plans, itemsize):
+    With ``world_size`` larger than the number of plans, the plans are those of ranks
+    0 … s-1 of a call whose rank r runs the plan of rank r mod s with every peer q read
+    as q + (r - r mod s) (mod p): a rotation-symmetric algorithm, s = 1, or s = the ranks
+    per node of a two-level model. Every rank then does what its representative does,
+    at the same times, so the representatives alone give the call's time: a message
+    to rank q is one to q's representative (q mod s), whose ports and node links stand
+    for q's. ``peers`` hold representatives; ``real_peers`` the ranks themselves."""
+
+    def __init__(self, plans, itemsize, world_size=None):
         self.plans = plans
-        self.kinds, self.nbytes, self.peers = [], [], []
+        self.world_size = len(plans) if world_size is None else int(world_size)
+        reps = len(plans)
+        if self.world_size % reps:
+            raise ValueError(f"{reps} representative plans cannot stand for {self.world_size} ranks")
+        self.kinds, self.nbytes, self.peers, self.real_peers = [], [], [], []
         for plan in plans:
             kinds, nbytes, peers = [], [], []
             for op in plan.ops:
@@ -78,33 +90,40 @@ class Graph:
                     kinds.append(_COPY), nbytes.append(0), peers.append(-1)
             self.kinds.append(kinds)
             self.nbytes.append(nbytes)
-            self.peers.append(peers)
+            self.real_peers.append(peers)
+            self.peers.append([q % reps if q >= 0 else q for q in peers])
         self.match = self._match()
 
     def _match(self):
         """``match[r][i]`` = the index of the receive (at the peer) that send ``i`` of
         rank ``r`` meets, or of the send that receive ``i`` meets: the k-th message
-        from s to d meets d's k-th receive from s, as MPI's ordering on one tag says."""
-        sends, recvs = {}, {}
+        from s to d meets d's k-th receive from s, as MPI's ordering on one tag says.
+        With representatives, rank q's k-th receive from rank a is its
+        representative's k-th receive from a - (q - q mod s)."""
+        reps, p = len(self.plans), self.world_size
+        sends, recvs = {}, {}  # (sender, receiver) -> op indices, in each one's own frame
         for rank, kinds in enumerate(self.kinds):
             for i, kind in enumerate(kinds):
                 if kind == _SEND:
-                    sends.setdefault((rank, self.peers[rank][i]), []).append(i)
+                    sends.setdefault((rank, self.real_peers[rank][i]), []).append(i)
                 elif kind == _RECV:
-                    recvs.setdefault((self.peers[rank][i], rank), []).append(i)
+                    recvs.setdefault((self.real_peers[rank][i], rank), []).append(i)
         match = [[-1] * len(kinds) for kinds in self.kinds]
-        for key in set(sends) | set(recvs):
-            src, dst = key
-            out, into = sends.get(key, []), recvs.get(key, [])
+        for (src, dst), out in sends.items():  # dst seen from its representative: (src - shift, dst - shift)
+            shift = dst - dst % reps
+            rep_src, rep_dst = (src - shift) % p, dst % reps
+            into = recvs.get((rep_src, rep_dst), [])
             if len(out) != len(into):
                 raise ValueError(f"rank {src} sends {len(out)} messages to rank {dst}, which receives {len(into)}")
             for i, j in zip(out, into):
-                if self.nbytes[src][i] != self.nbytes[dst][j]:
-                    raise ValueError(
-                        f"rank {src} sends {self.nbytes[src][i]} bytes to rank {dst}, which expects {self.nbytes[dst][j]}"
-                    )
+                if self.nbytes[src][i] != self.nbytes[rep_dst][j]:
+                    raise ValueError(f"rank {src} sends {self.nbytes[src][i]} bytes to rank {dst}, which expects "
+                                     f"{self.nbytes[rep_dst][j]}")
                 match[src][i] = j
-                match[dst][j] = i
+                match[rep_dst][j] = i  # its sender's representative is src itself (shift is a multiple of reps)
+        for (src, dst), into in recvs.items():
+            if any(match[dst][j] < 0 for j in into):
+                raise ValueError(f"rank {dst} receives {len(into)} messages from rank {src}, which sends fewer")
         return match
 
     def time(self, model):
@@ -114,8 +133,11 @@ class Graph:
 
 def _simulate(graph, model):
     plans, kinds, nbytes, peers, match = graph.plans, graph.kinds, graph.nbytes, graph.peers, graph.match
-    size = len(plans)
+    real_peers = graph.real_peers
+    size = len(plans)  # ranks, or their representatives (whose node links stand for every node's)
     rpn = int(model.ranks_per_node) if model.ranks_per_node else None
+    if rpn and size < graph.world_size and size % rpn:
+        raise ValueError(f"{size} representatives of {graph.world_size} ranks cannot model {rpn} ranks per node")
     inter_alpha = model.alpha if model.inter_alpha is None else model.inter_alpha
     inter_beta = model.beta if model.inter_beta is None else model.inter_beta
     gamma = model.gamma
@@ -139,7 +161,7 @@ def _simulate(graph, model):
     def post_message(now, src, i, dst, j):
         key = (now, i, src, dst, j)  # ready first, then the sender's earlier operation, then the lower rank
         held = [src, size + dst]
-        if rpn and src // rpn != dst // rpn:
+        if rpn and src // rpn != real_peers[src][i] // rpn:
             held += [2 * size + src // rpn, 2 * size + nodes + dst // rpn]
         needs[key] = held
         for port in held:
