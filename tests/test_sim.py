@@ -899,6 +899,12 @@ def test_uneven_blocks_and_ordered_calls_are_not_symmetric():
     assert symmetry("allreduce", "hierarchical_leader", 8, 16, nodes=4) is None
     assert symmetry("alltoallv", "pairwise", 5, 2) == 1  # the default counts are circulant
     assert symmetry("alltoallv", "pairwise", 3, 2, counts=np.array([[0, 1, 2]] * 3)) is None
+    assert symmetry("allreduce", "hierarchical", 8, 16, nodes=0) is None
+    plans = sim.simulate.plans_for("allreduce", "ring", 4, 12)
+    assert sim.simulate.Costs("allreduce", "ring", 4, 12, "float32", 0, plans).time(A, B, G) == \
+        sim.costs("allreduce", "ring", 4, 12).time(A, B, G)
+    with pytest.raises(ValueError, match="period"):
+        sim.simulate.Costs("allreduce", "ring", 4, 12, "float32", 0, plans, period=3)
     result = sim.costs("allreduce", "ring", 4, 10)
     assert not result.symmetric and len(result.plans) == 4
 
@@ -913,3 +919,14 @@ def test_p_4096_with_the_algorithms_that_send_p_squared_messages():
     assert ring.time(alpha=A, beta=B, gamma=G) > 0
     direct = sim.costs("allgather", "direct", p, 16)
     assert direct.messages_sent == [p - 1] * p
+
+
+def test_the_projection_counts_every_rank_where_the_nodes_do_not_divide_p():
+    # Costs times every rank when lcm(1, ranks per node) does not divide p; the
+    # projection's estimate must say so, or it starts a simulation of millions of ops.
+    from collectives.sim.project import DEFAULT_MAX_OPS, estimated_ops
+    nbytes = 4096 * 4 * 16
+    assert estimated_ops("ring", 4096, nbytes, ranks_per_node=8) <= DEFAULT_MAX_OPS
+    assert estimated_ops("ring", 4096, nbytes, ranks_per_node=6) > DEFAULT_MAX_OPS
+    assert estimated_ops("hierarchical", 4096, nbytes, ranks_per_node=8) <= DEFAULT_MAX_OPS
+    assert estimated_ops("hierarchical", 4096, nbytes, ranks_per_node=6) > DEFAULT_MAX_OPS

@@ -51,7 +51,8 @@ def estimated_ops(algorithm, p, nbytes, servers=None, ranks_per_node=None):
         reps = k if symmetry("allreduce", algorithm, p, nbytes // 4, nodes=k) else p  # one node's ranks alone
         return 6 * reps * (k + math.ceil(p / k)) * len(pipeline_pieces(nbytes // 4))
     if algorithm in ("ring", "direct"):  # symmetric with equal blocks: rank 0 (or a node's ranks) alone
-        reps = (ranks_per_node or 1) if symmetry("allreduce", algorithm, p, nbytes // 4) else p
+        shift = ranks_per_node or 1  # as Costs times them: every rank where the nodes do not divide p
+        reps = shift if symmetry("allreduce", algorithm, p, nbytes // 4) and p % shift == 0 else p
         return 6 * min(reps, p) * (p - 1)
     if algorithm == "tree":
         return 6 * p * max(1, math.ceil(nbytes / SEGMENT))

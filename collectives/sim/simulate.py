@@ -1,4 +1,5 @@
-"""``run`` and ``costs``: build every virtual rank's plan, run them, count and time them."""
+"""``run`` and ``costs``: build the virtual ranks' plans (every rank's, or for a symmetric
+call only the representatives'), run them, count and time them."""
 
 import math
 from functools import cached_property
@@ -54,15 +55,18 @@ class Costs:
     of the ranks by ``period`` (:func:`symmetry`: 1 for a rotation-symmetric algorithm,
     the ranks per node for a two-level one), only ranks 0 … period-1 get a plan made:
     rank r's counters are rank (r mod period)'s, and the time comes from them alone
-    (from ranks 0 … lcm(period, k)-1 for a model of k ranks per node). ``plans``
-    makes every rank's on first use.
+    (from ranks 0 … lcm(period, k)-1 for a model of k ranks per node, where that
+    divides p; from every rank where it does not). ``plans`` makes every rank's on
+    first use. ``plan_of`` may also be a list of every rank's plans.
     """
 
     def __init__(self, collective, algorithm, world_size, count, dtype, root, plan_of, period=None):
         self.collective, self.algorithm = collective, algorithm
         self.world_size, self.count, self.dtype, self.root = world_size, count, np.dtype(dtype), root
+        if period is not None and (period < 1 or world_size % period):
+            raise ValueError(f"period must divide the world size {world_size}; got {period!r}")
         self.period = period
-        self._plan_of = plan_of
+        self._plan_of = plan_of if callable(plan_of) else list(plan_of).__getitem__  # a list of plans too
         self._representatives = []  # the plans of ranks 0, 1, … made so far
         measured = self._reps(period) if period else self.plans
         itemsize = self.dtype.itemsize
@@ -258,16 +262,18 @@ def plan_maker(collective, algorithm, world_size, count, dtype="float32", root=0
 
 
 def symmetry(collective, algorithm, world_size, count, **params):
-    """The smallest shift s of the ranks under which the call is symmetric (rank r + s's
-    plan is rank r's with every peer q read as q + s, mod p), or None:
+    """A shift s of the ranks under which the call is symmetric (rank r + s's plan is
+    rank r's with every peer q read as q + s, mod p), or None where there is none to
+    use:
 
     - 1 for one of ``collectives.algorithms.SYMMETRIC``, not ordered, with every block
       the same size (allgather's and alltoall's always are; alltoallv's where its
       counts are circulant; the others' where p divides count);
     - k for one of ``NODE_SYMMETRIC`` over equal nodes of k ranks (``nodes=k`` with k
-      dividing p) and equal blocks (allreduce: p times its pieces divide count)."""
+      dividing p) and equal blocks (allreduce: p times its pieces divide count;
+      reduce_scatter: p divides count)."""
     p, count = int(world_size), int(count)
-    if params.get("ordered"):
+    if params.get("ordered") or p < 1:
         return None
     if (collective, algorithm) in SYMMETRIC:
         if collective in VARIABLE:
@@ -276,7 +282,7 @@ def symmetry(collective, algorithm, world_size, count, **params):
             return 1 if np.array_equal(matrix, matrix[0][shifted]) else None
         return 1 if collective in ("allgather", "alltoall") or count % p == 0 else None
     nodes = params.get("nodes")
-    if (collective, algorithm) in NODE_SYMMETRIC and _is_int(nodes) and p % int(nodes) == 0:
+    if (collective, algorithm) in NODE_SYMMETRIC and _is_int(nodes) and 0 < int(nodes) and p % int(nodes) == 0:
         k = int(nodes)
         if collective == "allreduce" and count % (p * len(pipeline_pieces(count))):
             return None
