@@ -73,22 +73,33 @@ def combine(op, a, b, out):
 _TORCH_OPS = {"sum": "add", "avg": "add", "prod": "mul"}
 
 
-def _combine_16_bit_with_torch(op, a, b, out):
-    """``out = a op b`` through torch if it is imported and can view all three arrays
-    without copying (writable, non-negative strides); returns whether it did."""
+def _torch_views(*arrays):
+    """Torch tensors on the very memory of ``arrays`` (float32, float16 or bfloat16; the
+    16-bit ones through an int16 view), or None where torch is not imported or cannot
+    view one of them without copying (read-only, negative strides)."""
     torch = sys.modules.get("torch")
     if torch is None or not hasattr(torch, "from_numpy"):
-        return False
-    arrays = (a, b, out)
-    if any(x.dtype != out.dtype or x.shape != out.shape or not x.flags.writeable or min(x.strides, default=0) < 0
-           for x in arrays):
-        return False
-    dtype = torch.float16 if out.dtype == np.float16 else torch.bfloat16
+        return None
+    if any(not x.flags.writeable or min(x.strides, default=0) < 0 for x in arrays):
+        return None
     try:
-        ta, tb, tout = (torch.from_numpy(x.view(np.int16)).view(dtype) for x in arrays)
+        return [torch.from_numpy(x) if x.dtype == np.float32 else
+                torch.from_numpy(x.view(np.int16)).view(torch.float16 if x.dtype == np.float16 else torch.bfloat16)
+                for x in arrays]
     except (RuntimeError, TypeError, ValueError):  # e.g. a torch built without NumPy support
+        return None
+
+
+def _combine_16_bit_with_torch(op, a, b, out):
+    """``out = a op b`` through torch if it is imported and can view all three arrays
+    without copying; returns whether it did."""
+    if any(x.dtype != out.dtype or x.shape != out.shape for x in (a, b)):
         return False
-    getattr(torch, _TORCH_OPS[op])(ta, tb, out=tout)  # with torch's intra-op threads, as the program set them
+    views = _torch_views(a, b, out)
+    if views is None:
+        return False
+    ta, tb, tout = views
+    getattr(sys.modules["torch"], _TORCH_OPS[op])(ta, tb, out=tout)  # with torch's intra-op threads, as set
     return True
 
 
@@ -104,21 +115,13 @@ def cast(dst, src):
 
 
 def _cast_with_torch(dst, src):
-    torch = sys.modules.get("torch")
-    if torch is None or not hasattr(torch, "from_numpy") or dst.shape != src.shape:
-        return False
     names = {dst.dtype.name, src.dtype.name}
-    if names not in ({"float32", "float16"}, {"float32", "bfloat16"}):
+    if dst.shape != src.shape or names not in ({"float32", "float16"}, {"float32", "bfloat16"}):
         return False
-    if not dst.flags.writeable or not src.flags.writeable or min(dst.strides + src.strides, default=0) < 0:
+    views = _torch_views(dst, src)
+    if views is None:
         return False
-    try:
-        td, ts = (torch.from_numpy(x) if x.dtype == np.float32 else
-                  torch.from_numpy(x.view(np.int16)).view(torch.float16 if x.dtype == np.float16 else torch.bfloat16)
-                  for x in (dst, src))
-    except (RuntimeError, TypeError, ValueError):
-        return False
-    td.copy_(ts)
+    views[0].copy_(views[1])
     return True
 
 
