@@ -13,7 +13,7 @@ import math
 
 from ..algorithms import BUILDERS
 from ..algorithms.hierarchical import pipeline_pieces
-from .simulate import DEFAULT_SEGMENT_SIZE as SEGMENT, costs, symmetry
+from .simulate import DEFAULT_SEGMENT_SIZE as SEGMENT, costs, symmetry, timed_ranks
 
 ALLREDUCE = tuple(BUILDERS["allreduce"])
 DEFAULT_MAX_OPS = 400_000  # simulated operations per point: about 3 s here
@@ -48,12 +48,11 @@ def estimated_ops(algorithm, p, nbytes, servers=None, ranks_per_node=None):
     lg = max(1, math.ceil(math.log2(p)))
     if algorithm == "hierarchical":  # rings in the node and across (k and N steps), per piece
         k = min(ranks_per_node or p, p)
-        reps = k if symmetry("allreduce", algorithm, p, nbytes // 4, nodes=k) else p  # one node's ranks alone
+        reps = timed_ranks(p, symmetry("allreduce", algorithm, p, nbytes // 4, nodes=k), k)  # one node's ranks
         return 6 * reps * (k + math.ceil(p / k)) * len(pipeline_pieces(nbytes // 4))
     if algorithm in ("ring", "direct"):  # symmetric with equal blocks: rank 0 (or a node's ranks) alone
-        shift = ranks_per_node or 1  # as Costs times them: every rank where the nodes do not divide p
-        reps = shift if symmetry("allreduce", algorithm, p, nbytes // 4) and p % shift == 0 else p
-        return 6 * min(reps, p) * (p - 1)
+        reps = timed_ranks(p, symmetry("allreduce", algorithm, p, nbytes // 4), ranks_per_node)
+        return 6 * reps * (p - 1)
     if algorithm == "tree":
         return 6 * p * max(1, math.ceil(nbytes / SEGMENT))
     return 4 * lg * p

@@ -89,28 +89,22 @@ class Costs:
         """Whether the simulation works from representatives (see :func:`symmetry`)."""
         return self.period is not None
 
-    @cached_property
+    @property
     def plans(self):
         """Every rank's plan (made here, on first use, for a symmetric call)."""
-        return [self._plan_of(r) for r in range(self.world_size)]
+        return self._reps(self.world_size)
 
     def _reps(self, count):
-        """The plans of ranks 0 … count-1."""
+        """The plans of ranks 0 … count-1 (each made once)."""
         made = self._representatives
         made += [self._plan_of(r) for r in range(len(made), count)]
         return made[:count]
 
     def _graph(self, ranks_per_node=None):
-        """The timing graph: every rank's plans, or a symmetric call's representatives
-        (ranks 0 … s-1, s = lcm(period, k) where k ranks share a node, if s divides p)."""
-        reps = self.world_size
-        if self.period:
-            shift = math.lcm(self.period, ranks_per_node) if ranks_per_node else self.period
-            if self.world_size % shift == 0:
-                reps = shift
+        """The timing graph of the ranks :func:`timed_ranks` says stand for all."""
+        reps = timed_ranks(self.world_size, self.period, ranks_per_node)
         if reps not in self._graphs:
-            plans = self.plans if reps == self.world_size else self._reps(reps)
-            self._graphs[reps] = Graph(plans, self.dtype.itemsize, self.world_size)
+            self._graphs[reps] = Graph(self._reps(reps), self.dtype.itemsize, self.world_size)
         return self._graphs[reps]
 
     @cached_property
@@ -290,6 +284,16 @@ def symmetry(collective, algorithm, world_size, count, **params):
             return None
         return k
     return None
+
+
+def timed_ranks(world_size, period, ranks_per_node=None):
+    """How many ranks' plans the timing of a call symmetric under a shift by ``period``
+    (None: not symmetric) needs: s = lcm(period, k) for a model of k ranks per node
+    (period alone without nodes), where s divides p; else every rank."""
+    if not period:
+        return world_size
+    shift = math.lcm(period, ranks_per_node) if ranks_per_node else period
+    return shift if world_size % shift == 0 else world_size
 
 
 def costs(collective, algorithm, world_size, count, dtype="float32", root=0, **params):
