@@ -21,9 +21,10 @@ from . import topology as topology_module
 from .algorithms import (SEGMENTED, TOPOLOGICAL, VARIABLE, block_bounds, build, check_algorithm, check_ordered,
                          cost_model_choice)
 from .errors import CollectiveError, CollectiveMismatchError, TransportError
-from .arrays import as_array, check_out, flat_input, flat_view, is_extra, overlaps, same_memory
+from .arrays import as_array, check_dtype, check_out, flat_input, flat_view, is_extra, overlaps, same_memory
 from .device import DeviceArray, is_device
 from .schedule import compile_plan, fuse_reductions, split_schedule
+from .transport import lean
 from .transport.buffers import Buffers
 from .transport.liveness import Liveness
 from .transport.mpi import PlanHandle, Progress, RequestHandle, check_timeout
@@ -246,6 +247,8 @@ class Communicator:
         self.rank = self._comm.Get_rank()
         self.size = self._comm.Get_size()
         self.topology = self._learn_topology(nodes)
+        # A tuning table counts only if it matches every rank's machine: the ranks AND
+        # their verdicts (one allreduce), so all of them choose alike.
         self._selector = Selector.from_environment(self.size, deterministic=deterministic, topology=self.topology)
         self._tag_limit = self._comm.Get_attr(MPI.TAG_UB) + 1
         self._sequence = 0
@@ -254,6 +257,7 @@ class Communicator:
         self._workspace = _Workspace()
         self._devices = {}  # backend -> DeviceContext, made at the first call on that device
         self._node_comm = None
+        self._fast_entries = {}  # what the lean path knows of a kind of call: see _fast_call
 
     def __repr__(self):
         return f"<collectives.Communicator rank {self.rank} of {self.size}>"
@@ -371,6 +375,10 @@ class Communicator:
         """Reduce ``x`` elementwise over all ranks; every rank gets the result (shaped like
         ``x``; ``out=x`` works in place). Every rank's result has the same bits.
         ``timeout``: seconds (see :class:`Communicator`); every collective takes it."""
+        if timeout is None and segment_size is None and type(x) is np.ndarray and type(algorithm) is str:
+            result = self._fast_call("allreduce", algorithm, x, out, op, 0)
+            if result is not _NOT_HANDLED:
+                return result
         return self._allreduce(x, op, algorithm, out, segment_size, timeout, True)
 
     def allreduce_async(self, x, op="sum", algorithm="auto", out=None, *, segment_size=None, timeout=None):
@@ -443,6 +451,10 @@ class Communicator:
 
     def allgather(self, x, algorithm="auto", out=None, *, timeout=None):
         """Gather ``x`` from every rank: returns shape ``(size, *x.shape)``, row r from rank r."""
+        if timeout is None and type(x) is np.ndarray and type(algorithm) is str:
+            result = self._fast_call("allgather", algorithm, x, out, "-", 0)
+            if result is not _NOT_HANDLED:
+                return result
         return self._allgather(x, algorithm, out, timeout, True)
 
     def allgather_async(self, x, algorithm="auto", out=None, *, timeout=None):
@@ -470,6 +482,10 @@ class Communicator:
 
     def broadcast(self, x, root=0, algorithm="auto", *, segment_size=None, timeout=None):
         """Fill ``x`` on every rank with ``x`` from ``root``, in place; returns ``x``."""
+        if timeout is None and segment_size is None and type(x) is np.ndarray and type(algorithm) is str:
+            result = self._fast_call("broadcast", algorithm, x, None, "-", root)
+            if result is not _NOT_HANDLED:
+                return result
         return self._broadcast(x, root, algorithm, segment_size, timeout, True)
 
     def broadcast_async(self, x, root=0, algorithm="auto", *, segment_size=None, timeout=None):
@@ -500,6 +516,10 @@ class Communicator:
     def reduce(self, x, root=0, op="sum", algorithm="auto", out=None, *, timeout=None):
         """Reduce ``x`` over all ranks onto ``root``: the result on root (``out=x`` works
         in place there), ``None`` on the other ranks (whose ``out`` is left alone)."""
+        if timeout is None and type(x) is np.ndarray and type(algorithm) is str:
+            result = self._fast_call("reduce", algorithm, x, out, op, root)
+            if result is not _NOT_HANDLED:
+                return result
         return self._reduce(x, root, op, algorithm, out, timeout, True)
 
     def reduce_async(self, x, root=0, op="sum", algorithm="auto", out=None, *, timeout=None):
@@ -932,12 +952,23 @@ class Communicator:
         plan = _plan(collective, algorithm, self.rank, self.size, count, root, segment, inplace, self.deterministic,
                      counts=counts if collective in VARIABLE else None, topology=self._layout_for(collective, algorithm))
         raw, tmp = self._workspace.take(plan.tmp, out.dtype)
+        buffers = Buffers(inp, out, tmp)
+        if blocking and self._mpi_blocks(timeout) and not self._progress.active:
+            program = lean.program(plan)
+            if program is not None:  # nothing else to serve while it runs: the lean executor
+                try:
+                    lean.run(program, self._comm, self._sequence, buffers, op, lambda: describe,
+                             self._progress._abandoned.append, lambda: self._lean_look(describe))
+                except TransportError as exc:
+                    self._progress.fail(exc)
+                    raise
+                self._workspace.give(raw)
+                return finish()
 
         def done():
             self._workspace.give(raw)
             return finish()
 
-        buffers = Buffers(inp, out, tmp)
         handle = PlanHandle(self._progress, describe, done, self._comm, self._sequence, plan, buffers, op,
                             timeout, self._sequence).start()
         return handle.wait() if blocking else handle
@@ -1024,6 +1055,122 @@ class Communicator:
             handle = device_call.start_plan(self._progress, describe, finish, self._comm, tag, plan, inp,
                                             result if result is not None else inp[:0], op, x.dtype, call, timeout)
         return handle.wait() if blocking else handle
+
+    def _fast_call(self, collective, algorithm, x, out, op, root):
+        """The lean path of a blocking host call: the result, or ``_NOT_HANDLED``
+        (nothing done, no message sent) where the general path must run instead.
+
+        It takes the common case only: ``x`` and ``out`` contiguous NumPy arrays that
+        need no packing and do not overlap (or ``out is x``, in place), no timeout,
+        stall warning or check mode, no call of this communicator in flight, and a
+        call whose (algorithm, dtype, size, op, root, in place) the lean path has seen
+        before. What it learnt then is kept (``_fast_entry``): the algorithm ``auto``
+        resolved to and, for the library's own, the plan's :class:`LeanProgram`, run by
+        :func:`collectives.transport.lean.run`; for ``native``, MPI's blocking call.
+        What the general path would refuse falls through to it, so errors are its own.
+        """
+        progress = self._progress
+        flags = x.flags
+        if (self.check or self.stall_warn is not None or self.timeout is not None or progress.broken is not None
+                or progress.active or type(op) is not str or not flags.c_contiguous):
+            return _NOT_HANDLED
+        if root and (type(root) is not int or not 0 < root < self.size):
+            return _NOT_HANDLED
+        leaf = root != self.rank and collective == "reduce"  # gets no result; out is left alone
+        if collective == "broadcast":
+            if not flags.writeable:
+                return _NOT_HANDLED
+            out = x
+        elif out is None:
+            if not leaf:
+                out = np.empty((self.size,) + x.shape if collective == "allgather" else x.shape, x.dtype)
+        elif out is x and collective != "allgather":  # in place
+            if not flags.writeable:  # the general path refuses it
+                return _NOT_HANDLED
+        else:
+            shape = (self.size,) + x.shape if collective == "allgather" else x.shape
+            if type(out) is not np.ndarray or out.shape != shape or out.dtype != x.dtype:
+                return _NOT_HANDLED
+            out_flags = out.flags
+            if not (out_flags.writeable and out_flags.c_contiguous):
+                return _NOT_HANDLED
+            # Arrays that own their memory are distinct; views may overlap (a bounds check).
+            if (x.base is not None or out.base is not None) and np.may_share_memory(x, out):
+                return _NOT_HANDLED
+        if leaf:
+            out = None
+        inplace = out is x
+        key = (collective, algorithm, x.dtype, x.nbytes, op, root, inplace)
+        entry = self._fast_entries.get(key)
+        if entry is None:
+            entry = self._fast_entry(collective, algorithm, x, op, root, inplace)
+            if len(self._fast_entries) > 4096:  # many distinct sizes: do not grow without bound
+                self._fast_entries.clear()
+            self._fast_entries[key] = entry
+        if entry is False:
+            return _NOT_HANDLED
+        self._sequence = (self._sequence + 1) % self._tag_limit  # as _gate numbers every call
+        progress.call = self._sequence
+        comm = self._comm
+        if entry == "native":
+            try:
+                if collective == "allreduce":
+                    comm.Allreduce(MPI.IN_PLACE if inplace else x, out, _MPI_OPS[op])
+                elif collective == "broadcast":
+                    comm.Bcast(x, root)
+                elif collective == "allgather":
+                    comm.Allgather(x, out)
+                else:
+                    comm.Reduce(MPI.IN_PLACE if inplace else x, out, _MPI_OPS[op], root)
+            except MPI.Exception as exc:
+                raise TransportError(f"{collective}(algorithm='native'): the MPI library failed: {exc}") from exc
+        else:
+            program, name = entry
+            inp = x if x.ndim == 1 else x.reshape(-1)
+            result = inp if inplace else inp[:0] if out is None else out if out.ndim == 1 else out.reshape(-1)
+            raw, tmp = self._workspace.take(program.plan.tmp, x.dtype)
+            sequence = self._sequence
+
+            def describe():
+                return f"{collective}(algorithm={name!r}) call #{sequence}"
+
+            try:
+                lean.run(program, comm, sequence, Buffers(inp, result, tmp), op, describe, progress._abandoned.append,
+                         lambda: self._lean_look(describe()))
+            except TransportError as exc:
+                progress.fail(exc)
+                raise
+            self._workspace.give(raw)
+        if op == "avg" and out is not None:
+            ops.finish(op, out, self.size)
+        return out
+
+    def _lean_look(self, describe):
+        """What the engine does every 20 ms of waiting, for a call on the lean path: read
+        other ranks' failure notices (and raise if one came) and answer liveness probes."""
+        self._progress._look_around(_LeanCall(describe, self._sequence))
+
+    def _fast_entry(self, collective, algorithm, x, op, root, inplace):
+        """What the lean path keeps for a call: ``"native"``, ``(LeanProgram, algorithm)``,
+        or False where the general path must take it (bad arguments, which it reports;
+        a plan too large for the lean executor)."""
+        try:
+            check_algorithm(collective, algorithm)
+            check_dtype(x.dtype, "x")
+            if op != "-":
+                ops.check_op(op, x.dtype)
+            _check_root(root, self.size)
+            name = self._resolve(collective, algorithm, x.nbytes * (self.size if collective == "allgather" else 1),
+                                 x.dtype)
+        except (TypeError, ValueError):
+            return False  # the general path raises it
+        if name == "native":
+            return name
+        segment = self._segment(None, x.itemsize) if (collective, name) in SEGMENTED else 1
+        plan = _plan(collective, name, self.rank, self.size, x.size, root, segment, inplace, self.deterministic,
+                     topology=self._layout_for(collective, name))
+        program = lean.program(plan)
+        return False if program is None else (program, name)
 
     def _native_starter(self, collective, op, root, counts):
         """``(send, receive) -> request``: MPI's non-blocking collective on whole buffers
@@ -1131,6 +1278,15 @@ def _nothing():
     return None
 
 
+class _LeanCall:
+    """A call on the lean path, as the engine's failure handling names it."""
+
+    __slots__ = ("_describe", "_call", "_error")
+
+    def __init__(self, describe, call):
+        self._describe, self._call, self._error = describe, call, None
+
+
 def _vector_messages(send, recv, counts):
     """mpi4py's ``[buffer, (counts, displacements)]`` pair for MPI_Alltoallv, from the
     ``(send, recv)`` element counts."""
@@ -1138,7 +1294,7 @@ def _vector_messages(send, recv, counts):
     return [send, (send_counts, _starts(send_counts))], [recv, (recv_counts, _starts(recv_counts))]
 
 
-_NOT_HANDLED = object()  # _native_now's "take the general path"
+_NOT_HANDLED = object()  # _native_now's and _fast_call's "take the general path"
 
 
 def _prepare(x, out, shape, allow_inplace=True):

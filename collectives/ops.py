@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from .arrays import is_complex, is_floating, is_integer
+from .arrays import EXTRA_DTYPES, is_complex, is_floating, is_integer
 
 _UFUNCS = {
     "sum": np.add,
@@ -57,7 +57,7 @@ def _defined(op, dtype):
 
 def combine(op, a, b, out):
     """``out = a op b`` elementwise; ``out`` may alias ``a`` or ``b``."""
-    if op in _TORCH_OPS and (out.dtype == np.float16 or out.dtype.name == "bfloat16"):
+    if op in _TORCH_OPS and out.dtype in _SIXTEEN_BIT:
         if _combine_16_bit_with_torch(op, a, b, out):
             return
     _UFUNCS[op](a, b, out=out)
@@ -71,6 +71,9 @@ def combine(op, a, b, out):
 # the program has imported torch (the torch adapter and backend, whose fp16 compression
 # reduces float16), sums and products of these dtypes go through torch.
 _TORCH_OPS = {"sum": "add", "avg": "add", "prod": "mul"}
+# float16 and bfloat16 (where ml_dtypes is installed): a set, since comparing a dtype with
+# np.float16 or reading its name costs a microsecond, which a small call feels.
+_SIXTEEN_BIT = frozenset((np.dtype(np.float16),) + tuple(d for d in EXTRA_DTYPES if d.name == "bfloat16"))
 
 
 def _torch_views(*arrays):

@@ -1,0 +1,162 @@
+"""The lean executor: a blocking call's plan run straight through, for small plans.
+
+The progress engine (:mod:`.mpi`) serves every call in flight of a communicator at
+once: it keeps owners and statuses for each request, answers liveness probes, looks
+at the clock for timeouts and stall warnings, and hands every completion to a handle.
+That costs tens of microseconds per call, which is all there is to a call on a few
+bytes. A blocking call that has none of that to do (no timeout, no stall warning, no
+other call of this communicator in flight) runs here instead: the same plan, the same
+order of posting (every operation as soon as what it waits for has finished, ready
+ones in program order), the same message checks, in one loop over precomputed
+tables (:class:`LeanProgram`, made once per plan).
+
+Waiting polls ``Testsome`` and yields the CPU between polls, as the engine does (a
+rank that spins keeps the peer it waits for off the CPU when ranks outnumber cores).
+Plans with more than ``MAX_OPS`` operations (pipelined ones, with many segments) go to
+the engine: their messages are large and the fixed cost does not matter there.
+"""
+
+import heapq
+import os
+import time
+
+from mpi4py import MPI
+
+from ..errors import MessageSizeError, TransportError
+from ..ops import combine
+from ..schedule import Reduce, Recv, Send
+
+MAX_OPS = 64
+LOOK_EVERY = 0.02  # seconds of waiting between looks for other ranks' failure notices
+
+_SEND, _RECV, _LOCAL, _REDUCE = 0, 1, 2, 3  # _LOCAL: a copy or a fold, run by Buffers.run_local
+_yield_cpu = getattr(os, "sched_yield", lambda: None)
+
+
+class LeanProgram:
+    """A plan's tables for :func:`run`: what each operation is, which buffer slice a
+    message moves, and the operations ready at the start."""
+
+    __slots__ = ("plan", "kinds", "slices", "peers", "pending", "ready", "dependents", "fifo_next")
+
+    def __init__(self, plan):
+        self.plan = plan
+        self.kinds = tuple(_SEND if isinstance(op, Send) else _RECV if isinstance(op, Recv)
+                           else _REDUCE if isinstance(op, Reduce) else _LOCAL for op in plan.ops)
+        self.slices = tuple(op.src if isinstance(op, Send) else op.dst if isinstance(op, Recv) else None
+                            for op in plan.ops)
+        self.peers = tuple(getattr(op, "peer", -1) for op in plan.ops)
+        self.pending = tuple(plan.initial_pending())
+        self.ready = [i for i, n in enumerate(self.pending) if n == 0]  # already a heap: ascending
+        self.dependents = plan.dependents
+        self.fifo_next = plan.fifo_next
+
+
+def program(plan):
+    """The :class:`LeanProgram` of ``plan`` (made at the first call, kept with the plan),
+    or None if the plan is too large for the lean path."""
+    lean = plan.__dict__.get("_lean", False)
+    if lean is False:
+        lean = LeanProgram(plan) if len(plan.ops) <= MAX_OPS else None
+        object.__setattr__(plan, "_lean", lean)  # the plan is frozen; this is a cache beside it
+    return lean
+
+
+def run(lean, comm, tag, buffers, op_name, describe, abandon, look=None):
+    """Run ``lean`` over ``comm`` with ``tag`` on ``buffers`` (a
+    :class:`~collectives.transport.buffers.Buffers`), blocking until it has finished.
+    ``describe()`` names the call in errors. While it waits, ``look()`` is called every
+    ``LOOK_EVERY`` seconds (the engine's look for other ranks' failure notices, which
+    raises :class:`TransportError` if one came). On a message of the wrong size, an
+    MPI error or an error from ``look``, cancels its receives in flight, hands every
+    request still in flight to ``abandon`` (their buffers must stay alive) and raises
+    the error (:class:`MessageSizeError` or :class:`TransportError`, naming the peer
+    and step like the engine's)."""
+    pending = list(lean.pending)
+    ready = lean.ready[:]
+    kinds, slices, peers, dependents, fifo_next = lean.kinds, lean.slices, lean.peers, lean.dependents, lean.fifo_next
+    ops = lean.plan.ops
+    arrays = buffers.arrays
+    requests, owners, sizes = [], [], []
+    statuses = []  # Testsome fills it: entry k is for the k-th finished request
+    remaining = len(kinds)
+    next_look = None
+    try:
+        while True:
+            while ready:
+                i = heapq.heappop(ready)
+                kind = kinds[i]
+                if kind == _REDUCE:
+                    dst, a, b = ops[i]
+                    combine(op_name, arrays[a.buf][a.lo:a.hi], arrays[b.buf][b.lo:b.hi], arrays[dst.buf][dst.lo:dst.hi])
+                    remaining -= 1
+                    released = dependents[i]
+                elif kind == _LOCAL:
+                    buffers.run_local(op_name, ops[i])
+                    remaining -= 1
+                    released = dependents[i]
+                else:
+                    s = slices[i]
+                    view = arrays[s.buf][s.lo:s.hi]
+                    if kind == _SEND:
+                        requests.append(comm.Isend([view, MPI.BYTE], peers[i], tag))
+                    else:
+                        requests.append(comm.Irecv([view, MPI.BYTE], peers[i], tag))
+                    owners.append(i)
+                    sizes.append(view.nbytes)
+                    nxt = fifo_next[i]
+                    released = (nxt,) if nxt >= 0 else ()
+                for j in released:
+                    pending[j] -= 1
+                    if pending[j] == 0:
+                        heapq.heappush(ready, j)
+            if remaining == 0:
+                return
+            finished = MPI.Request.Testsome(requests, statuses)
+            if not finished:
+                if finished is None:  # every request has completed, yet operations remain
+                    raise TransportError(f"{describe()} is unfinished with no message in flight "
+                                         "(a bug in the library: please report it)")
+                _yield_cpu()
+                if look is not None:
+                    now = time.monotonic()
+                    if next_look is None:
+                        next_look = now + LOOK_EVERY
+                    elif now >= next_look:
+                        next_look = now + LOOK_EVERY
+                        look()
+                continue
+            for k, j in enumerate(finished):
+                i = owners[j]
+                if kinds[i] == _RECV:
+                    got = statuses[k].Get_count(MPI.BYTE)
+                    if got != sizes[j]:
+                        error = MessageSizeError(
+                            f"{describe()}: step {i + 1} of {len(kinds)}: received {got} B from rank {peers[i]} where "
+                            f"the schedule expects {sizes[j]} B; the ranks called it with buffers of different sizes")
+                        error.peer, error.step = peers[i], i + 1
+                        raise error
+                remaining -= 1
+                for j2 in dependents[i]:
+                    pending[j2] -= 1
+                    if pending[j2] == 0:
+                        heapq.heappush(ready, j2)
+    except MPI.Exception as exc:
+        error = TransportError(f"{describe()}: MPI failed: {exc}")
+        error.peer, error.step = -1, -1
+        _give_up(requests, owners, kinds, abandon)
+        raise error from exc
+    except (MessageSizeError, TransportError):
+        _give_up(requests, owners, kinds, abandon)
+        raise
+
+
+def _give_up(requests, owners, kinds, abandon):
+    for request, i in zip(requests, owners):
+        if request != MPI.REQUEST_NULL:
+            if kinds[i] == _RECV:
+                try:
+                    request.Cancel()
+                except MPI.Exception:
+                    pass
+            abandon(request)

@@ -1,0 +1,179 @@
+"""The lean path of blocking calls (``Communicator._fast_call`` and
+``collectives.transport.lean``): it must give what the general path gives, bit for bit,
+take only the calls it can, and fail like the engine does. Runs serially and under
+``mpiexec -n N``.
+
+The general path is forced with ``timeout=`` (a call that can time out needs the
+progress engine); the lean path is what the same call takes without one.
+"""
+
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import collectives as cc
+from collectives.transport import lean
+from conftest import agree, expected_result, rank_input
+
+WORLD = MPI.COMM_WORLD
+LAST = WORLD.Get_size() - 1
+SHAPES = {"allgather": lambda size, shape: (size,) + shape}
+
+
+def call(comm, collective, x, algorithm, op, root, out, timeout=None):
+    if collective == "allreduce":
+        return comm.allreduce(x, op=op, algorithm=algorithm, out=out, timeout=timeout)
+    if collective == "allgather":
+        return comm.allgather(x, algorithm=algorithm, out=out, timeout=timeout)
+    if collective == "broadcast":
+        return comm.broadcast(x, root=root, algorithm=algorithm, timeout=timeout)
+    return comm.reduce(x, root=root, op=op, algorithm=algorithm, out=out, timeout=timeout)
+
+
+def cases():
+    for collective in ("allreduce", "allgather", "broadcast", "reduce"):
+        for algorithm in cc.algorithms(collective):
+            if algorithm.startswith("hierarchical"):
+                continue  # they need a layout of several nodes; test_hierarchical has them
+            yield collective, algorithm
+
+
+@pytest.mark.parametrize("collective,algorithm", list(cases()))
+@pytest.mark.parametrize("count,shape", [(1, (1,)), (5, (5,)), (12, (3, 4)), (0, (0,))])
+@pytest.mark.parametrize("how", ["fresh", "out", "inplace"])
+def test_lean_path_gives_the_general_paths_bits(comm, collective, algorithm, count, shape, how):
+    """int32 and float32 (integer-valued, so exact), avg on float32; root = the last rank."""
+    problems = []
+    root = comm.size - 1
+    for dtype, op in ((np.int32, "sum"), (np.float32, "avg"), (np.float32, "max")):
+        if collective in ("allgather", "broadcast") and op != "sum":
+            continue
+        if how == "inplace" and collective not in ("allreduce", "reduce"):
+            continue
+        xs = [rank_input(r, count, dtype, op).reshape(shape) for r in range(comm.size)]
+        results = []
+        for timeout in (None, 60):  # lean, then general
+            x = xs[comm.rank].copy()
+            if collective == "broadcast" and comm.rank != root:
+                x[...] = 0
+            out = None
+            if how == "out":
+                out = np.full(SHAPES.get(collective, lambda s, sh: sh)(comm.size, shape), 7, dtype)
+            elif how == "inplace":
+                out = x
+            got = call(comm, collective, x, algorithm, op, root, out, timeout)
+            if out is not None and got is not None and got is not out and collective != "broadcast":
+                problems.append(f"{how}: the result is not the out array")
+            results.append(None if got is None else got.copy())
+        label = f"{collective}/{algorithm} {np.dtype(dtype).name} {op} {shape} {how}"
+        lean_result, general = results
+        if (lean_result is None) != (general is None):
+            problems.append(f"{label}: lean gave {lean_result!r}, general {general!r}")
+        elif lean_result is not None:
+            if lean_result.shape != general.shape or lean_result.tobytes() != general.tobytes():
+                problems.append(f"{label}: lean {lean_result.ravel()[:6]} != general {general.ravel()[:6]}")
+            want = expected_result(collective, comm.rank, comm.size, [x.ravel() for x in xs], op, root)
+            if want is not None and not np.array_equal(lean_result.ravel(), np.asarray(want).ravel()):
+                problems.append(f"{label}: lean {lean_result.ravel()[:6]} != NumPy {np.asarray(want).ravel()[:6]}")
+    agree(comm._comm, problems)
+
+
+def test_lean_path_takes_repeated_calls_and_learns_each_kind_once(comm):
+    """The second call of a kind is served from what the first learnt: native for a tiny
+    auto allreduce (here auto's choice), a LeanProgram for the library's own."""
+    x = np.arange(4, dtype=np.float32)
+    ring = comm.allreduce(x, algorithm="ring")
+    runs = []
+    real_run = lean.run
+
+    def counting_run(*args, **kwargs):
+        runs.append(args[0])
+        return real_run(*args, **kwargs)
+
+    lean.run = counting_run
+    try:
+        again = comm.allreduce(x, algorithm="ring")
+    finally:
+        lean.run = real_run
+    problems = []
+    if comm.size > 1 and len(runs) != 1:
+        problems.append(f"the lean executor ran {len(runs)} times for one ring call")
+    if not np.array_equal(ring, again) or not np.array_equal(again, x * comm.size):
+        problems.append(f"ring gave {again}, want {x * comm.size}")
+    entry = comm._fast_entries.get(("allreduce", "ring", x.dtype, x.nbytes, "sum", 0, False))
+    if not (isinstance(entry, tuple) and entry[1] == "ring"):
+        problems.append(f"no lean entry for the ring call: {entry!r}")
+    agree(comm._comm, problems)
+
+
+def test_calls_the_lean_path_refuses_take_the_general_path(comm):
+    """Non-contiguous input, an out that overlaps x, a timeout, check mode: correct
+    results through the general path, and nothing learnt for them."""
+    problems = []
+    base = np.arange(16, dtype=np.float64)
+    strided = base[::2]
+    got = comm.allreduce(strided, algorithm="ring")
+    if not np.array_equal(got, strided * comm.size):
+        problems.append(f"strided: {got}")
+    y = np.arange(8, dtype=np.float64)
+    overlapping = comm.allreduce(y[:4], out=y[2:6], algorithm="ring")
+    if not np.array_equal(overlapping, np.arange(4) * comm.size):
+        problems.append(f"overlapping out: {overlapping}")
+    checked = cc.Communicator(check=True)
+    if not np.array_equal(checked.allreduce(np.ones(3), algorithm="direct"), np.full(3, comm.size)):
+        problems.append("check mode gave a wrong result")
+    if checked._fast_entries:
+        problems.append(f"check mode learnt lean entries: {list(checked._fast_entries)}")
+    checked.free()
+    agree(comm._comm, problems)
+
+
+def test_bad_arguments_still_raise_the_general_paths_errors(comm):
+    x = np.ones(4, np.float32)
+    with pytest.raises(ValueError, match="algorithm for allreduce"):
+        comm.allreduce(x, algorithm="no such")
+    with pytest.raises(TypeError, match="op 'band' needs an integer dtype"):
+        comm.allreduce(x, op="band")
+    with pytest.raises(ValueError, match="root must be a rank"):
+        comm.broadcast(x, root=comm.size)
+    with pytest.raises(ValueError, match="out must have shape"):
+        comm.allreduce(x, out=np.empty(5, np.float32))
+    with pytest.raises(ValueError, match="writable"):
+        comm.broadcast(_read_only(3))
+    agree(comm._comm, [])
+
+
+def _read_only(n):
+    x = np.ones(n)
+    x.setflags(write=False)
+    return x
+
+
+@pytest.mark.skipif(WORLD.Get_size() < 2, reason="needs two ranks")
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "direct"])
+def test_a_size_mismatch_on_the_lean_path_stops_every_rank(algorithm):
+    """No timeout anywhere, so the lean path runs: ranks that received a message of the
+    wrong size raise and tell the others, which stop too (the lean wait reads the
+    notices as the engine does) instead of waiting for ever."""
+    comm = cc.Communicator()
+    n = 1000 if comm.rank == LAST else 1024
+    start = time.monotonic()
+    try:
+        comm.allreduce(np.ones(n, np.float32), algorithm=algorithm)
+        kind = "no error"
+    except cc.CollectiveError as exc:
+        kind = type(exc).__name__
+    problems = []
+    if kind not in ("MessageSizeError", "TransportError"):
+        problems.append(f"got {kind}")
+    if time.monotonic() - start > 10:
+        problems.append("the ranks waited instead of being told")
+    try:
+        comm.allreduce(np.ones(4))
+        problems.append("a broken communicator accepted a call")
+    except cc.CollectiveError as exc:
+        if "broken" not in str(exc):
+            problems.append(f"later call: {exc}")
+    agree(WORLD, problems)
