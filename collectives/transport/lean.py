@@ -10,8 +10,9 @@ order of posting (every operation as soon as what it waits for has finished, rea
 ones in program order), the same message checks, in one loop over precomputed
 tables (:class:`LeanProgram`, made once per plan).
 
-Waiting polls ``Testsome`` and yields the CPU between polls, as the engine does (a
-rank that spins keeps the peer it waits for off the CPU when ranks outnumber cores).
+Waiting polls ``Testsome``; after ``SPIN`` seconds without progress it yields the CPU
+between polls, as the engine does (a rank that spins keeps the peer it waits for off
+the CPU when ranks outnumber cores).
 Plans with more than ``MAX_OPS`` operations (pipelined ones, with many segments) go to
 the engine: their messages are large and the fixed cost does not matter there.
 """
@@ -28,6 +29,10 @@ from ..schedule import Reduce, Recv, Send
 
 MAX_OPS = 64
 LOOK_EVERY = 0.02  # seconds of waiting between looks for other ranks' failure notices
+# Seconds a call polls without yielding the CPU, from its first empty poll: a peer on
+# another core answers a small message within a few microseconds, and a yield (a system
+# call, and on a shared machine possibly another process's time slice) would double that.
+SPIN = 20e-6
 
 _SEND, _RECV, _LOCAL, _REDUCE = 0, 1, 2, 3  # _LOCAL: a copy or a fold, run by Buffers.run_local
 _yield_cpu = getattr(os, "sched_yield", lambda: None)
@@ -117,12 +122,12 @@ def run(lean, comm, tag, buffers, op_name, describe, abandon, look=None):
                 if finished is None:  # every request has completed, yet operations remain
                     raise TransportError(f"{describe()} is unfinished with no message in flight "
                                          "(a bug in the library: please report it)")
-                _yield_cpu()
-                if look is not None:
-                    now = time.monotonic()
-                    if next_look is None:
-                        next_look = now + LOOK_EVERY
-                    elif now >= next_look:
+                now = time.monotonic()
+                if next_look is None:  # the first poll that found nothing
+                    spin_until, next_look = now + SPIN, now + LOOK_EVERY
+                if now >= spin_until:
+                    _yield_cpu()
+                    if now >= next_look and look is not None:
                         next_look = now + LOOK_EVERY
                         look()
                 continue
