@@ -4,43 +4,73 @@ In order, the first that answers:
 
 1. ``COLLECTIVES_<COLLECTIVE>_ALGORITHM`` (e.g. ``COLLECTIVES_ALLREDUCE_ALGORITHM=ring``)
    forces one algorithm for every size, like ``NCCL_ALGO`` or MPICH's CVARs;
-2. a measured tuning table: the file named by ``COLLECTIVES_TUNING``, else the table
-   measured on the development machine that ships with the package
-   (``collectives/data/tuning.json``), if it has the world size;
-3. the cost-model rule in :func:`collectives.algorithms.cost_model_choice`.
+2. a measured tuning table, **if it was measured here**: the file named by
+   ``COLLECTIVES_TUNING``, else the table that ships with the package
+   (``collectives/data/tuning.json``, measured on the development machine), if it
+   has the world size (one node) or the node layout (several) and that entry's
+   fingerprint (:func:`fingerprint`: CPU model, logical CPUs, ranks per node, nodes,
+   MPI library and version) equals this job's on *every* rank. The ranks agree on
+   it when the :class:`~collectives.Communicator` is made (one allreduce), so a job
+   whose nodes differ falls back on all ranks together. An entry without a
+   fingerprint (a file written before fingerprints) is used only from a file named
+   by ``COLLECTIVES_TUNING``: the user chose it;
+3. the conservative rule (:func:`conservative_choice`): ``native`` unless the cost
+   model predicts at least ``GAIN_NEEDED`` (2x) for one of the library's algorithms.
+   ``COLLECTIVES_AUTO_RULE=cost-model`` asks for the older rule of
+   :func:`collectives.algorithms.cost_model_choice` here instead (latency- then
+   bandwidth-optimal algorithms, the two-level ones on several nodes).
+
+Device arrays have tables of their own (``device_tables``, same fingerprint rule);
+without one they take the cost-model rule: the conservative rule's model is
+calibrated for host buffers, and ``native`` there means MPI on host copies.
 
 In deterministic mode a choice that cannot reduce in rank order (see
 ``collectives.algorithms.ORDERED``) gives way to one that can, and an override that
-names one is refused.
+names one is refused. ``comm.choose(collective, nbytes)`` says which rule decided.
+
+Where no table matches, rank 0 of the first such communicator prints one line to
+stderr (once per process) saying so and how to tune; ``COLLECTIVES_QUIET=1`` (or
+choosing a rule with ``COLLECTIVES_AUTO_RULE``) hides it.
 
 A tuning file is what ``collectives-bench --tune`` writes::
 
     {"format": 1,
-     "measured": {...where and how...},
+     "measured": {"4": {...how..., "fingerprint": {"cpu": "AMD EPYC", "cpus": 2,
+                                                    "mpi": "MPICH Version: 5.0.2",
+                                                    "nodes": 1, "ranks_per_node": 4}}, ...},
      "tables": {"allreduce": {"4": [[0, "native"], [65536, "ring"]], ...}, ...}}
 
-Each world size maps to a list of ``[from_bytes, algorithm]``, ascending: the
-algorithm applies from ``from_bytes`` up to the next entry's (the first entry also
-below its ``from_bytes``, which ``--tune`` writes as 0). ``bytes`` is the size
-the benchmark reports: the input for allreduce, reduce_scatter, broadcast and reduce,
-the gathered output for allgather and gather, the root's whole buffer for scatter and
-a rank's whole input for alltoall.
+``measured`` is keyed like the tables (``"4"``, ``"2x4"``; ``"4 device"`` for the
+device tables). Each world size maps to a list of ``[from_bytes, algorithm]``,
+ascending: the algorithm applies from ``from_bytes`` up to the next entry's (the
+first entry also below its ``from_bytes``, which ``--tune`` writes as 0). ``bytes`` is
+the size the benchmark reports: the input for allreduce, reduce_scatter, broadcast
+and reduce, the gathered output for allgather and gather, the root's whole buffer for
+scatter and a rank's whole input for alltoall.
 
 The environment is read when a :class:`~collectives.Communicator` is created, and
 bad values raise there, before any message is sent.
 """
 
 import bisect
+import functools
 import json
 import os
+import platform
 import re
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from .algorithms import BUILDERS, COLLECTIVES, ORDERED, algorithms, check_ordered, cost_model_choice
+from .algorithms import BUILDERS, COLLECTIVES, ORDERED, algorithms, check_ordered, cost_model_choice, two_level
 
 FORMAT = 1
 DEFAULT_TABLE = Path(__file__).parent / "data" / "tuning.json"
 TUNING_ENV = "COLLECTIVES_TUNING"
+RULE_ENV = "COLLECTIVES_AUTO_RULE"  # "conservative" (the default) or "cost-model"
+RULES = ("conservative", "cost-model")
+QUIET_ENV = "COLLECTIVES_QUIET"  # hides the one-line hint
+GAIN_NEEDED = 2.0  # the conservative rule leaves native only for this predicted speedup
 # A node layout as Topology.key() writes it: nodes x ranks per node, or the node sizes.
 LAYOUT_KEY = re.compile(r"[1-9][0-9]*x[1-9][0-9]*|[1-9][0-9]*(\+[1-9][0-9]*)+")
 
@@ -54,14 +84,90 @@ def _concrete(collective):
     return tuple(a for a in algorithms(collective) if a != "auto")
 
 
+# == fingerprints: where a table was measured =========================================
+
+def _squeeze(text):
+    return " ".join(str(text).split())
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_model():
+    """The CPU model: ``/proc/cpuinfo``'s first "model name" where there is one (Linux
+    x86), else ``platform.processor()`` or ``platform.machine()``; spaces squeezed."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return _squeeze(value)
+    except OSError:
+        pass
+    return _squeeze(platform.processor() or platform.machine() or "unknown")
+
+
+@functools.lru_cache(maxsize=None)
+def mpi_library():
+    """``MPI.Get_library_version()``'s first line, spaces squeezed: "MPICH Version: 5.0.2"."""
+    from mpi4py import MPI
+
+    return _squeeze(MPI.Get_library_version().split("\n")[0])
+
+
+def _layout(topology, world_size):
+    """``{"nodes": N, "ranks_per_node": k}``; k is an int where every node holds the
+    same number of ranks, else the layout key (``"3+1"``)."""
+    if topology is None:
+        return {"nodes": 1, "ranks_per_node": world_size}
+    sizes = topology.ranks_per_node
+    return {"nodes": len(sizes), "ranks_per_node": sizes[0] if len(set(sizes)) == 1 else topology.key()}
+
+
+def fingerprint(topology=None, world_size=None):
+    """This machine and layout, as a tuning table's entries are stamped with it:
+    ``{"cpu", "cpus", "mpi", "nodes", "ranks_per_node"}`` (CPU model, ``os.cpu_count()``,
+    the MPI library's first version line, the node count and the ranks per node, from
+    ``topology``, a :class:`~collectives.Topology`, or one node of ``world_size`` ranks)."""
+    if topology is None and world_size is None:
+        raise ValueError("fingerprint needs a topology or a world size")
+    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "mpi": mpi_library(), **_layout(topology, world_size)}
+
+
+_this_fingerprint = fingerprint  # for Selector, whose argument of that name shadows it
+
+
+def fingerprint_for_key(key):
+    """The fingerprint of this machine for a table key: ``"4"`` (one node of 4 ranks),
+    ``"2x4"``, ``"3+1"`` (what ``collectives-bench --tune`` stamps each entry with)."""
+    key = str(key)
+    if re.fullmatch(r"[1-9][0-9]*", key):
+        layout = {"nodes": 1, "ranks_per_node": int(key)}
+    elif re.fullmatch(r"[1-9][0-9]*x[1-9][0-9]*", key):
+        nodes, per_node = key.split("x")
+        layout = {"nodes": int(nodes), "ranks_per_node": int(per_node)}
+    elif LAYOUT_KEY.fullmatch(key):
+        layout = {"nodes": key.count("+") + 1, "ranks_per_node": key}
+    else:
+        raise ValueError(f"{key!r} is not a world size nor a node layout such as 2x4 or 3+1")
+    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "mpi": mpi_library(), **layout}
+
+
+def describe_fingerprint(stamp):
+    """A short text: ``AMD EPYC, 2 CPUs, MPICH 5.0.2, 1x4``."""
+    mpi = re.sub(r"\s*\bVersion:?\s*", " ", str(stamp.get("mpi", "?"))).split(",")[0].strip()
+    rpn = stamp.get("ranks_per_node", "?")
+    layout = f"{stamp.get('nodes', '?')}x{rpn}" if isinstance(rpn, int) else f"{stamp.get('nodes', '?')} nodes {rpn}"
+    return f"{stamp.get('cpu', '?')}, {stamp.get('cpus', '?')} CPUs, {mpi}, {layout}"
+
+
 class TuningTable:
     """Size thresholds between algorithms, per collective and world size."""
 
-    def __init__(self, tables, source="<memory>"):
+    def __init__(self, tables, source="<memory>", measured=None):
         self.source = str(source)
         self._ranges = {}  # (collective, world_size) -> (from_bytes list, algorithm list)
         if not isinstance(tables, dict):
             raise ValueError(f"tuning table {self.source}: 'tables' must be an object")
+        self.measured = self._check_measured(measured)
         for collective, by_size in tables.items():
             if collective not in COLLECTIVES:
                 raise ValueError(f"tuning table {self.source}: unknown collective {collective!r}")
@@ -76,6 +182,30 @@ class TuningTable:
                     raise ValueError(f"tuning table {self.source}, {collective}: world size {world_size!r} "
                                      "is not a positive integer nor a node layout such as 2x4 or 3+1")
                 self._ranges[collective, key] = self._check(collective, world_size, entries)
+
+    def _check_measured(self, measured):
+        """The file's ``measured`` object (key -> how and where); each entry's
+        ``fingerprint``, where present, must be an object."""
+        if measured is None:
+            return {}
+        if not isinstance(measured, dict):
+            raise ValueError(f"tuning table {self.source}: 'measured' must be an object")
+        for key, entry in measured.items():
+            stamp = entry.get("fingerprint") if isinstance(entry, dict) else None
+            if not isinstance(entry, dict) or not (stamp is None or isinstance(stamp, dict)):
+                raise ValueError(f"tuning table {self.source}: measured[{key!r}] must be an object whose "
+                                 "'fingerprint' is an object")
+        return measured
+
+    def stamp(self, key):
+        """The fingerprint the entry ``key`` (``"4"``, ``"2x4"``, ``"4 device"``) was
+        measured with, or None (none recorded: a file from before fingerprints)."""
+        entry = self.measured.get(str(key))
+        return entry.get("fingerprint") if entry is not None else None
+
+    def has(self, world_size):
+        """True if some collective has a table at ``world_size`` (an int, or a layout key)."""
+        return any(size == world_size for _, size in self._ranges)
 
     def _check(self, collective, world_size, entries):
         where = f"tuning table {self.source}, {collective} at world size {world_size}"
@@ -107,7 +237,8 @@ class TuningTable:
             raise ValueError(f"tuning file {path}: expected an object with \"format\": {FORMAT}")
         if key != "tables" and key not in data:
             return None
-        return cls(data.get(key), source=f"{path} ({key})" if key != "tables" else path)
+        return cls(data.get(key), source=f"{path} ({key})" if key != "tables" else path,
+                   measured=data.get("measured"))
 
     def world_sizes(self, collective):
         return sorted(size for c, size in self._ranges if c == collective and isinstance(size, int))
@@ -121,20 +252,305 @@ class TuningTable:
         return names[bisect.bisect_right(starts, nbytes) - 1]
 
 
-class Selector:
-    """Resolves ``auto`` for one communicator's world size (decisions are cached)."""
+# == the conservative rule: native unless the cost model predicts a 2x gain ============
 
-    def __init__(self, world_size, table=None, overrides=None, device_table=None, deterministic=False, topology=None):
+@dataclass(frozen=True)
+class CostModel:
+    """The conservative rule's α-β-γ parameters, in seconds and seconds per byte.
+
+    ``alpha`` is one of this library's messages in a node (a Python round trip through
+    the plan engine), ``mpi_alpha`` one of MPI's own (about a tenth); ``beta`` and
+    ``gamma``, per byte sent and reduced, are the same for both (the same memory and
+    transport carry the bytes). Between nodes a message costs ``net_alpha`` (ours) or
+    ``mpi_net_alpha`` (MPI's), plus ``net_beta`` per byte on its node's link, which
+    the node's ranks share. The defaults are the calibrations shipped in
+    ``bench/results``: in a node, the joint fit at 2 and 4 ranks of
+    ``epyc-2vcpu-mpich5/README.md`` (α 22 µs, rounded to 20; β 0.166 ns/B; γ 0.093 ns/B);
+    between nodes, the two-level fit of ``testbed-1gbit/README.md`` (α′ 50 µs for ours,
+    MPI's taken as that less our extra 18 µs per message; β′ 8.43 ns/B, 1 Gbit/s)."""
+
+    alpha: float = 20e-6
+    mpi_alpha: float = 2e-6
+    beta: float = 0.166e-9
+    gamma: float = 0.093e-9
+    net_alpha: float = 50e-6
+    mpi_net_alpha: float = 32e-6
+    net_beta: float = 8.43e-9
+
+
+SHIPPED_MODEL = CostModel()
+
+
+def _lg(x):
+    """⌈lg x⌉ for x >= 1."""
+    return (int(x) - 1).bit_length()
+
+
+class _Net:
+    """The layout as the model sees it: p ranks on N nodes of at most k ranks (m on the
+    smallest), ``blocked`` where each node holds consecutive ranks. For a flat schedule
+    each method says how many of a node's ranks send across the network at once in a
+    step where rank r's partner is at distance d (0: the step stays in the nodes)."""
+
+    def __init__(self, size, topology):
+        sizes = topology.ranks_per_node if topology is not None and topology.size == size else (size,)
+        self.p, self.N, self.k, self.m = size, len(sizes), max(sizes), min(sizes)
+        self.blocked = topology is None or topology.contiguous
+        self.even = self.k == self.m and self.k & (self.k - 1) == 0  # equal nodes of 2^j ranks
+
+    def xor(self, d):  # partners r ^ d (recursive doubling and halving)
+        if self.N == 1:
+            return 0
+        if not self.blocked:
+            return self.k
+        return (0 if d < self.k else self.k) if self.even else min(d, self.k)
+
+    def shift(self, d):  # partners r ± d (ring: d = 1; Bruck)
+        return 0 if self.N == 1 else min(d, self.k) if self.blocked else self.k
+
+    def tree(self, d):  # a binomial tree's step at distance d: one sender per subtree
+        if self.N == 1:
+            return 0
+        if self.blocked:
+            return 0 if self.even and d < self.k else 1
+        return min(self.k, max(1, self.p // (2 * d * self.N)))
+
+
+def _step(model, ours, nbytes, crossing=0, reduced=0.0):
+    """One step in which each rank sends ``nbytes`` (and reduces ``reduced``), with
+    ``crossing`` of a node's ranks sending across the network at once."""
+    if crossing:
+        alpha = model.net_alpha if ours else model.mpi_net_alpha
+        return alpha + max(nbytes * model.beta, crossing * nbytes * model.net_beta) + reduced * model.gamma
+    return (model.alpha if ours else model.mpi_alpha) + nbytes * model.beta + reduced * model.gamma
+
+
+def _distances(p):
+    """1, 2, 4, … p'/2, p' = 2^⌊lg p⌋: the steps of the recursive algorithms."""
+    return [1 << i for i in range(p.bit_length() - 1)]
+
+
+def _fold(model, net, ours, out, back):
+    """Not a power of two: pairs fold onto p' ranks (``out`` bytes sent and reduced)
+    and get ``back`` bytes at the end."""
+    if net.p & (net.p - 1) == 0:
+        return 0.0
+    return _step(model, ours, out, net.shift(1), out) + _step(model, ours, back, net.shift(1))
+
+
+def _recursive_doubling(model, net, n, ours):  # allreduce: the whole buffer at each step
+    return sum(_step(model, ours, n, net.xor(d), n) for d in _distances(net.p)) + _fold(model, net, ours, n, n)
+
+
+def _halving(model, net, n, ours, ascending, whole):
+    """Recursive halving (reduce_scatter; with ``whole``, then recursive doubling back:
+    Rabenseifner's allreduce). The halves n/2, n/4, … go at distances 1, 2, … where
+    ``ascending`` (MPICH's allreduce), at p'/2, p'/4, … otherwise (this library's)."""
+    ds = _distances(net.p)
+    pairs = list(zip(ds if ascending else ds[::-1], (n / 2 ** (i + 1) for i in range(len(ds)))))
+    t = sum(_step(model, ours, m, net.xor(d), m) for d, m in pairs)
+    if whole:
+        return 2 * t - sum(m for _, m in pairs) * model.gamma + _fold(model, net, ours, n, n)
+    return t + _fold(model, net, ours, n, n / net.p)
+
+
+def _ring(model, net, n, ours, reducing, plain):
+    b = n / net.p
+    return reducing * _step(model, ours, b, net.shift(1), b) + plain * _step(model, ours, b, net.shift(1))
+
+
+def _direct(model, net, n, ours, rounds, reduced):
+    """``rounds`` rounds in which every rank sends a block of n/p to every other rank,
+    one message at a time through its port; the node's link carries its ranks'
+    blocks for the other nodes."""
+    p, k, b = net.p, net.k, n / net.p
+    alpha, net_alpha = (model.alpha, model.net_alpha) if ours else (model.mpi_alpha, model.mpi_net_alpha)
+    per_round = (k - 1) * alpha + (p - k) * net_alpha + max((p - 1) * b * model.beta, k * (p - k) * b * model.net_beta)
+    return rounds * per_round + reduced * model.gamma
+
+
+def _doubling_gather(model, net, n, ours):  # allgather, recursive doubling
+    p2 = 1 << (net.p.bit_length() - 1)
+    return sum(_step(model, ours, d * n / p2, net.xor(d)) for d in _distances(net.p)) \
+        + _fold(model, net, ours, n / net.p, n) - (n / net.p * model.gamma if net.p != p2 else 0.0)
+
+
+def _bruck(model, net, n, ours, alltoall=False):
+    steps, d = [], 1
+    while d < net.p:
+        steps.append((n / 2 if alltoall else min(d, net.p - d) * n / net.p, net.shift(d)))
+        d *= 2
+    return sum(_step(model, ours, m, c) for m, c in steps)
+
+
+def _binomial(model, net, n, ours, kind):
+    """broadcast: n at each step, far partners first; reduce: n reduced at each step,
+    near partners first; gather or scatter (n = the whole): d blocks at distance d."""
+    ds = [1 << i for i in range(_lg(net.p))]
+    if kind == "broadcast":
+        return sum(_step(model, ours, n, net.tree(d)) for d in ds)
+    if kind == "reduce":
+        return sum(_step(model, ours, n, net.tree(d), n) for d in ds)
+    return sum(_step(model, ours, min(d, net.p - d) * n / net.p, net.tree(d)) for d in ds)
+
+
+def _pairwise(model, net, n, ours):  # alltoall: p - 1 steps; on average k(N-1)/N of a node's ranks cross
+    return (net.p - 1) * _step(model, ours, n / net.p, net.k * (net.N - 1) / net.N)
+
+
+def _two_level(collective, model, net, n):
+    """This library's two-level algorithms (docs/algorithms.md's second table; N nodes,
+    k ranks per node: the smallest node's for ``hierarchical`` allreduce, which folds
+    the others' extra ranks in first)."""
+    a, an, b, bn, g = model.alpha, model.net_alpha, model.beta, model.net_beta, model.gamma
+    N, k, p = net.N, net.k, net.p
+    if collective == "allreduce":
+        m = net.m
+        hier = 2 * (m - 1) * (a + n / m * b) + 2 * (N - 1) * (an + n / N * bn) \
+            + ((m - 1) / m + (N - 1) / (m * N)) * n * g
+        if net.k != net.m:
+            hier += 2 * (a + n * b) + n * g
+        leader = 2 * _lg(k) * (a + n * b) + _lg(N) * (an + n * bn) + (_lg(k) + _lg(N)) * n * g
+        return {"hierarchical": hier, "hierarchical_leader": leader}
+    if collective == "broadcast":
+        return {"hierarchical": (_lg(N) + N - 1) * an + 2 * (N - 1) / N * n * bn + _lg(k) * (a + n * b)}
+    if collective == "allgather":
+        return {"hierarchical": _lg(k) * a + (k - 1) / p * n * b + (N - 1) * (an + n / N * bn) + _lg(k) * (a + n * b)}
+    if collective == "reduce_scatter":
+        return {"hierarchical": _lg(k) * (a + n * b + n * g) + (N - 1) * (an + n / N * (bn + g))
+                + (k - 1) * (a + n / p * b)}
+    return {}
+
+
+def predict(collective, nbytes, size, topology=None, model=SHIPPED_MODEL):
+    """``(native, ours)``: the predicted seconds of MPI's own collective, modelled as the
+    best of the classic schedules MPI itself uses (recursive doubling and halving,
+    ring, Bruck, binomial trees, pairwise exchange) at MPI's per-message cost and
+    topology-unaware (flat, whatever the nodes), and ``{algorithm: seconds}`` for this
+    library's algorithms the model covers (``tree`` and ``pipeline`` it leaves out),
+    the two-level ones where there are several nodes with more than one rank on some.
+    ``nbytes`` as for a tuning table (allgather and gather: the gathered size; scatter:
+    the root's buffer; alltoall: a rank's whole input)."""
+    net, n, p = _Net(size, topology), float(nbytes), size
+    if collective == "allreduce":
+        native = [_recursive_doubling(model, net, n, False), _halving(model, net, n, False, True, True),
+                  _ring(model, net, n, False, p - 1, p - 1)]
+        ours = {"recursive_doubling": _recursive_doubling(model, net, n, True),
+                "recursive_halving": _halving(model, net, n, True, False, True),
+                "ring": _ring(model, net, n, True, p - 1, p - 1), "direct": _direct(model, net, n, True, 2, n)}
+    elif collective == "reduce_scatter":
+        native = [_halving(model, net, n, False, False, False), _ring(model, net, n, False, p - 1, 0)]
+        ours = {"recursive_halving": _halving(model, net, n, True, False, False),
+                "ring": _ring(model, net, n, True, p - 1, 0), "direct": _direct(model, net, n, True, 1, n)}
+    elif collective == "allgather":
+        native = [_doubling_gather(model, net, n, False), _bruck(model, net, n, False),
+                  _ring(model, net, n, False, 0, p - 1)]
+        ours = {"recursive_doubling": _doubling_gather(model, net, n, True), "bruck": _bruck(model, net, n, True),
+                "ring": _ring(model, net, n, True, 0, p - 1), "direct": _direct(model, net, n, True, 1, 0)}
+    elif collective == "broadcast":
+        scatter_allgather = [_binomial(model, net, n, mine, "scatter") + _ring(model, net, n, mine, 0, p - 1)
+                             for mine in (False, True)]
+        native = [_binomial(model, net, n, False, "broadcast"), scatter_allgather[0]]
+        ours = {"binomial": _binomial(model, net, n, True, "broadcast"), "scatter_allgather": scatter_allgather[1]}
+    elif collective == "reduce":  # MPI's long-message reduce: reduce_scatter, then a binomial gather
+        native = [_binomial(model, net, n, False, "reduce"),
+                  _halving(model, net, n, False, True, False) + _binomial(model, net, n, False, "gather")]
+        ours = {"binomial": _binomial(model, net, n, True, "reduce"), "direct": _direct(model, net, n, True, 2, n)}
+    elif collective in ("gather", "scatter"):
+        native = [_binomial(model, net, n, False, "gather")]
+        ours = {"binomial": _binomial(model, net, n, True, "gather")}
+    elif collective == "alltoall":
+        native = [_pairwise(model, net, n, False), _bruck(model, net, n, False, alltoall=True)]
+        ours = {"pairwise": _pairwise(model, net, n, True), "bruck": _bruck(model, net, n, True, alltoall=True)}
+    elif collective == "alltoallv":
+        native, ours = [_pairwise(model, net, n, False)], {"pairwise": _pairwise(model, net, n, True)}
+    else:
+        raise ValueError(f"collective must be one of {', '.join(BUILDERS)}; got {collective!r}")
+    if two_level(topology):
+        ours.update(_two_level(collective, model, net, n))
+    return min(native), ours
+
+
+def conservative_choice(collective, nbytes, size, topology=None, model=SHIPPED_MODEL, needed=GAIN_NEEDED):
+    """``(algorithm, gain, best)``: what the conservative rule picks where no measured
+    table answers. ``best`` is this library's algorithm with the lowest predicted time
+    (:func:`predict`) and ``gain`` native's predicted time over it; the rule picks
+    ``best`` if ``gain >= needed`` (2), else ``native``. The model is coarse (and the
+    per-message costs differ from machine to machine), so only a large predicted gain
+    moves ``auto`` off the MPI library's own collective; a measured table decides
+    finer. With the shipped parameters: on one node, never (MPI runs the same
+    schedules as ours at a tenth of the cost per message: at most 1.0x, 1.6x for a
+    3-rank reduce); on several nodes, the two-level algorithms where ranks are not
+    placed node by node (a flat schedule then crosses the network at nearly every
+    step), and with 8 or more ranks per node the two-level allgather and
+    reduce_scatter at some sizes between 4 KiB and 1 MiB (a flat ring crosses the
+    network p - 1 times, at MPI's cost per message there)."""
+    if size < 2:
+        return "native", 1.0, None
+    native, ours = predict(collective, nbytes, size, topology, model)
+    best = min(ours, key=ours.get)
+    gain = native / ours[best] if ours[best] > 0 else 1.0
+    return (best if gain >= needed else "native"), gain, best
+
+
+_hinted = False  # the one-line hint: printed once per process
+
+
+class Selector:
+    """Resolves ``auto`` for one communicator's world size (decisions are cached).
+
+    ``table`` and ``device_table`` answer where their entry for this world size (one
+    node) or layout (several) is stamped with this job's ``fingerprint`` (default:
+    :func:`fingerprint` of this machine and ``topology``) or, if ``unstamped``, has no
+    stamp. ``agree`` makes that decision the same on every rank: it is given this
+    rank's bits (1: the table is usable here, 2: the device table is) and returns
+    their bitwise AND over the ranks (the :class:`~collectives.Communicator` passes an
+    allreduce). ``rule`` answers where no table does: ``"conservative"`` or
+    ``"cost-model"``."""
+
+    def __init__(self, world_size, table=None, overrides=None, device_table=None, deterministic=False, topology=None,
+                 *, fingerprint=None, unstamped=True, agree=None, rule="conservative"):
+        if rule not in RULES:
+            raise ValueError(f"{RULE_ENV} must be one of {', '.join(RULES)}; got {rule!r}")
         self.world_size = world_size
         self.topology = topology  # the node layout (None: one node)
         self.deterministic = deterministic
         self.table = table
         self.device_table = device_table  # measured on device arrays (collectives-bench --device --tune)
         self.overrides = dict(overrides or {})
+        self.rule = rule
+        self.unstamped = unstamped  # entries without a fingerprint count (a file the user named)
+        self.several = topology is not None and topology.node_count > 1
+        # A table keyed by the world size alone was measured on one node; several
+        # nodes need one keyed by their layout ("2x4", "3+1").
+        self.key = topology.key() if self.several else world_size
+        self.fingerprint = dict(fingerprint) if fingerprint is not None else _this_fingerprint(
+            topology if self.several else None, world_size)
+        here = [self._usable(table, ""), self._usable(device_table, " device")]
+        bits = sum(1 << i for i, (ok, _) in enumerate(here) if ok)
+        agreed = bits if agree is None else agree(bits)
+        self.in_use = [bool(agreed & 1 << i) for i in range(2)]  # [host table, device table]
+        self._why_not = [why if ok == self.in_use[i] else "another rank's machine or layout differs from the one "
+                         f"{(table, device_table)[i].source} was measured on" for i, (ok, why) in enumerate(here)]
         self._cache = {}
 
+    def _usable(self, table, suffix):
+        """``(usable, why not)`` for ``table`` on this rank alone."""
+        if table is None or not table.has(self.key):
+            return False, None
+        stamp = table.stamp(f"{self.key}{suffix}")
+        if stamp is None:
+            return self.unstamped, f"{table.source} has no fingerprint, so only a file named by {TUNING_ENV} is used"
+        if stamp != self.fingerprint:
+            return False, f"{table.source} was measured on {describe_fingerprint(stamp)}"
+        return True, None
+
     @classmethod
-    def from_environment(cls, world_size, environ=None, deterministic=False, topology=None):
+    def from_environment(cls, world_size, environ=None, deterministic=False, topology=None, *, fingerprint=None,
+                         agree=None, hint=False):
+        """The selector the environment asks for (see the module's docstring). ``agree``
+        and ``fingerprint`` as for :class:`Selector`; ``hint``: this process may print
+        the one-line note where no table matches (rank 0 of a communicator)."""
         environ = os.environ if environ is None else environ
         overrides = {}
         for collective in BUILDERS:  # alltoallv too
@@ -149,10 +565,34 @@ class Selector:
                     except ValueError as exc:
                         raise ValueError(f"{variable}={value}: {exc}") from None
                 overrides[collective] = value
-        path = environ.get(TUNING_ENV, "").strip() or (DEFAULT_TABLE if DEFAULT_TABLE.exists() else "")
+        rule = environ.get(RULE_ENV, "").strip() or "conservative"
+        if rule not in RULES:
+            raise ValueError(f"{RULE_ENV} must be one of {', '.join(RULES)}; got {rule!r}")
+        named = environ.get(TUNING_ENV, "").strip()
+        path = named or (DEFAULT_TABLE if DEFAULT_TABLE.exists() else "")
         table = TuningTable.load(path) if path else None
         device_table = TuningTable.load(path, "device_tables") if path else None
-        return cls(world_size, table, overrides, device_table, deterministic, topology)
+        selector = cls(world_size, table, overrides, device_table, deterministic, topology, fingerprint=fingerprint,
+                       unstamped=bool(named), agree=agree, rule=rule)
+        quiet = environ.get(QUIET_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+        if hint and not quiet and not environ.get(RULE_ENV, "").strip():
+            global _hinted
+            note = selector.hint()
+            if note and not _hinted:
+                _hinted = True
+                print(note, file=sys.stderr, flush=True)
+        return selector
+
+    def hint(self):
+        """The one-line note shown where the conservative rule is in force because no
+        host table matches this machine and layout; None where one does (or where
+        nothing is left to choose: one rank, every collective forced)."""
+        if self.rule != "conservative" or self.in_use[0] or self.world_size < 2 or set(BUILDERS) <= set(self.overrides):
+            return None
+        return (f"collectives: no tuning table measured on this machine and layout "
+                f"({describe_fingerprint(self.fingerprint)}); auto uses MPI's own collectives unless the cost "
+                f"model predicts a {GAIN_NEEDED:g}x gain. Run `make tune` (or collectives-bench --tune FILE, then "
+                f"{TUNING_ENV}=FILE) to tune; {QUIET_ENV}=1 hides this.")
 
     def choose(self, collective, nbytes, device=False):
         key = (collective, nbytes, device)
@@ -176,15 +616,24 @@ class Selector:
         if collective in self.overrides:
             return self.overrides[collective], f"forced by {override_variable(collective)}"
         table = self.device_table if device else self.table
-        several = self.topology is not None and self.topology.node_count > 1
-        if table is not None:
-            # A table keyed by the world size alone was measured on one node; several
-            # nodes need one keyed by their layout ("2x4", "3+1").
-            key = self.topology.key() if several else self.world_size
-            choice = table.lookup(collective, nbytes, key)
+        if table is not None and self.in_use[device]:
+            choice = table.lookup(collective, nbytes, self.key)
             if choice is not None:
-                return choice, f"measured table {table.source}" + (f" (layout {key})" if several else "")
-        why = "cost-model rule" + (" (no measured table for device arrays)" if device else "")
-        if several:
-            why += f" for {self.topology.describe()}"
-        return cost_model_choice(collective, nbytes, self.world_size, topology=self.topology), why
+                return choice, f"measured table {table.source}" + (f" (layout {self.key})" if self.several else "")
+        if device or self.rule == "cost-model":
+            why = "cost-model rule" + (" (no measured table for device arrays)" if device else "")
+            if self.several:
+                why += f" for {self.topology.describe()}"
+            return cost_model_choice(collective, nbytes, self.world_size, topology=self.topology), why
+        choice, gain, best = conservative_choice(collective, nbytes, self.world_size, self.topology)
+        if self.in_use[0]:
+            missing = f"{table.source} has no {collective} table for " + \
+                (f"layout {self.key}" if self.several else f"world size {self.key}")
+        else:
+            missing = f"no measured table for this machine and layout ({describe_fingerprint(self.fingerprint)}" + \
+                (f"; {self._why_not[0]})" if self._why_not[0] else ")")
+        if choice == "native":
+            said = f"native (the cost model predicts at most {gain:.2f}x gain" + (f", {best})" if best else ")")
+        else:
+            said = f"{choice} (the cost model predicts {gain:.2f}x gain over native)"
+        return choice, f"conservative rule: {missing}; {said}"

@@ -205,7 +205,13 @@ def test_unreadable_files_name_the_file(tmp_path):
         TuningTable.load(nulls)
 
 
-# == Selector: override, then table, then the cost-model rule ==========================
+# == Selector: override, then table, then the conservative rule =======================
+# (the fingerprint rules, the conservative rule's model and the hint: test_tuning_rules.py)
+
+def conservative(collective, nbytes, size):
+    """What the conservative rule picks where no table answers (one node)."""
+    return tuning.conservative_choice(collective, nbytes, size)[0]
+
 
 @serial
 def test_selector_precedence(tmp_path, no_default_table):
@@ -216,15 +222,19 @@ def test_selector_precedence(tmp_path, no_default_table):
     # the override beats the table (which says tree)
     assert selector.explain("allreduce", 100) == ("recursive_halving", "forced by COLLECTIVES_ALLREDUCE_ALGORITHM")
     assert selector.explain("allreduce", 1 << 30) == ("recursive_halving", "forced by COLLECTIVES_ALLREDUCE_ALGORITHM")
-    # the table beats the cost-model rule (which says native below 4 KiB)
-    assert cost_model_choice("broadcast", 100, 4) != "pipeline"
+    # the table beats the conservative rule (which says native)
+    assert conservative("broadcast", 100, 4) != "pipeline"
     assert selector.explain("broadcast", 100) == ("pipeline", f"measured table {path}")
-    # no override and nothing in the table: the cost-model rule
+    # no override and nothing in the table: the conservative rule
     for collective, nbytes in [("reduce", 100), ("allgather", 1 << 20), ("reduce_scatter", 8192)]:
-        assert selector.explain(collective, nbytes) == (cost_model_choice(collective, nbytes, 4), "cost-model rule")
+        choice, why = selector.explain(collective, nbytes)
+        assert choice == conservative(collective, nbytes, 4) == "native"
+        assert why.startswith(f"conservative rule: {path} has no {collective} table for world size 4; native")
     # the table lacks world size 8: the rule again, override still wins
     other = Selector.from_environment(8, environ)
-    assert other.explain("broadcast", 100) == (cost_model_choice("broadcast", 100, 8), "cost-model rule")
+    choice, why = other.explain("broadcast", 100)
+    assert choice == conservative("broadcast", 100, 8) and why.startswith(
+        "conservative rule: no measured table for this machine and layout (")
     assert other.explain("allreduce", 100)[0] == "recursive_halving"
     # choose (cached) agrees with explain, also when asked twice
     for collective, nbytes in [("allreduce", 10), ("broadcast", 100), ("reduce", 5), ("broadcast", 100)]:
@@ -232,7 +242,7 @@ def test_selector_precedence(tmp_path, no_default_table):
 
 
 @serial
-def test_cost_model_rule_matches_the_readme_table():
+def test_cost_model_rule_matches_the_readme_table(no_default_table):
     """docs/algorithms.md, "auto": the rule where no table answers (and native below 4 KiB)."""
     cases = [
         ("allreduce", 100, 4, "native"), ("allreduce", 8192, 4, "recursive_doubling"),
@@ -250,21 +260,27 @@ def test_cost_model_rule_matches_the_readme_table():
     own = [("allreduce", 100, 4, "recursive_doubling"), ("broadcast", 8, 3, "binomial"), ("gather", 8, 4, "binomial"),
            ("scatter", 4 << 20, 4, "binomial"), ("alltoall", 8192, 4, "bruck"), ("alltoall", 4 << 20, 3, "pairwise")]
     assert [cost_model_choice(c, n, p, own=True) for c, n, p, _ in own] == [want for *_, want in own]
-    selector = Selector(4)  # no table, no overrides
+    selector = Selector(4, rule="cost-model")  # no table, no overrides; COLLECTIVES_AUTO_RULE=cost-model
     assert selector.explain("allreduce", 256 * 1024) == ("recursive_halving", "cost-model rule")
+    assert Selector.from_environment(4, {"COLLECTIVES_AUTO_RULE": "cost-model"}).explain("allreduce", 256 * 1024) \
+        == ("recursive_halving", "cost-model rule")
+    assert Selector(4).explain("allreduce", 256 * 1024)[0] == "native"  # the conservative rule, by default
 
 
 @serial
 def test_packaged_default_table_is_used_when_present(tmp_path, monkeypatch, no_default_table):
-    default = write_tuning_file(tmp_path / "default.json", {"reduce": {"4": [[0, "binomial"]]},
-                                                            "allgather": {"4": [[0, "bruck"]]}})
+    tables = {"reduce": {"4": [[0, "binomial"]]}, "allgather": {"4": [[0, "bruck"]]}}
+    default = tmp_path / "default.json"  # stamped with this machine's fingerprint, as --tune does
+    default.write_text(json.dumps({"format": 1, "tables": tables,
+                                   "measured": {"4": {"fingerprint": tuning.fingerprint_for_key("4")}}}))
     monkeypatch.setattr(tuning, "DEFAULT_TABLE", default)
     assert Selector.from_environment(4, {}).explain("allgather", 10) == ("bruck", f"measured table {default}")
-    # COLLECTIVES_TUNING replaces the default table entirely
+    # COLLECTIVES_TUNING replaces the default table entirely (a file without fingerprints: the user chose it)
     mine = write_tuning_file(tmp_path / "mine.json", {"allgather": {"4": [[0, "ring"]]}})
     selector = Selector.from_environment(4, {"COLLECTIVES_TUNING": str(mine)})
     assert selector.explain("allgather", 10) == ("ring", f"measured table {mine}")
-    assert selector.explain("reduce", 10) == (cost_model_choice("reduce", 10, 4), "cost-model rule")
+    choice, why = selector.explain("reduce", 10)
+    assert choice == conservative("reduce", 10, 4) and why.startswith("conservative rule:")
 
 
 @serial
@@ -274,7 +290,8 @@ def test_override_values(no_default_table):
                                              "COLLECTIVES_REDUCE_ALGORITHM": "  ",
                                              "COLLECTIVES_ALLGATHER_ALGORITHM": " native "})
     assert selector.overrides == {"allgather": "native"}
-    assert selector.explain("allreduce", 1 << 20) == (cost_model_choice("allreduce", 1 << 20, 4), "cost-model rule")
+    choice, why = selector.explain("allreduce", 1 << 20)
+    assert choice == conservative("allreduce", 1 << 20, 4) and why.startswith("conservative rule:")
     for variable, value in [("COLLECTIVES_BROADCAST_ALGORITHM", "ring"),
                             ("COLLECTIVES_ALLREDUCE_ALGORITHM", "fastest"),
                             ("COLLECTIVES_REDUCE_SCATTER_ALGORITHM", "RING")]:
@@ -381,7 +398,8 @@ def test_tuning_file_steers_choose(mpi_comm, monkeypatch, tmp_path, no_default_t
     want = {0: "tree", 2047: "tree", 2048: "recursive_doubling", (1 << 20) - 1: "recursive_doubling", 1 << 20: "ring"}
     if chosen != {n: (a, source) for n, a in want.items()}:
         problems.append(f"allreduce choices {chosen}")
-    if gather_choice != (cost_model_choice("allgather", 100, size), "cost-model rule"):
+    if gather_choice[0] != conservative("allgather", 100, size) or not gather_choice[1].startswith(
+            f"conservative rule: {path} has no allgather table for world size {size}"):
         problems.append(f"allgather (not measured at this world size): {gather_choice}")
     if plans_used != [("allreduce", "tree")]:
         problems.append(f"ran {plans_used}")
@@ -844,7 +862,7 @@ def test_main_on_the_stand_in_device(mpi_comm, tmp_path, monkeypatch, no_default
         host = comm.choose("allreduce", 100)
     table = TuningTable.load(mine, "device_tables")
     if (chosen, why) != (table.lookup("allreduce", 100, p), f"measured table {mine} (device_tables)") or \
-            host[1] != "cost-model rule":
+            not host[1].startswith("conservative rule:"):
         problems.append(f"choose: device {chosen, why}, host {host}")
     agree(mpi_comm, problems)
 

@@ -115,21 +115,34 @@ def test_two_level_allreduce_in_place_and_non_contiguous(mpi_comm, algorithm):
     agree(mpi_comm, problems)
 
 
-def test_auto_picks_two_level_algorithms_on_several_nodes(mpi_comm):
+def test_auto_picks_two_level_algorithms_on_several_nodes(mpi_comm, monkeypatch):
+    """With COLLECTIVES_AUTO_RULE=cost-model; by default, with no table for the layout,
+    the conservative rule keeps native (ranks node by node: flat MPI schedules cross
+    the network little, test_tuning_rules.py)."""
     size = mpi_comm.Get_size()
     if size == 1:
         comm = comm_with(mpi_comm, "1x1")
         assert comm.choose("allreduce", 1 << 20)[0] != "hierarchical"
         return
-    comm = comm_with(mpi_comm, f"{-(-size // 2)}x2" if size > 2 else "1x2")
-    several = comm.topology.node_count > 1 and max(comm.topology.ranks_per_node) > 1
-    choice, why = comm.choose("allreduce", 1 << 20)
-    if several:
-        assert choice == "hierarchical" and comm.topology.describe() in why
-        assert comm.choose("allreduce", 16 << 10)[0] == "hierarchical_leader"
-        assert comm.choose("allgather", 1 << 20)[0] == "hierarchical"
-    else:  # one node: the packaged single-node table or the flat rule
-        assert not choice.startswith("hierarchical")
+    name = f"{-(-size // 2)}x2" if size > 2 else "1x2"
+    monkeypatch.setenv("COLLECTIVES_AUTO_RULE", "cost-model")
+    comm = cc.Communicator(mpi_comm, nodes=layouts(size)[name])
+    monkeypatch.delenv("COLLECTIVES_AUTO_RULE")
+    plain = cc.Communicator(mpi_comm, nodes=layouts(size)[name])
+    try:
+        several = comm.topology.node_count > 1 and max(comm.topology.ranks_per_node) > 1
+        choice, why = comm.choose("allreduce", 1 << 20)
+        if several:
+            assert choice == "hierarchical" and comm.topology.describe() in why
+            assert comm.choose("allreduce", 16 << 10)[0] == "hierarchical_leader"
+            assert comm.choose("allgather", 1 << 20)[0] == "hierarchical"
+            default, why = plain.choose("allreduce", 1 << 20)
+            assert default == "native" and why.startswith("conservative rule:"), why
+        else:  # one node: the packaged single-node table or the flat rule
+            assert not choice.startswith("hierarchical")
+    finally:
+        comm.free()
+        plain.free()
 
 
 def test_a_layout_table_is_used_only_for_its_layout(mpi_comm, tmp_path, monkeypatch):

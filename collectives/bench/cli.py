@@ -15,6 +15,7 @@ import os
 import re
 import sys
 
+import numpy as np
 from mpi4py import MPI
 
 from .. import Communicator
@@ -179,11 +180,11 @@ def measure(case, comm, world, names, args, gloo_group, ordered_comm=None, bandw
             calls[name] = case.ours(comm, name)
     iters = {name: timing.iterations(world, call, args.warmup, args.budget, args.min_iters, args.max_iters)
              for name, call in calls.items()}
-    samples = timing.interleaved(world, calls, iters, args.rounds)
+    samples = timing.interleaved_rounds(world, calls, iters, args.rounds)
     rows = []
     factor = bus_factor(case.collective, case.size)
     for name in names:
-        stats = timing.combine(world, samples[name])
+        stats = timing.combine(world, np.concatenate(samples[name]), [part.size for part in samples[name]])
         algbw = case.nbytes / (stats["time_us"] * 1e-6) / 1e9
         row = {
             "collective": case.collective, "algorithm": name, "bytes": case.nbytes, "count": case.count,

@@ -5,9 +5,30 @@ Each contender's score at a measured size is its average time divided by the
 fastest one's there (``native`` included), averaged geometrically with the same
 ratio at the ``SMOOTHING`` measured sizes on either side, which count half as much: on a noisy machine one
 lucky size should not win an algorithm a range of its own. The lowest score wins,
-except that the previous size's winner keeps the size while its score is within
-``STICKINESS`` of the best (so two algorithms that are really tied do not make the
-table flap). A switch between two measured sizes takes effect at their geometric mean.
+except that:
+
+- the previous size's winner keeps the size while its score is within
+  ``STICKINESS`` of the best (so two algorithms that are really tied do not make the
+  table flap);
+- ``native`` keeps the size unless the winner's score beats native's by more than the
+  noise measured there: by a factor over ``1 + max(noise, NOISE_FLOOR)``, where the
+  noise is the larger ``round_spread`` of the two rows (max/min - 1 of their
+  per-round mean times over the interleaved ``--rounds``; rows without it count as
+  0). A table that leaves MPI's own collective should do so only where the
+  difference is larger than what the machine's drift could make of it.
+
+A switch between two measured sizes takes effect at their geometric mean. Every
+entry of ``measured`` is stamped with the :func:`collectives.tuning.fingerprint` of
+the machine and layout it was measured on (``auto`` uses the entry only where that
+fingerprint is the job's).
+
+With the defaults (``--budget 0.05`` s per contender, size and run, ``--rounds 3``,
+8 B to 64 MiB by 2: 24 sizes, 35 contenders) a ``--tune`` run is about 1-2 minutes
+per world size here (2 vCPUs, 2-8 ranks; estimated from the iteration counts and
+times of bench/results/epyc-2vcpu-mpich5/tuning/), so ``make tune``'s three world
+sizes take 3-6 minutes. Where a call takes under 10 ms (up to a few MiB here) each
+contender gets 0.05 s of calls (at most 2000); above, 5 calls (2, 2 and 1 per round,
+whose spread is then the noise that the margin over native must beat).
 """
 
 import datetime
@@ -18,9 +39,10 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from ..tuning import FORMAT, TuningTable
+from ..tuning import FORMAT, TuningTable, fingerprint_for_key
 
 STICKINESS = 1.05
+NOISE_FLOOR = 0.05  # native keeps a size unless beaten by more than max(this, the rounds' spread)
 NOT_TUNED = ("auto", "gloo", "deterministic")  # what auto cannot pick
 
 
@@ -30,10 +52,11 @@ SMOOTHING = 1
 def winners(rows, window=SMOOTHING):
     """``[(size, algorithm), ...]`` ascending: the winner at each measured size, for the
     rows of one collective and world size."""
-    by_size = {}
+    by_size, noise = {}, {}
     for row in rows:
         if row["algorithm"] not in NOT_TUNED and row["time_us"] is not None:
             by_size.setdefault(row["bytes"], {})[row["algorithm"]] = row["time_us"]
+            noise.setdefault(row["bytes"], {})[row["algorithm"]] = row.get("round_spread") or 0.0
     sizes = sorted(by_size)
     ratios = []  # per size: each algorithm's time / the fastest time at that size
     for size in sizes:
@@ -52,6 +75,10 @@ def winners(rows, window=SMOOTHING):
         best = min(scores, key=scores.get)
         if winner in scores and scores[winner] <= STICKINESS * scores[best]:
             best = winner
+        if best != "native" and "native" in scores:
+            margin = max(NOISE_FLOOR, noise[size]["native"], noise[size][best])
+            if scores["native"] <= (1 + margin) * scores[best]:
+                best = "native"
         result.append((size, best))
         winner = best
     return result
@@ -117,6 +144,7 @@ def write(path, rows, settings, key="tables"):
         data[key].setdefault(collective, {}).update(by_size)
         for world_size in by_size:
             data["measured"][world_size + where] = {**settings, **describe_machine(),
+                                                    "fingerprint": fingerprint_for_key(world_size),
                                                     "date": datetime.date.today().isoformat()}
     TuningTable(data[key], source=path)  # what auto will load must be valid
     path.parent.mkdir(parents=True, exist_ok=True)

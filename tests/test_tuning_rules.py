@@ -1,0 +1,482 @@
+"""Which tuning table ``auto`` may trust, and what it does without one
+(``collectives.tuning``): fingerprints, the collective agreement on them, the
+conservative rule's cost model, the one-line hint; and the noise margin with which
+``collectives-bench --tune`` lets an algorithm replace ``native``.
+
+Expected values are written here independently: the fingerprint from /proc/cpuinfo
+and mpi4py, the model's times from the closed forms of docs/algorithms.md. Tests
+marked ``serial`` send no messages; the others run under every world size and agree
+on their findings (``agree``) so that no rank is left waiting.
+"""
+
+import json
+import math
+import os
+import platform
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import collectives as cc
+import collectives.tuning as tuning
+from collectives.algorithms import cost_model_choice
+from collectives.bench import timing, tune
+from collectives.topology import Topology
+from collectives.tuning import Selector, TuningTable
+from conftest import agree
+
+serial = pytest.mark.serial
+
+try:
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:
+    BFLOAT16 = None
+
+# Another machine: what a table measured elsewhere is stamped with.
+ELSEWHERE = {"cpu": "Intel(R) Xeon(R) Platinum 8480+", "cpus": 224, "mpi": "Open MPI v4.1.5, package: Open MPI",
+             "nodes": 1, "ranks_per_node": 4}
+TABLES = {"allreduce": {"4": [[0, "tree"], [4096, "ring"]]}, "broadcast": {"4": [[0, "pipeline"]]}}
+
+
+@pytest.fixture
+def clean_environment(monkeypatch, tmp_path):
+    """No packaged table, no overrides, no tuning file, no rule, the hint not yet shown."""
+    monkeypatch.setattr(tuning, "DEFAULT_TABLE", tmp_path / "no-such-default.json")
+    for variable in [tuning.override_variable(c) for c in tuning.BUILDERS] + [
+            tuning.TUNING_ENV, tuning.RULE_ENV, tuning.QUIET_ENV]:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(tuning, "_hinted", False)
+
+
+def stamped_file(path, tables=TABLES, stamps=None, device_tables=None):
+    """A tuning file whose ``measured`` entries carry ``stamps`` (key -> fingerprint)."""
+    data = {"format": 1, "tables": tables,
+            "measured": {key: {"dtype": "float32", "fingerprint": stamp} for key, stamp in (stamps or {}).items()}}
+    if device_tables is not None:
+        data["device_tables"] = device_tables
+    path.write_text(json.dumps(data))
+    return path
+
+
+def here(key="4"):
+    return tuning.fingerprint_for_key(key)
+
+
+# == fingerprints =======================================================================
+
+@serial
+def test_fingerprint_of_this_machine_and_layout():
+    want_cpu = None
+    if os.path.exists("/proc/cpuinfo"):
+        for line in open("/proc/cpuinfo"):
+            if line.split(":")[0].strip() == "model name":
+                want_cpu = " ".join(line.split(":", 1)[1].split())
+                break
+    if want_cpu is None:
+        want_cpu = platform.processor() or platform.machine()
+    mpi = " ".join(MPI.Get_library_version().splitlines()[0].split())
+    machine = {"cpu": want_cpu, "cpus": os.cpu_count(), "mpi": mpi}
+    assert tuning.fingerprint(world_size=4) == {**machine, "nodes": 1, "ranks_per_node": 4}
+    assert tuning.fingerprint(Topology.single(3)) == {**machine, "nodes": 1, "ranks_per_node": 3}
+    assert tuning.fingerprint(Topology.uniform(8, 4)) == {**machine, "nodes": 2, "ranks_per_node": 4}
+    uneven = Topology.from_labels([0, 0, 0, 1])
+    assert tuning.fingerprint(uneven) == {**machine, "nodes": 2, "ranks_per_node": "3+1"}
+    # --tune stamps a table's key with the same fingerprint auto computes for that layout
+    for key, topology in [("4", Topology.single(4)), ("2x4", Topology.uniform(8, 4)), ("3+1", uneven),
+                          ("3x1", Topology.uniform(3, 1))]:
+        assert tuning.fingerprint_for_key(key) == tuning.fingerprint(topology)
+    for bad in ("0", "x4", "2x", "four"):
+        with pytest.raises(ValueError):
+            tuning.fingerprint_for_key(bad)
+    assert tuning.describe_fingerprint({**machine, "mpi": "MPICH Version: 5.0.2", "nodes": 2, "ranks_per_node": 4}) \
+        == f"{want_cpu}, {os.cpu_count()} CPUs, MPICH 5.0.2, 2x4"
+
+
+@serial
+def test_the_packaged_table_is_stamped_with_the_machine_it_was_measured_on():
+    """collectives/data/tuning.json was measured on the development machine (2 vCPUs of
+    an AMD EPYC, MPICH 5.0.2, one node): every entry says so, and a job with that
+    fingerprint gets the table's choices while any other machine's job does not,
+    whichever machine runs this test."""
+    data = json.loads(tuning.DEFAULT_TABLE.read_text())
+    table = TuningTable.load(tuning.DEFAULT_TABLE)
+    keys = sorted({key for by_size in data["tables"].values() for key in by_size}, key=int)
+    assert keys == [str(p) for p in range(2, 9)] and sorted(data["measured"], key=int) == keys
+    for key in keys:
+        assert data["measured"][key]["fingerprint"] == {"cpu": "AMD EPYC", "cpus": 2, "mpi": "MPICH Version: 5.0.2",
+                                                        "nodes": 1, "ranks_per_node": int(key)}
+    for p in range(2, 9):
+        dev = Selector(p, table, unstamped=False, fingerprint=data["measured"][str(p)]["fingerprint"])
+        other = Selector(p, table, unstamped=False, fingerprint={**ELSEWHERE, "ranks_per_node": p})
+        for collective in data["tables"]:
+            for nbytes in (8, 4096, 1 << 20, 64 << 20):
+                assert dev.explain(collective, nbytes) == (table.lookup(collective, nbytes, p),
+                                                           f"measured table {tuning.DEFAULT_TABLE}")
+                choice, why = other.explain(collective, nbytes)
+                assert choice == "native" and why.startswith("conservative rule:"), why
+
+
+# == the fingerprint rule ================================================================
+
+@serial
+def test_a_table_measured_elsewhere_gives_the_conservative_rule(tmp_path, clean_environment, monkeypatch):
+    path = stamped_file(tmp_path / "t.json", stamps={"4": ELSEWHERE})
+    for environ in ({tuning.TUNING_ENV: str(path)}, {}):  # named by the user, or as the packaged table
+        monkeypatch.setattr(tuning, "DEFAULT_TABLE", path)
+        selector = Selector.from_environment(4, environ)
+        choice, why = selector.explain("allreduce", 100)  # the table says tree
+        assert choice == "native"
+        assert why.startswith(f"conservative rule: no measured table for this machine and layout "
+                              f"({tuning.describe_fingerprint(here())}; {path} was measured on "
+                              "Intel(R) Xeon(R) Platinum 8480+, 224 CPUs, Open MPI v4.1.5, 1x4); native "
+                              "(the cost model predicts at most "), why
+        assert why.endswith("x gain, recursive_doubling)")
+        assert not selector.in_use[0]
+    # each field counts: one differing field is another machine or layout
+    for field, value in [("cpu", "AMD EPYC 9654"), ("cpus", here()["cpus"] + 1), ("mpi", "MPICH Version: 4.2.0"),
+                         ("nodes", 2), ("ranks_per_node", 2)]:
+        path = stamped_file(tmp_path / f"{field}.json", stamps={"4": {**here(), field: value}})
+        choice, why = Selector.from_environment(4, {tuning.TUNING_ENV: str(path)}).explain("broadcast", 100)
+        assert (choice, why.split(":")[0]) == ("native", "conservative rule"), field
+
+
+@serial
+def test_a_table_measured_here_is_used(tmp_path, clean_environment, monkeypatch):
+    path = stamped_file(tmp_path / "t.json", stamps={"4": here(), "8": ELSEWHERE},
+                        tables={**TABLES, "reduce": {"8": [[0, "direct"]]}})
+    monkeypatch.setattr(tuning, "DEFAULT_TABLE", path)  # as the packaged table: a fingerprint is needed, and matches
+    selector = Selector.from_environment(4, {})
+    assert selector.explain("allreduce", 100) == ("tree", f"measured table {path}")
+    assert selector.explain("allreduce", 1 << 20) == ("ring", f"measured table {path}")
+    assert selector.explain("broadcast", 100) == ("pipeline", f"measured table {path}")
+    choice, why = selector.explain("reduce", 100)  # the matching table has no reduce at 4 ranks
+    assert choice == "native" and why.startswith(f"conservative rule: {path} has no reduce table for world size 4")
+    # world size 8's entry was measured elsewhere
+    assert Selector.from_environment(8, {}).explain("reduce", 100)[0] == "native"
+    # several nodes: the layout's entry, stamped with the layout
+    layout = stamped_file(tmp_path / "layout.json", tables={"allreduce": {"2x4": [[0, "ring"]]}},
+                          stamps={"2x4": here("2x4")})
+    monkeypatch.setattr(tuning, "DEFAULT_TABLE", layout)
+    two_nodes = Selector.from_environment(8, {}, topology=Topology.uniform(8, 4))
+    assert two_nodes.explain("allreduce", 100) == ("ring", f"measured table {layout} (layout 2x4)")
+
+
+@serial
+def test_a_table_without_fingerprints_counts_only_where_the_user_named_it(tmp_path, clean_environment, monkeypatch):
+    old = tmp_path / "old.json"  # as written before fingerprints
+    old.write_text(json.dumps({"format": 1, "measured": {"4": {"dtype": "float32"}}, "tables": TABLES}))
+    named = Selector.from_environment(4, {tuning.TUNING_ENV: str(old)})
+    assert named.explain("allreduce", 100) == ("tree", f"measured table {old}")
+    monkeypatch.setattr(tuning, "DEFAULT_TABLE", old)
+    packaged = Selector.from_environment(4, {})
+    choice, why = packaged.explain("allreduce", 100)
+    assert choice == "native" and f"{old} has no fingerprint, so only a file named by COLLECTIVES_TUNING" in why
+
+
+@serial
+def test_the_ranks_agree_on_the_table(tmp_path, clean_environment):
+    """agree gets this rank's bits (1: host table usable, 2: device table usable) and
+    returns every rank's AND: a rank that cannot use the table makes all fall back."""
+    device = {"allreduce": {"4": [[0, "ring"]]}}
+    path = stamped_file(tmp_path / "t.json", stamps={"4": here(), "4 device": here()}, device_tables=device)
+    environ = {tuning.TUNING_ENV: str(path)}
+    seen = []
+
+    def everyone_agrees(bits):
+        seen.append(bits)
+        return bits
+
+    selector = Selector.from_environment(4, environ, agree=everyone_agrees)
+    assert seen == [3] and selector.explain("allreduce", 100)[0] == "tree"
+    assert selector.explain("allreduce", 100, device=True) == ("ring", f"measured table {path} (device_tables)")
+    seen.clear()
+    Selector.from_environment(4, environ, agree=everyone_agrees, fingerprint=ELSEWHERE)
+    assert seen == [0]
+    # another rank could not use the host table: nor can this one
+    outvoted = Selector.from_environment(4, environ, agree=lambda bits: bits & 2)
+    choice, why = outvoted.explain("allreduce", 100)
+    assert choice == "native" and f"another rank's machine or layout differs from the one {path} was measured on" in why
+    assert outvoted.explain("allreduce", 100, device=True)[0] == "ring"
+    # the device tables follow the same rule; without one, device arrays take the cost-model rule
+    outvoted = Selector.from_environment(4, environ, agree=lambda bits: bits & 1)
+    assert outvoted.explain("allreduce", 1 << 20, device=True) == (
+        cost_model_choice("allreduce", 1 << 20, 4), "cost-model rule (no measured table for device arrays)")
+
+
+def test_a_rank_that_does_not_match_makes_every_rank_fall_back(mpi_comm, tmp_path, clean_environment, monkeypatch):
+    """Under mpiexec: the table is stamped with this machine's fingerprint, so every
+    rank can use it; then the last rank sees another machine, and every rank falls
+    back to the conservative rule together (the same algorithm everywhere)."""
+    size, rank = mpi_comm.Get_size(), mpi_comm.Get_rank()
+    tables = {"allreduce": {str(size): [[0, "direct"]]}}
+    path = stamped_file(tmp_path / f"t-{rank}.json", tables=tables, stamps={str(size): here(str(size))})
+    monkeypatch.setenv(tuning.TUNING_ENV, str(path))
+    problems = []
+    comm = cc.Communicator(mpi_comm)
+    try:
+        if comm.choose("allreduce", 1 << 20) != ("direct", f"measured table {path}"):
+            problems.append(f"matching table: {comm.choose('allreduce', 1 << 20)}")
+    finally:
+        comm.free()
+    if rank == size - 1:
+        real = tuning._this_fingerprint
+        monkeypatch.setattr(tuning, "_this_fingerprint", lambda *args: {**real(*args), "cpu": "another CPU"})
+    comm = cc.Communicator(mpi_comm)
+    try:
+        choice, why = comm.choose("allreduce", 1 << 20)
+        everyone = mpi_comm.allgather(comm.choose("allreduce", 8000)[0])  # what a 1000-float64 call runs
+        if len(set(everyone)) == 1:  # (else the call below would hang)
+            x = np.arange(1000, dtype=np.float64) + rank
+            got = comm.allreduce(x)  # the same algorithm everywhere: the right sum
+            if not np.array_equal(got, np.arange(1000) * size + size * (size - 1) / 2):
+                problems.append("allreduce after falling back differs from the sum")
+        else:
+            problems.append(f"the ranks chose differently: {everyone}")
+    finally:
+        comm.free()
+    want = "another CPU" if rank == size - 1 else "another rank's machine or layout differs"
+    if choice != "native" or not why.startswith("conservative rule:") or want not in why:
+        problems.append(f"with the last rank elsewhere: {choice}, {why}")
+    agree(mpi_comm, problems)
+
+
+# == the conservative rule's cost model ================================================
+
+def closed_forms(collective, p, n, alpha, beta, gamma):
+    """docs/algorithms.md's times for p a power of two, one node."""
+    lg = int(math.log2(p))
+    return {
+        ("allreduce", "ring"): 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta + (p - 1) / p * n * gamma,
+        ("allreduce", "recursive_halving"): 2 * lg * alpha + 2 * (p - 1) / p * n * beta + (p - 1) / p * n * gamma,
+        ("allreduce", "recursive_doubling"): lg * (alpha + n * beta + n * gamma),
+        ("reduce_scatter", "ring"): (p - 1) * alpha + (p - 1) / p * n * (beta + gamma),
+        ("reduce_scatter", "recursive_halving"): lg * alpha + (p - 1) / p * n * (beta + gamma),
+        ("allgather", "ring"): (p - 1) * alpha + (p - 1) / p * n * beta,
+        ("allgather", "recursive_doubling"): lg * alpha + (p - 1) / p * n * beta,
+        ("allgather", "bruck"): lg * alpha + (p - 1) / p * n * beta,
+        ("broadcast", "binomial"): lg * (alpha + n * beta),
+        ("broadcast", "scatter_allgather"): (lg + p - 1) * alpha + 2 * (p - 1) / p * n * beta,
+        ("reduce", "binomial"): lg * (alpha + n * beta + n * gamma),
+        ("gather", "binomial"): lg * alpha + (p - 1) / p * n * beta,
+        ("alltoall", "pairwise"): (p - 1) * (alpha + n / p * beta),
+        ("alltoall", "bruck"): lg * (alpha + n / 2 * beta),
+    }
+
+
+@serial
+@pytest.mark.parametrize("p", [2, 4, 8, 16])
+def test_the_model_is_the_documented_closed_forms_on_one_node(p):
+    model = tuning.SHIPPED_MODEL
+    for n in (8, 65536, 64 << 20):
+        want = closed_forms(None, p, n, model.alpha, model.beta, model.gamma)
+        for (collective, algorithm), seconds in want.items():
+            _, ours = tuning.predict(collective, n, p)
+            assert ours[algorithm] == pytest.approx(seconds, rel=1e-12), (collective, algorithm, n)
+        # native: the best of the same schedules at MPI's own cost per message
+        mpi = closed_forms(None, p, n, model.mpi_alpha, model.beta, model.gamma)
+        native, _ = tuning.predict("allreduce", n, p)
+        assert native == pytest.approx(min(mpi["allreduce", a] for a in ("ring", "recursive_halving",
+                                                                         "recursive_doubling")), rel=1e-12)
+
+
+@serial
+def test_the_conservative_rule_picks_ours_only_for_a_predicted_2x():
+    # On one node MPI runs our schedules at a tenth of the cost per message: native always.
+    for p in range(2, 17):
+        for collective in tuning.BUILDERS:
+            for e in range(0, 27, 2):
+                choice, gain, _ = tuning.conservative_choice(collective, 1 << e, p)
+                assert choice == "native" and gain < tuning.GAIN_NEEDED, (collective, p, 1 << e, gain)
+    # Two nodes x 4, ranks dealt out in turn: MPI's flat schedules cross the network at
+    # nearly every step, the two-level algorithm twice.
+    interleaved = Topology.from_labels([r % 2 for r in range(8)])
+    choice, gain, best = tuning.conservative_choice("allreduce", 16 << 20, 8, interleaved)
+    native, ours = tuning.predict("allreduce", 16 << 20, 8, interleaved)
+    assert (choice, best) == ("hierarchical", "hierarchical") and gain == pytest.approx(native / ours[best])
+    assert gain >= 2 and ours[best] == min(ours.values())
+    # the threshold itself: the same prediction, asked for a little more, stays native
+    assert tuning.conservative_choice("allreduce", 16 << 20, 8, interleaved, needed=gain * 1.001)[0] == "native"
+    assert tuning.conservative_choice("allreduce", 16 << 20, 8, interleaved, needed=gain * 0.999)[0] == "hierarchical"
+    # node by node, the same layout: MPI's schedules cross the network little: native
+    blocked = Topology.uniform(8, 4)
+    assert tuning.conservative_choice("allreduce", 16 << 20, 8, blocked)[0] == "native"
+    # a model where MPI's messages cost ten times ours: small buffers leave native
+    slow_mpi = tuning.CostModel(alpha=2e-6, mpi_alpha=20e-6)
+    choice, gain, best = tuning.conservative_choice("allreduce", 8, 4, model=slow_mpi)
+    assert (choice, best) == ("recursive_doubling", "recursive_doubling") and gain == pytest.approx(10, rel=0.01)
+    assert tuning.conservative_choice("allreduce", 64 << 20, 4, model=slow_mpi)[0] == "native"  # bytes dominate
+
+
+@serial
+def test_choose_says_which_rule_decided_and_the_predicted_gain(clean_environment):
+    interleaved = Topology.from_labels([r % 2 for r in range(8)])
+    selector = Selector.from_environment(8, {}, topology=interleaved)
+    _, gain, _ = tuning.conservative_choice("allreduce", 16 << 20, 8, interleaved)
+    choice, why = selector.explain("allreduce", 16 << 20)
+    assert choice == "hierarchical"
+    assert why == (f"conservative rule: no measured table for this machine and layout "
+                   f"({tuning.describe_fingerprint(tuning.fingerprint(interleaved))}); "
+                   f"hierarchical (the cost model predicts {gain:.2f}x gain over native)")
+    # deterministic mode still reduces in rank order, saying what it overrode
+    ordered = Selector.from_environment(8, {}, topology=interleaved, deterministic=True)
+    choice, why = ordered.explain("allreduce", 16 << 20)
+    assert choice == "direct" and why.startswith("deterministic mode (reduces in rank order; else hierarchical, by "
+                                                 "the conservative rule:")
+    # an override still wins; the cost-model rule on request
+    forced = Selector.from_environment(8, {"COLLECTIVES_ALLREDUCE_ALGORITHM": "ring"}, topology=interleaved)
+    assert forced.explain("allreduce", 16 << 20) == ("ring", "forced by COLLECTIVES_ALLREDUCE_ALGORITHM")
+    asked = Selector.from_environment(8, {tuning.RULE_ENV: "cost-model"}, topology=interleaved)
+    assert asked.explain("allreduce", 100)[1] == f"cost-model rule for {interleaved.describe()}"
+    with pytest.raises(ValueError, match="COLLECTIVES_AUTO_RULE must be one of conservative, cost-model; got 'fast'"):
+        Selector.from_environment(8, {tuning.RULE_ENV: "fast"})
+
+
+def test_float16_and_bfloat16_stay_off_native_under_the_conservative_rule(mpi_comm, clean_environment):
+    """The conservative rule says native; communicator's own rule for the dtypes MPI
+    reduces slowly or cannot move still takes the library's algorithms."""
+    comm = cc.Communicator(mpi_comm)
+    try:
+        choice, why = comm.choose("allreduce", 1 << 20, dtype="float16")
+        plain = comm.choose("allreduce", 1 << 20, dtype="float32")
+        bf16 = comm.choose("allreduce", 8, dtype=BFLOAT16) if BFLOAT16 is not None else None
+    finally:
+        comm.free()
+    problems = []
+    if plain[0] != "native" or not plain[1].startswith("conservative rule:"):
+        problems.append(f"float32: {plain}")
+    if choice == "native" or "float16" not in why:
+        problems.append(f"float16: {choice}, {why}")
+    if bf16 is not None and bf16[0] == "native":
+        problems.append(f"bfloat16: {bf16}")
+    agree(mpi_comm, problems)
+
+
+# == the hint ==========================================================================
+
+@serial
+def test_the_hint_is_printed_once_where_no_table_matches(tmp_path, clean_environment, capsys):
+    Selector.from_environment(4, {}, hint=False)
+    assert capsys.readouterr().err == ""  # not rank 0 of its communicator
+    Selector.from_environment(4, {}, hint=True)
+    err = capsys.readouterr().err
+    assert err == (f"collectives: no tuning table measured on this machine and layout "
+                   f"({tuning.describe_fingerprint(here())}); auto uses MPI's own collectives unless the cost model "
+                   "predicts a 2x gain. Run `make tune` (or collectives-bench --tune FILE, then "
+                   "COLLECTIVES_TUNING=FILE) to tune; COLLECTIVES_QUIET=1 hides this.\n")
+    Selector.from_environment(4, {}, hint=True)
+    Selector.from_environment(8, {}, hint=True)
+    assert capsys.readouterr().err == ""  # once per process
+
+
+@serial
+@pytest.mark.parametrize("case", ["matching table", "quiet", "rule chosen", "one rank", "all forced"])
+def test_no_hint_where_a_table_matches_or_it_was_silenced(tmp_path, clean_environment, capsys, case):
+    environ, size = {}, 4
+    if case == "matching table":
+        environ[tuning.TUNING_ENV] = str(stamped_file(tmp_path / "t.json", stamps={"4": here()}))
+    elif case == "quiet":
+        environ[tuning.QUIET_ENV] = "1"
+    elif case == "rule chosen":
+        environ[tuning.RULE_ENV] = "conservative"
+    elif case == "one rank":
+        size = 1
+    else:
+        environ.update({tuning.override_variable(c): "native" for c in tuning.BUILDERS})
+    Selector.from_environment(size, environ, hint=True)
+    assert capsys.readouterr().err == ""
+    assert not tuning._hinted
+    # the same with a table measured elsewhere: shown
+    if case == "matching table":
+        environ[tuning.TUNING_ENV] = str(stamped_file(tmp_path / "t.json", stamps={"4": ELSEWHERE}))
+        Selector.from_environment(size, environ, hint=True)
+        assert "no tuning table measured on this machine" in capsys.readouterr().err
+
+
+def test_the_hint_shows_on_rank_0_only(mpi_comm, clean_environment, capsys):
+    first = cc.Communicator(mpi_comm)
+    second = cc.Communicator(mpi_comm)
+    first.free()
+    second.free()
+    err = capsys.readouterr().err
+    shown = err.count("collectives: no tuning table measured on this machine")
+    want = 1 if mpi_comm.Get_rank() == 0 and mpi_comm.Get_size() > 1 else 0
+    agree(mpi_comm, [] if shown == want else [f"hint shown {shown} times, expected {want}: {err!r}"])
+
+
+# == --tune: fingerprints written, and the noise margin ================================
+
+def row(algorithm, nbytes, time_us, spread=None, collective="allreduce", world_size=4):
+    r = {"collective": collective, "algorithm": algorithm, "bytes": nbytes, "world_size": world_size,
+         "time_us": time_us}
+    if spread is not None:
+        r["round_spread"] = spread
+    return r
+
+
+@serial
+@pytest.mark.parametrize("faster,spread,winner", [
+    (1.08, 0.20, "native"),   # 8% faster, rounds 20% apart: within the noise
+    (1.40, 0.20, "ring"),     # 40% faster: beyond it
+    (1.08, 0.0, "ring"),      # no spread measured: the 5% floor
+    (1.04, 0.0, "native"),    # within the floor
+    (1.15, 0.10, "ring"),
+    (1.15, 0.20, "native"),
+])
+def test_a_candidate_replaces_native_only_beyond_the_noise(faster, spread, winner):
+    assert tune.NOISE_FLOOR == 0.05
+    for noisy in ("native", "ring"):  # the spread of either row counts
+        rows = []
+        for nbytes in (1024, 2048, 4096):  # the same at every size: the smoothing changes nothing
+            rows += [row("native", nbytes, 100.0 * faster, spread if noisy == "native" else 0.01),
+                     row("ring", nbytes, 100.0, spread if noisy == "ring" else 0.01),
+                     row("tree", nbytes, 300.0, 0.5)]
+        assert tune.winners(rows) == [(n, winner) for n in (1024, 2048, 4096)], (faster, spread, noisy)
+        assert tune.thresholds(rows) == [[0, winner]]
+
+
+@serial
+def test_the_margin_applies_size_by_size():
+    rows = [row("native", 8, 1.0, 0.3), row("ring", 8, 2.0, 0.3),
+            row("native", 64, 1.3, 0.3), row("ring", 64, 1.0, 0.3),    # 30% faster, 30% spread: native
+            row("native", 512, 1.3, 0.02), row("ring", 512, 1.0, 0.02),  # 30% faster, quiet: ring
+            row("native", 4096, 1.3, 0.02), row("ring", 4096, 1.0, 0.02)]
+    assert tune.winners(rows, window=0) == [(8, "native"), (64, "native"), (512, "ring"), (4096, "ring")]
+
+
+def test_the_rounds_spread_is_measured(mpi_comm):
+    """combine's round_spread: max/min - 1 of the rounds' mean times over all ranks."""
+    rank = mpi_comm.Get_rank()
+    rounds = [3, 2, 4]
+    samples = np.concatenate([np.full(3, 1e-4), np.full(2, 1.5e-4), np.full(4, 1.2e-4)]) * (1 + rank)
+    stats = timing.combine(mpi_comm, samples, rounds)
+    factors = np.arange(1, mpi_comm.Get_size() + 1)
+    means = [m * factors.mean() for m in (1e-4, 1.5e-4, 1.2e-4)]
+    problems = []
+    if stats["round_spread"] != pytest.approx(max(means) / min(means) - 1, rel=1e-9):
+        problems.append(f"round_spread {stats['round_spread']}")
+    if timing.combine(mpi_comm, samples, [9])["round_spread"] != 0.0 or "round_spread" in timing.combine(
+            mpi_comm, samples):
+        problems.append("one round should give 0, no rounds no field")
+    parts = timing.interleaved_rounds(mpi_comm, {"a": lambda: None}, {"a": 7}, rounds=3)
+    if [p.size for p in parts["a"]] != [3, 2, 2]:
+        problems.append(f"rounds {[p.size for p in parts['a']]}")
+    agree(mpi_comm, problems)
+
+
+@serial
+def test_tune_write_stamps_every_entry(tmp_path):
+    path = tmp_path / "t.json"
+    rows = [row("native", 8, 1.0, world_size=2), row("ring", 8, 2.0, world_size=2)]
+    layout_rows = [{**r, "world_size": 8, "layout": "2x4"} for r in rows]
+    tune.write(path, rows + layout_rows, {"dtype": "float32"})
+    tune.write(path, rows, {"dtype": "float32"}, key="device_tables")
+    measured = json.loads(path.read_text())["measured"]
+    assert measured["2"]["fingerprint"] == here("2")
+    assert measured["2x4"]["fingerprint"] == here("2x4") and here("2x4")["nodes"] == 2
+    assert measured["2 device"]["fingerprint"] == here("2")
+    # and auto uses what it wrote, here
+    selector = Selector.from_environment(2, {tuning.TUNING_ENV: str(path)})
+    assert selector.in_use == [True, True]
