@@ -240,12 +240,15 @@ bench-ps: install
 	    --json $(RESULTS)/latest-ps.json || exit 1; \
 	done
 
-# Measure every algorithm at each world size in TUNE_SIZES into $(TUNING); then
-# COLLECTIVES_TUNING=$(TUNING) makes auto use it.
+# Measure every algorithm at each world size in TUNE_SIZES into $(TUNING) (about 1-2
+# minutes per world size on 2 vCPUs), each entry stamped with this machine's fingerprint;
+# then COLLECTIVES_TUNING=$(TUNING) makes auto use it here (and nowhere else).
 tune: install
 	@for n in $(TUNE_SIZES); do \
-	  $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(VENV)/bin/collectives-bench --tune $(TUNING) --no-progress || exit 1; \
+	  COLLECTIVES_QUIET=1 $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(VENV)/bin/collectives-bench --tune $(TUNING) \
+	    --no-progress || exit 1; \
 	done
+	@echo "tuned: COLLECTIVES_TUNING=$(TUNING) makes auto use it"
 
 # The simulator's projection to 4096 ranks: table on stdout, plot and rows in RESULTS.
 project: install

@@ -249,8 +249,6 @@ class Communicator:
         self.topology = self._learn_topology(nodes)
         # A tuning table counts only if it matches every rank's machine: the ranks AND
         # their verdicts (one allreduce), so all of them choose alike.
-        # A tuning table counts only if it matches every rank's machine: the ranks AND
-        # their verdicts (one allreduce), so all of them choose alike.
         self._selector = Selector.from_environment(self.size, deterministic=deterministic, topology=self.topology,
                                                    agree=lambda bits: self._comm.allreduce(bits, op=MPI.BAND),
                                                    hint=self.rank == 0)
