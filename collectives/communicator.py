@@ -961,8 +961,8 @@ class Communicator:
                 try:
                     lean.run(program, self._comm, self._sequence, buffers, op, lambda: describe,
                              self._progress._abandoned.append, lambda: self._lean_look(describe))
-                except TransportError as exc:
-                    self._progress.fail(exc)
+                except BaseException as exc:
+                    self._lean_failed(exc, describe)
                     raise
                 self._workspace.give(raw)
                 return finish()
@@ -1076,7 +1076,7 @@ class Communicator:
         if (self.check or self.stall_warn is not None or self.timeout is not None or progress.broken is not None
                 or progress.active or type(op) is not str or not flags.c_contiguous):
             return _NOT_HANDLED
-        if root and (type(root) is not int or not 0 < root < self.size):
+        if type(root) is not int or not 0 <= root < self.size:  # False, 0.0: the general path refuses them
             return _NOT_HANDLED
         leaf = root != self.rank and collective == "reduce"  # gets no result; out is left alone
         if collective == "broadcast":
@@ -1102,7 +1102,7 @@ class Communicator:
         if leaf:
             out = None
         inplace = out is x
-        key = (collective, algorithm, x.dtype, x.nbytes, op, root, inplace)
+        key = (collective, algorithm, x.dtype, x.nbytes, op, root, inplace, self.segment_size, self.deterministic)
         entry = self._fast_entries.get(key)
         if entry is None:
             entry = self._fast_entry(collective, algorithm, x, op, root, inplace)
@@ -1139,13 +1139,23 @@ class Communicator:
             try:
                 lean.run(program, comm, sequence, Buffers(inp, result, tmp), op, describe, progress._abandoned.append,
                          lambda: self._lean_look(describe()))
-            except TransportError as exc:
-                progress.fail(exc)
+            except BaseException as exc:
+                self._lean_failed(exc, describe())
                 raise
             self._workspace.give(raw)
         if op == "avg" and out is not None:
             ops.finish(op, out, self.size)
         return out
+
+    def _lean_failed(self, exc, describe):
+        """A call on the lean path failed with ``exc`` (its requests given up): break the
+        engine as the general path would, telling the other ranks of a message-size or
+        MPI error; an interrupt (KeyboardInterrupt) breaks it too, since the ranks no
+        longer agree on which message belongs to which call."""
+        if self._progress.broken is None:
+            error = exc if isinstance(exc, Exception) else CollectiveError(
+                f"{describe} was interrupted ({type(exc).__name__})")
+            self._progress.fail(error)
 
     def _lean_look(self, describe):
         """What the engine does every 20 ms of waiting, for a call on the lean path: read

@@ -85,7 +85,7 @@ def run(lean, comm, tag, buffers, op_name, describe, abandon, look=None):
     requests, owners, sizes = [], [], []
     statuses = []  # Testsome fills it: entry k is for the k-th finished request
     remaining = len(kinds)
-    next_look = None
+    next_look = spin_until = None
     try:
         while True:
             while ready:
@@ -123,14 +123,17 @@ def run(lean, comm, tag, buffers, op_name, describe, abandon, look=None):
                     raise TransportError(f"{describe()} is unfinished with no message in flight "
                                          "(a bug in the library: please report it)")
                 now = time.monotonic()
-                if next_look is None:  # the first poll that found nothing
-                    spin_until, next_look = now + SPIN, now + LOOK_EVERY
+                if spin_until is None:  # the first poll of this wait that found nothing
+                    spin_until = now + SPIN
+                    if next_look is None:
+                        next_look = now + LOOK_EVERY
                 if now >= spin_until:
                     _yield_cpu()
                     if now >= next_look and look is not None:
                         next_look = now + LOOK_EVERY
                         look()
                 continue
+            spin_until = None  # progress: the next wait spins again first
             for k, j in enumerate(finished):
                 i = owners[j]
                 if kinds[i] == _RECV:
@@ -147,13 +150,42 @@ def run(lean, comm, tag, buffers, op_name, describe, abandon, look=None):
                     if pending[j2] == 0:
                         heapq.heappush(ready, j2)
     except MPI.Exception as exc:
-        error = TransportError(f"{describe()}: MPI failed: {exc}")
-        error.peer, error.step = -1, -1
+        error = _mpi_error(exc, statuses, requests, owners, kinds, peers, describe)
         _give_up(requests, owners, kinds, abandon)
         raise error from exc
-    except (MessageSizeError, TransportError):
+    except BaseException:  # a size error, a failed reduction, an interrupt: MPI must not keep our buffers
         _give_up(requests, owners, kinds, abandon)
         raise
+
+
+def _mpi_error(exc, statuses, requests, owners, kinds, peers, describe):
+    """The error to raise for MPI's exception ``exc``: where ``Testsome`` names a failed
+    receive in its statuses, one naming its peer and step (a message longer than its
+    receive, MPI's truncation error, is a :class:`MessageSizeError`, as the engine
+    says); else a :class:`TransportError`."""
+    peer = step = -1
+    code = None
+    if exc.Get_error_class() == MPI.ERR_IN_STATUS:
+        for status in statuses:
+            status_code = status.Get_error()
+            if status_code not in (MPI.SUCCESS, MPI.ERR_PENDING):
+                peer, code = status.Get_source(), status_code
+                break
+    if code is not None:
+        pending = [i for request, i in zip(requests, owners)
+                   if kinds[i] == _RECV and peers[i] == peer and request != MPI.REQUEST_NULL]
+        step = pending[0] + 1 if pending else -1
+        where = f"step {step} of {len(kinds)}: " if pending else ""
+        if MPI.Get_error_class(code) == MPI.ERR_TRUNCATE:
+            error = MessageSizeError(f"{describe()}: {where}the message from rank {peer} is longer than the receive "
+                                     "(MPI truncation error); the ranks called it with buffers of different sizes")
+        else:
+            error = TransportError(f"{describe()}: {where}MPI failed on the message from rank {peer}: "
+                                   f"{MPI.Get_error_string(code)}")
+    else:
+        error = TransportError(f"{describe()}: MPI failed: {exc}")
+    error.peer, error.step = peer, step
+    return error
 
 
 def _give_up(requests, owners, kinds, abandon):
