@@ -60,18 +60,7 @@ def report(path):
         verdict("allreduce best >= 1.5x native, >= 16 MiB", worst >= 1.5, f"lowest {worst:.2f}x")
 
     # 2. auto within 1.2x of the fastest (native included), 8 B .. 64 MiB
-    lines = ["| collective | size | auto picks | fastest | auto / fastest (avg) | (p50) |", "|---|---|---|---|---|---|"]
-    misses = defaultdict(list)
-    for (c, size), algs in sorted(table.items()):
-        if "auto" not in algs or size > 64 * MiB:
-            continue
-        field = {a: r for a, r in algs.items() if a not in ("auto", "gloo")}
-        best, t = fastest(field, "time_us")
-        ratio = algs["auto"]["time_us"] / t
-        ratio50 = algs["auto"]["p50_us"] / fastest(field, "p50_us")[1]
-        if ratio > 1.2:
-            misses[c].append(size)
-            lines.append(f"| {c} | {size} | {algs['auto'].get('chosen')} | {best} | {ratio:.2f} | {ratio50:.2f} |")
+    lines, misses = auto_misses(table, 1.2)
     for c in sorted({c for c, _ in table}):
         if any("auto" in algs for (cc, _), algs in table.items() if cc == c):
             sizes = misses.get(c, [])
@@ -90,11 +79,9 @@ def report(path):
 
     # 4. broadcast and allgather: best >= native at 1 MiB and above
     for c in ("broadcast", "allgather"):
-        ratios = {size: algs["native"]["time_us"] / fastest(ours(algs), "time_us")[1]
-                  for (cc, size), algs in table.items() if cc == c and size >= MiB and ours(algs)}
+        ratios = best_over_native(table, c, MiB)
         if ratios:
-            low = min(ratios.values())
-            verdict(f"{c}: best >= native, >= 1 MiB", low >= 1.0,
+            verdict(f"{c}: best >= native, >= 1 MiB", min(ratios.values()) >= 1.0,
                     "; ".join(f"{s // MiB} MiB {r:.2f}x" for s, r in sorted(ratios.items())))
 
     # 5. >= 3x faster than gloo from 64 KiB: what the library gives (auto, or the best
@@ -107,8 +94,56 @@ def report(path):
             verdict(f"{c}: >= 3x faster than gloo, >= 64 KiB", low >= 3.0,
                     f"lowest {low:.2f}x (at {min(ratios, key=ratios.get)} B), highest {max(ratios.values()):.1f}x")
 
+    # Issue 17 (one node at the memory-bandwidth limit): 6. allreduce from 16 MiB within
+    # 1.5x of the memory-traffic bound and >= 3x native; 7. broadcast and allgather
+    # >= native from 64 KiB; 8. auto within 1.1x of the fastest at every size.
+    rows = [(size, fastest(ours(algs), "time_us")[0], algs) for (c, size), algs in sorted(table.items())
+            if c == "allreduce" and size >= 16 * MiB and "native" in algs and ours(algs)]
+    if rows and all(algs[name].get("vs_bound") for _, name, algs in rows):
+        bound = max(algs[name]["vs_bound"] for _, name, algs in rows)
+        native = min(algs["native"]["time_us"] / algs[name]["time_us"] for _, name, algs in rows)
+        verdict("allreduce >= 16 MiB within 1.5x of the memory-traffic bound", bound <= 1.5,
+                "; ".join(f"{s // MiB} MiB {a[n]['vs_bound']:.2f}x ({n})" for s, n, a in rows))
+        verdict("allreduce >= 16 MiB >= 3x native", native >= 3.0,
+                "; ".join(f"{s // MiB} MiB {a['native']['time_us'] / a[n]['time_us']:.2f}x" for s, n, a in rows))
+    for c in ("broadcast", "allgather"):
+        ratios = best_over_native(table, c, 64 * 1024)
+        if ratios:
+            below = {s: r for s, r in sorted(ratios.items()) if r < 1.0}
+            verdict(f"{c}: best >= native, >= 64 KiB", not below,
+                    f"below at {len(below)} of {len(ratios)} sizes" +
+                    (": " + "; ".join(f"{s} B {r:.2f}x" for s, r in below.items()) if below else ""))
+    lines, misses = auto_misses(table, 1.1)
+    for c in sorted(misses):
+        verdict(f"{c}: auto within 1.1x of fastest, 8 B..64 MiB", False,
+                f"over 1.1x at {len(misses[c])} sizes: {misses[c]}")
+
     out = out[:1] + ["| target | | measured |", "|---|---|---|", *verdicts, ""] + out[1:]
     return "\n".join(out)
+
+
+def auto_misses(table, limit):
+    """The rows of a table of sizes where auto is more than ``limit`` times the fastest
+    contender (native included), and those sizes per collective."""
+    lines = ["| collective | size | auto picks | fastest | auto / fastest (avg) | (p50) |", "|---|---|---|---|---|---|"]
+    misses = defaultdict(list)
+    for (c, size), algs in sorted(table.items()):
+        if "auto" not in algs or size > 64 * MiB:
+            continue
+        field = {a: r for a, r in algs.items() if a not in ("auto", "gloo")}
+        best, t = fastest(field, "time_us")
+        ratio = algs["auto"]["time_us"] / t
+        ratio50 = algs["auto"]["p50_us"] / fastest(field, "p50_us")[1]
+        if ratio > limit:
+            misses[c].append(size)
+            lines.append(f"| {c} | {size} | {algs['auto'].get('chosen')} | {best} | {ratio:.2f} | {ratio50:.2f} |")
+    return lines, misses
+
+
+def best_over_native(table, collective, from_bytes):
+    """Size -> native's time over our fastest algorithm's, from ``from_bytes`` up."""
+    return {size: algs["native"]["time_us"] / fastest(ours(algs), "time_us")[1]
+            for (c, size), algs in table.items() if c == collective and size >= from_bytes and ours(algs)}
 
 
 if __name__ == "__main__":
