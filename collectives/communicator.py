@@ -958,12 +958,7 @@ class Communicator:
         if blocking and self._mpi_blocks(timeout) and not self._progress.active:
             program = lean.program(plan)
             if program is not None:  # nothing else to serve while it runs: the lean executor
-                try:
-                    lean.run(program, self._comm, self._sequence, buffers, op, lambda: describe,
-                             self._progress._abandoned.append, lambda: self._lean_look(describe))
-                except BaseException as exc:
-                    self._lean_failed(exc, describe)
-                    raise
+                self._run_lean(program, buffers, op, lambda: describe)
                 self._workspace.give(raw)
                 return finish()
 
@@ -1079,18 +1074,18 @@ class Communicator:
         if type(root) is not int or not 0 <= root < self.size:  # False, 0.0: the general path refuses them
             return _NOT_HANDLED
         leaf = root != self.rank and collective == "reduce"  # gets no result; out is left alone
+        shape = (self.size,) + x.shape if collective == "allgather" else x.shape
         if collective == "broadcast":
             if not flags.writeable:
                 return _NOT_HANDLED
             out = x
         elif out is None:
             if not leaf:
-                out = np.empty((self.size,) + x.shape if collective == "allgather" else x.shape, x.dtype)
+                out = np.empty(shape, x.dtype)
         elif out is x and collective != "allgather":  # in place
             if not flags.writeable:  # the general path refuses it
                 return _NOT_HANDLED
         else:
-            shape = (self.size,) + x.shape if collective == "allgather" else x.shape
             if type(out) is not np.ndarray or out.shape != shape or out.dtype != x.dtype:
                 return _NOT_HANDLED
             out_flags = out.flags
@@ -1113,17 +1108,9 @@ class Communicator:
             return _NOT_HANDLED
         self._sequence = (self._sequence + 1) % self._tag_limit  # as _gate numbers every call
         progress.call = self._sequence
-        comm = self._comm
         if entry == "native":
-            try:
-                if collective == "allreduce":
-                    comm.Allreduce(MPI.IN_PLACE if inplace else x, out, _MPI_OPS[op])
-                elif collective == "broadcast":
-                    comm.Bcast(x, root)
-                elif collective == "allgather":
-                    comm.Allgather(x, out)
-                else:
-                    comm.Reduce(MPI.IN_PLACE if inplace else x, out, _MPI_OPS[op], root)
+            try:  # _native_blocking without finishing calls in flight: there are none
+                self._native(collective, x, out, inplace, op, root, None, blocking=True)
             except MPI.Exception as exc:
                 raise TransportError(f"{collective}(algorithm='native'): the MPI library failed: {exc}") from exc
         else:
@@ -1132,30 +1119,28 @@ class Communicator:
             result = inp if inplace else inp[:0] if out is None else out if out.ndim == 1 else out.reshape(-1)
             raw, tmp = self._workspace.take(program.plan.tmp, x.dtype)
             sequence = self._sequence
-
-            def describe():
-                return f"{collective}(algorithm={name!r}) call #{sequence}"
-
-            try:
-                lean.run(program, comm, sequence, Buffers(inp, result, tmp), op, describe, progress._abandoned.append,
-                         lambda: self._lean_look(describe()))
-            except BaseException as exc:
-                self._lean_failed(exc, describe())
-                raise
+            self._run_lean(program, Buffers(inp, result, tmp), op,
+                           lambda: f"{collective}(algorithm={name!r}) call #{sequence}")
             self._workspace.give(raw)
         if op == "avg" and out is not None:
             ops.finish(op, out, self.size)
         return out
 
-    def _lean_failed(self, exc, describe):
-        """A call on the lean path failed with ``exc`` (its requests given up): break the
-        engine as the general path would, telling the other ranks of a message-size or
-        MPI error; an interrupt (KeyboardInterrupt) breaks it too, since the ranks no
-        longer agree on which message belongs to which call."""
-        if self._progress.broken is None:
-            error = exc if isinstance(exc, Exception) else CollectiveError(
-                f"{describe} was interrupted ({type(exc).__name__})")
-            self._progress.fail(error)
+    def _run_lean(self, program, buffers, op, describe):
+        """Run a blocking call's plan on the lean executor (``describe()`` names the
+        call). If it fails, its requests are given up and the engine breaks as on the
+        general path, telling the other ranks of a message-size or MPI error; an
+        interrupt (KeyboardInterrupt) breaks it too, since the ranks no longer agree on
+        which message belongs to which call."""
+        progress = self._progress
+        try:
+            lean.run(program, self._comm, self._sequence, buffers, op, describe, progress._abandoned.append,
+                     lambda: self._lean_look(describe()))
+        except BaseException as exc:
+            if progress.broken is None:
+                progress.fail(exc if isinstance(exc, Exception) else CollectiveError(
+                    f"{describe()} was interrupted ({type(exc).__name__})"))
+            raise
 
     def _lean_look(self, describe):
         """What the engine does every 20 ms of waiting, for a call on the lean path: read

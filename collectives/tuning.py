@@ -122,6 +122,11 @@ def _layout(topology, world_size):
     return {"nodes": len(sizes), "ranks_per_node": sizes[0] if len(set(sizes)) == 1 else topology.key()}
 
 
+def _machine():
+    """The machine's part of a fingerprint: CPU model, logical CPUs, MPI library."""
+    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "mpi": mpi_library()}
+
+
 def fingerprint(topology=None, world_size=None):
     """This machine and layout, as a tuning table's entries are stamped with it:
     ``{"cpu", "cpus", "mpi", "nodes", "ranks_per_node"}`` (CPU model, ``os.cpu_count()``,
@@ -129,7 +134,7 @@ def fingerprint(topology=None, world_size=None):
     ``topology``, a :class:`~collectives.Topology`, or one node of ``world_size`` ranks)."""
     if topology is None and world_size is None:
         raise ValueError("fingerprint needs a topology or a world size")
-    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "mpi": mpi_library(), **_layout(topology, world_size)}
+    return {**_machine(), **_layout(topology, world_size)}
 
 
 _this_fingerprint = fingerprint  # for Selector, whose argument of that name shadows it
@@ -148,7 +153,7 @@ def fingerprint_for_key(key):
         layout = {"nodes": key.count("+") + 1, "ranks_per_node": key}
     else:
         raise ValueError(f"{key!r} is not a world size nor a node layout such as 2x4 or 3+1")
-    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "mpi": mpi_library(), **layout}
+    return {**_machine(), **layout}
 
 
 def describe_fingerprint(stamp):
