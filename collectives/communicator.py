@@ -10,6 +10,7 @@ import itertools
 import math
 import os
 import pickle
+import zlib
 from functools import lru_cache
 
 import numpy as np
@@ -18,8 +19,9 @@ from mpi4py import MPI
 from . import check as check_mode
 from . import ops
 from . import topology as topology_module
-from .algorithms import (SEGMENTED, TOPOLOGICAL, VARIABLE, block_bounds, build, check_algorithm, check_ordered,
-                         cost_model_choice)
+from .algorithms import (SEGMENTED, SHARED_MEMORY, TOPOLOGICAL, VARIABLE, block_bounds, build, check_algorithm,
+                         check_ordered, cost_model_choice)
+from .algorithms.shm import DEFAULT_SLOT_BYTES
 from .errors import CollectiveError, CollectiveMismatchError, TransportError
 from .arrays import as_array, check_dtype, check_out, flat_input, flat_view, is_extra, overlaps, same_memory
 from .device import DeviceArray, is_device
@@ -28,6 +30,7 @@ from .transport import lean
 from .transport.buffers import Buffers
 from .transport.liveness import Liveness
 from .transport.mpi import PlanHandle, Progress, RequestHandle, check_timeout
+from .transport.shm import NodeWindow, ShmHandle
 from .tuning import Selector
 
 # MPI libraries reduce float16 in scalar software loops: MPICH 5's allreduce of float16
@@ -60,6 +63,17 @@ def _plan(collective, algorithm, rank, size, count, root, segment, inplace, orde
         if device_split:
             schedule = split_schedule(schedule, device_split)
     return compile_plan(schedule, inplace=inplace)
+
+
+def _slot_bytes():
+    """One rank's slot of the shared window, in bytes: ``COLLECTIVES_SHM_SLOT``, else
+    ``algorithms.shm.DEFAULT_SLOT_BYTES``; a call longer than a slot runs in segments."""
+    text = os.environ.get("COLLECTIVES_SHM_SLOT", "").strip()
+    if not text:
+        return DEFAULT_SLOT_BYTES
+    if not text.isdigit() or int(text) < 64:
+        raise ValueError(f"COLLECTIVES_SHM_SLOT must be a number of bytes, at least 64; got {text!r}")
+    return int(text)
 
 
 def _check_nbytes(value, name):
@@ -258,8 +272,15 @@ class Communicator:
         self._p2p_comm = mpi_comm.Dup()  # send/recv: never matched with a collective's messages
         self._workspace = _Workspace()
         self._devices = {}  # backend -> DeviceContext, made at the first call on that device
-        self._node_comm = None
         self._fast_entries = {}  # what the lean path knows of a kind of call: see _fast_call
+        # The ranks that share memory with this one (made here: a blocking collective at
+        # a call's start could wait forever on an absent rank, with no timeout to stop it).
+        # The shared-memory algorithms need all of them on it (MPI's view, whatever
+        # ``nodes`` says); the window is made at the first such call (see transport.shm).
+        self._node_comm = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self._shares_memory = self._node_comm.Get_size() == self.size
+        self.shm_slot = _slot_bytes()
+        self._window = None
 
     def __repr__(self):
         return f"<collectives.Communicator rank {self.rank} of {self.size}>"
@@ -363,6 +384,8 @@ class Communicator:
             for ctx in self._devices.values():
                 ctx.free(self._comm.Barrier)
             self._devices = {}
+            if self._window is not None and self._progress.broken is None:  # (collective: a broken job may hang in it)
+                self._window.free()
             if self._node_comm is not None:
                 self._node_comm.Free()
             self._comm.Free()
@@ -923,17 +946,62 @@ class Communicator:
     def _resolve(self, collective, algorithm, nbytes, dtype, device=False):
         if algorithm != "auto" and self.deterministic:
             check_ordered(collective, algorithm)
+        if (collective, algorithm) in SHARED_MEMORY:
+            self._check_shared_memory(algorithm, device)
         if algorithm == "native" and is_extra(dtype):
             raise ValueError(f"algorithm 'native' cannot move {dtype.name} (the MPI library has no type for it); "
                              "use one of the library's algorithms or 'auto'")
         if algorithm != "auto":
             return algorithm
         chosen = self._selector.choose(collective, nbytes, device)
+        if (collective, chosen) in SHARED_MEMORY and (device or not self._shares_memory):  # a table's entry
+            return cost_model_choice(collective, nbytes, self.size, topology=self.topology)
         if chosen == "native":
             instead = self._instead_of_native(collective, nbytes, dtype, device)
             if instead is not None:
                 return instead[0]
         return chosen
+
+    def _check_shared_memory(self, algorithm, device):
+        if device:
+            raise ValueError(f"algorithm {algorithm!r} runs on host arrays only (it reduces in a shared window of "
+                             "host memory); for device arrays use another algorithm or 'auto'")
+        if not self._shares_memory:
+            raise ValueError(f"algorithm {algorithm!r} needs every rank on one node (ranks that share memory); "
+                             f"this communicator spans {self.topology.describe()}: use 'hierarchical' or 'auto'")
+
+    def _window_for(self, nbytes, timeout):
+        """The node's shared window, holding ``nbytes`` of data (made or grown here:
+        collective; the ranks agree on the size first, within ``timeout``)."""
+        window = self._window
+        if window is not None and nbytes <= window.capacity:
+            return window
+        self._finish_in_flight()  # nothing may use the old window, nor wait on this rank meanwhile
+        if window is None:
+            window = self._window = NodeWindow(self._node_comm)
+        need = np.array([nbytes], np.int64)
+        self._request("the shared window's set-up",
+                      lambda: self._node_comm.Iallreduce(MPI.IN_PLACE, need, MPI.MAX), timeout, need.nbytes)
+        window.ensure(int(need[0]))
+        return window
+
+    def _start_shared(self, collective, algorithm, count, inp, out, inplace, op, root, finish, blocking, timeout,
+                      describe):
+        """Run a shared-memory algorithm's call (see ``transport.shm``)."""
+        segment = max(1, self.shm_slot // inp.itemsize)
+        plan = _plan(collective, algorithm, self.rank, self.size, count, root, segment, inplace, self.deterministic)
+        window = self._window_for(plan.shm * inp.itemsize, timeout) if plan.shm else None
+        raw, tmp = self._workspace.take(plan.tmp, inp.dtype)
+
+        def done():
+            self._workspace.give(raw)
+            return finish()
+
+        kind = zlib.crc32(f"{collective}/{algorithm}/{inp.dtype.str}/{op}".encode())
+        signature = (self._sequence, kind, inp.nbytes, root)
+        handle = ShmHandle(self._progress, describe, done, window, plan, inp, out, tmp, op, signature, timeout,
+                           self._sequence).start()
+        return handle.wait() if blocking else handle
 
     def _start(self, collective, algorithm, count, inp, out, inplace, op, root, segment_size, finish, blocking,
                timeout, counts=None):
@@ -950,6 +1018,9 @@ class Communicator:
             handle = RequestHandle(self._progress, describe, finish, start, timeout, self._sequence, inp.nbytes)
             handle.start()
             return handle.wait() if blocking else handle
+        if (collective, algorithm) in SHARED_MEMORY:
+            return self._start_shared(collective, algorithm, count, inp, out, inplace, op, root, finish, blocking,
+                                      timeout, describe)
         segment = self._segment(segment_size, out.itemsize) if (collective, algorithm) in SEGMENTED else 1
         plan = _plan(collective, algorithm, self.rank, self.size, count, root, segment, inplace, self.deterministic,
                      counts=counts if collective in VARIABLE else None, topology=self._layout_for(collective, algorithm))
@@ -1163,6 +1234,8 @@ class Communicator:
             return False  # the general path raises it
         if name == "native":
             return name
+        if (collective, name) in SHARED_MEMORY:
+            return False  # its own executor (_start_shared)
         segment = self._segment(None, x.itemsize) if (collective, name) in SEGMENTED else 1
         plan = _plan(collective, name, self.rank, self.size, x.size, root, segment, inplace, self.deterministic,
                      topology=self._layout_for(collective, name))

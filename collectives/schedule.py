@@ -10,10 +10,17 @@ they ran one after another:
     ReduceMany(dst, srcs)  dst = srcs[0] op srcs[1] op ... folded left: no algorithm
                            writes it; :func:`fuse_reductions` makes it of a chain of
                            Reduce for the device, where it is one kernel
+    Fence()                wait until every rank has reached this point: what any rank
+                           wrote to ``shm`` before it is then what every rank reads
+                           (the shared-memory algorithms' only synchronisation)
 
-A slice names a buffer and an element range: ``("in", lo, hi)``, ``("out", lo, hi)`` or
-``("tmp", lo, hi)``. ``in`` is the caller's input (read only), ``out`` the result and
-``tmp`` a workspace whose size the schedule states. Buffers are flat and contiguous.
+A slice names a buffer and an element range: ``("in", lo, hi)``, ``("out", lo, hi)``,
+``("tmp", lo, hi)`` or ``("shm", lo, hi)``. ``in`` is the caller's input (read only),
+``out`` the result and ``tmp`` a workspace whose size the schedule states. ``shm`` is
+memory every rank of the node sees, the same elements for all (a shared window; the
+schedule states its size too): only the shared-memory algorithms use it, and only
+executors that have one run them (``collectives.transport.shm`` and the in-process
+runner). Buffers are flat and contiguous.
 
 :func:`compile_plan` turns the list into a :class:`Plan`: each operation waits only for
 the earlier operations that touch the same elements (read after write, write after
@@ -36,8 +43,9 @@ Recv = namedtuple("Recv", "peer dst")
 Reduce = namedtuple("Reduce", "dst a b")
 Copy = namedtuple("Copy", "dst src")
 ReduceMany = namedtuple("ReduceMany", "dst srcs")
+Fence = namedtuple("Fence", "")
 
-BUFFERS = ("in", "out", "tmp")
+BUFFERS = ("in", "out", "tmp", "shm")
 _END = 1 << 62  # past the end of any buffer
 
 
@@ -53,6 +61,8 @@ class Schedule:
 
     ops: list
     tmp: int = 0
+    shm: int = 0
+    banks: int = 0  # shared-memory schedules: how many segments (banks used in turn, 0, 1, 0 …)
 
     def send(self, peer, src):
         self.ops.append(Send(peer, src))
@@ -66,8 +76,14 @@ class Schedule:
     def copy(self, dst, src):
         self.ops.append(Copy(dst, src))
 
+    def fence(self):
+        self.ops.append(Fence())
+
     def need_tmp(self, elements):
         self.tmp = max(self.tmp, int(elements))
+
+    def need_shm(self, elements):
+        self.shm = max(self.shm, int(elements))
 
 
 @dataclass(frozen=True)
@@ -92,6 +108,8 @@ class Plan:
     tmp: int
     predecessors: tuple = ()
     readers: tuple = ()
+    shm: int = 0  # elements of the node's shared window the plan addresses (0: none)
+    banks: int = 0  # how many segments it runs through the window's two banks in turn
 
     def initial_pending(self):
         return [w + (p >= 0) for w, p in zip(self.waits, self.fifo_prev)]
@@ -138,7 +156,12 @@ class _Accesses:
         self.states[i:j] = [(op, ())]
 
 
+_EVERYTHING = tuple(Slice(buf, 0, _END) for buf in BUFFERS)
+
+
 def _reads_writes(op):
+    if isinstance(op, Fence):  # after it, other ranks' writes are visible: as if it wrote everything
+        return (), _EVERYTHING
     if isinstance(op, Send):
         return (op.src,), ()
     if isinstance(op, Recv):
@@ -170,8 +193,8 @@ def compile_plan(schedule, inplace=False):
     ops = [
         op
         for op in schedule.ops
-        if _length(op.dst if isinstance(op, (Reduce, Copy, ReduceMany)) else op[1]) > 0
-        and not (isinstance(op, Copy) and same_elements(op.dst, op.src))
+        if isinstance(op, Fence) or (_length(op.dst if isinstance(op, (Reduce, Copy, ReduceMany)) else op[1]) > 0
+                                     and not (isinstance(op, Copy) and same_elements(op.dst, op.src)))
     ]
     accesses = {}
     waits, dependents, predecessors, readers = [], [[] for _ in ops], [], [[] for _ in ops]
@@ -180,9 +203,11 @@ def compile_plan(schedule, inplace=False):
     for index, op in enumerate(ops):
         deps = set()
         reads, writes = _reads_writes(op)
-        for s in reads + writes:
-            if s.buf not in BUFFERS or not 0 <= s.lo <= s.hi or (s.buf == "tmp" and s.hi > schedule.tmp):
-                raise ValueError(f"schedule slice {s} is outside its buffer (tmp holds {schedule.tmp})")
+        for s in () if isinstance(op, Fence) else reads + writes:
+            if s.buf not in BUFFERS or not 0 <= s.lo <= s.hi or (s.buf == "tmp" and s.hi > schedule.tmp) \
+                    or (s.buf == "shm" and s.hi > schedule.shm):
+                raise ValueError(f"schedule slice {s} is outside its buffer (tmp holds {schedule.tmp}, "
+                                 f"shm {schedule.shm})")
         read_from = set()
         for s in reads:
             accesses.setdefault(alias.get(s.buf, s.buf), _Accesses()).read(index, s.lo, s.hi, deps, read_from)
@@ -211,6 +236,8 @@ def compile_plan(schedule, inplace=False):
         tmp=schedule.tmp,
         predecessors=tuple(predecessors),
         readers=tuple(tuple(r) for r in readers),
+        shm=schedule.shm,
+        banks=schedule.banks,
     )
 
 
@@ -223,8 +250,11 @@ def split_schedule(schedule, segment):
     pipeline (copy of segment k+1, message of segment k and reduction of segment k-1
     at once). Any algorithm, unchanged."""
     segment = max(1, int(segment))
-    out = Schedule([], schedule.tmp)
+    out = Schedule([], schedule.tmp, schedule.shm, schedule.banks)
     for op in schedule.ops:
+        if isinstance(op, Fence):
+            out.ops.append(op)
+            continue
         first = op.dst if isinstance(op, (Reduce, Copy, ReduceMany)) else op[1]
         length = first.hi - first.lo
         if length <= segment:
@@ -272,7 +302,7 @@ def fuse_reductions(schedule, limit=16, inplace=False):
     def untouched_after(index, x):
         return not any(overlap(x, y) for later in schedule.ops[index + 1:] for y in sum(_reads_writes(later), ()))
 
-    out = Schedule([], schedule.tmp)
+    out = Schedule([], schedule.tmp, schedule.shm, schedule.banks)
     for index, op in enumerate(schedule.ops):
         last = out.ops[-1] if out.ops else None
         if isinstance(op, Reduce) and isinstance(last, (Reduce, ReduceMany)) and op.a == last.dst:
@@ -305,6 +335,8 @@ def embed(parent, child, ranks, buffers):
             return Slice(buf, field.lo + offset, field.hi + offset)
         return tuple(move(f) for f in field)
 
+    if child.shm:  # its fences would hold every rank of the node, not only the group's
+        raise ValueError("a shared-memory schedule cannot be embedded in another (its fences span the whole node)")
     for op in child.ops:
         if isinstance(op, (Send, Recv)):
             parent.ops.append(type(op)(ranks[op.peer], move(op[1])))

@@ -171,6 +171,10 @@ def expected_counters(collective, algorithm, p, count, root=0, segments=1):
         elif key == ("alltoall", "bruck"):  # the slots with bit k set, at every step k
             moved = sum(sum(1 for i in range(p) if i & (1 << k)) for k in range(lg_ceil))
             row = (lg_ceil, moved * n, moved * n, 0)
+        elif key in (("allreduce", "shm"), ("reduce_scatter", "shm"), ("reduce", "shm")):
+            row = (0, 0, 0, (p - 1) * b)  # no messages: each rank folds its share of the p inputs
+        elif key in (("allgather", "shm"), ("broadcast", "shm")):
+            row = (0, 0, 0, 0)
         elif key == ("reduce", "direct"):  # reduce_scatter, then every block to the root
             row = (p - 1, (p - 1) * b, 2 * (p - 1) * b, (p - 1) * b) if r == root else (p, p * b, (p - 1) * b, (p - 1) * b)
         else:
@@ -271,6 +275,15 @@ def closed_form(collective, algorithm, p, n, gamma=G, segments=1):
         return max((p - 1) * c(b) + g(b, gamma), c(b) + (p - 1) * g(b, gamma))
     if key == ("reduce", "direct"):  # the reduce_scatter, then the root receives p-1 blocks in turn
         return max((p - 1) * c(b) + g(b, gamma), c(b) + (p - 1) * g(b, gamma)) + (p - 1) * c(b)
+    # Shared memory: a copy to or from the window costs m·β, a fence α after the last arrival.
+    if key in (("allreduce", "shm"), ("reduce", "shm")):  # in, fence, fold, publish, fence, out
+        return 2 * A + 2 * n * B + g((p - 1) * b, gamma)
+    if key == ("reduce_scatter", "shm"):  # every block's piece in, fence, fold
+        return A + n * B + g((p - 1) * b, gamma)
+    if key == ("allgather", "shm"):  # n: the gathered size
+        return A + n * B
+    if key == ("broadcast", "shm"):
+        return A + 2 * n * B
     if key == ("allgather", "bruck"):
         return lg_ceil * A + (p - 1) * b * B
     if key in (("broadcast", "binomial"), ("broadcast", "hierarchical")):
@@ -744,6 +757,8 @@ def two_level_rows(params, layouts=((2, 2), (2, 4), (4, 1))):
     for nodes, k in layouts:
         p = nodes * k
         for algorithm in BUILDERS["allreduce"]:
+            if algorithm == "shm" and nodes > 1:  # one node only
+                continue
             extra = {"nodes": k} if algorithm.startswith("hierarchical") else {}
             for nbytes in (1 << 16, 1 << 20, 1 << 22):
                 count = nbytes // 4

@@ -10,7 +10,7 @@ transport calls directly.
 
 from ._layout import block_bounds  # noqa: F401 (used by the communicator)
 from . import (alltoall, binomial, bruck, direct, hierarchical, pipeline, recursive_doubling, recursive_halving, ring,
-               scatter_allgather, tree)
+               scatter_allgather, shm, tree)
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "gather", "scatter", "alltoall")
 ROOTED = ("broadcast", "reduce", "gather", "scatter")  # the collectives that take a root
@@ -28,12 +28,14 @@ BUILDERS = {
         "direct": direct.allreduce,
         "hierarchical": hierarchical.allreduce,
         "hierarchical_leader": hierarchical.allreduce_leader,
+        "shm": shm.allreduce,
     },
     "reduce_scatter": {
         "ring": ring.reduce_scatter,
         "recursive_halving": recursive_halving.reduce_scatter,
         "direct": direct.reduce_scatter,
         "hierarchical": hierarchical.reduce_scatter,
+        "shm": shm.reduce_scatter,
     },
     "allgather": {
         "ring": ring.allgather,
@@ -41,6 +43,7 @@ BUILDERS = {
         "bruck": bruck.allgather,
         "direct": direct.allgather,
         "hierarchical": hierarchical.allgather,
+        "shm": shm.allgather,
     },
     "broadcast": {
         "binomial": binomial.broadcast,
@@ -48,10 +51,12 @@ BUILDERS = {
         "scatter_allgather": scatter_allgather.broadcast,
         "direct": direct.broadcast,
         "hierarchical": hierarchical.broadcast,
+        "shm": shm.broadcast,
     },
     "reduce": {
         "binomial": binomial.reduce,
         "direct": direct.reduce,
+        "shm": shm.reduce,
     },
     "gather": {
         "binomial": binomial.gather,
@@ -72,7 +77,13 @@ BUILDERS = {
 # ``ordered=True``, every reduction is the left fold x0 op x1 op … op x(p-1)).
 # The collectives not listed reduce nothing: every algorithm of theirs, native
 # included, moves the same bits whatever the order.
-ORDERED = {"allreduce": ("direct",), "reduce_scatter": ("direct",), "reduce": ("direct",)}
+ORDERED = {"allreduce": ("direct", "shm"), "reduce_scatter": ("direct", "shm"), "reduce": ("direct", "shm")}
+
+# Shared-memory algorithms: their plans address the node's shared window (``shm``) and
+# synchronise with fences, so only ranks that share memory run them, on host arrays; the
+# communicator cuts them in segments of ``shm.DEFAULT_SLOT_BYTES`` (its ``shm_slot``).
+SHARED_MEMORY = frozenset((collective, name) for collective, names in BUILDERS.items() for name in names
+                          if name == "shm")
 
 # Two-level algorithms: their builders take the communicator's node layout (``topology``,
 # a :class:`collectives.topology.Topology`); with one node they run as flat ones.

@@ -23,7 +23,8 @@ import json
 
 import numpy as np
 
-from ..algorithms import TOPOLOGICAL
+from ..algorithms import SHARED_MEMORY, TOPOLOGICAL
+from ..algorithms.shm import DEFAULT_SLOT_BYTES
 from .simulate import DEFAULT_SEGMENT_SIZE, costs
 
 OTHER_LIBRARIES = ("native", "gloo", "auto")
@@ -80,10 +81,12 @@ class _Prediction:
     def __init__(self, row):
         self.row = row
         self.nodes, self.ranks_per_node = nodes_of(row)
-        extra = {"nodes": self.ranks_per_node} if (row["collective"], row["algorithm"]) in TOPOLOGICAL else {}
+        key = (row["collective"], row["algorithm"])
+        extra = {"nodes": self.ranks_per_node} if key in TOPOLOGICAL else {}
+        default = DEFAULT_SLOT_BYTES if key in SHARED_MEMORY else DEFAULT_SEGMENT_SIZE  # as the Communicator cuts it
         self.costs = costs(
             row["collective"], row["algorithm"], int(row["world_size"]), int(row["count"]), row["dtype"],
-            segment_size=int(row.get("segment_size") or DEFAULT_SEGMENT_SIZE), **extra,
+            segment_size=int(row.get("segment_size") or default), **extra,
         )
         self.measured = float(row["time_us"]) * 1e-6
 

@@ -7,8 +7,9 @@ from functools import cached_property
 import numpy as np
 
 from .. import ops as ops_layer
-from ..algorithms import (BUILDERS, NODE_SYMMETRIC, SEGMENTED, SYMMETRIC, TOPOLOGICAL, VARIABLE, block_bounds, build,
-                          check_ordered)
+from ..algorithms import (BUILDERS, NODE_SYMMETRIC, SEGMENTED, SHARED_MEMORY, SYMMETRIC, TOPOLOGICAL, VARIABLE,
+                          block_bounds, build, check_ordered)
+from ..algorithms.shm import DEFAULT_SLOT_BYTES
 from ..algorithms.hierarchical import pipeline_pieces
 from ..arrays import check_dtype
 from ..communicator import DEFAULT_SEGMENT_SIZE, _check_segment_size  # segments as the Communicator cuts them
@@ -190,7 +191,9 @@ def _check_args(collective, algorithm, world_size, count, dtype, op, root, param
         raise ValueError(f"inplace: {collective} has no in-place form here (allreduce, reduce and broadcast do)")
     if params.get("ordered"):
         check_ordered(collective, algorithm)
-    topology_of(world_size, params.get("nodes"))  # raises on a bad layout
+    layout = topology_of(world_size, params.get("nodes"))  # raises on a bad layout
+    if (collective, algorithm) in SHARED_MEMORY and layout is not None and layout.node_count > 1:
+        raise ValueError(f"algorithm {algorithm!r} runs on the ranks of one node only; nodes gives {layout.describe()}")
     if "counts" in params:
         if collective not in VARIABLE:
             raise TypeError(f"counts is a parameter of {', '.join(VARIABLE)}, not of {collective}")
@@ -243,6 +246,8 @@ def plan_maker(collective, algorithm, world_size, count, dtype="float32", root=0
     segment = 1
     if (collective, algorithm) in SEGMENTED:
         segment = max(1, int(params.get("segment_size", DEFAULT_SEGMENT_SIZE)) // np.dtype(dtype).itemsize)
+    elif (collective, algorithm) in SHARED_MEMORY:  # a slot of the shared window
+        segment = max(1, int(params.get("segment_size", DEFAULT_SLOT_BYTES)) // np.dtype(dtype).itemsize)
     ordered = bool(params.get("ordered", False))
     matrix = _counts(collective, world_size, count, params)
     topology = topology_of(world_size, params.get("nodes")) if (collective, algorithm) in TOPOLOGICAL else None
@@ -316,7 +321,8 @@ def run(collective, algorithm, world_size, count, dtype="float32", op="sum", roo
     of the same inputs: equal values (+0 and -0 alike), and for allreduce the same
     bits on every rank.
 
-    ``params``: ``segment_size`` (bytes, for the pipelined ``tree`` and ``pipeline``),
+    ``params``: ``segment_size`` (bytes, for the pipelined ``tree`` and ``pipeline``, and the
+    shared-memory algorithms' slot),
     ``inplace`` (the in-place form of the call), ``servers`` (``parameter_server``),
     ``ordered`` (reductions in rank order, as in deterministic mode), ``counts``
     (alltoallv: ``counts[i][j]`` elements from rank i to rank j), ``nodes`` (the node

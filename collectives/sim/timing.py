@@ -12,7 +12,10 @@ The model (also in the package docstring and docs/algorithms.md):
   the sending node's outgoing link and the receiving node's incoming link, so the
   ranks of a node take turns on the network.
 - A reduction of m bytes takes ``m·γ`` on its rank's processor, one at a time, while
-  the rank's messages go on. Copies cost nothing (the model has no memory-copy term).
+  the rank's messages go on. Copies cost nothing (the model has no memory-copy term),
+  except a copy to or from the node's shared window (the shared-memory algorithms),
+  which carries their data and takes ``m·β`` on the processor, like a message's bytes.
+- A fence (shared-memory algorithms) ends ``α`` after the last rank has reached it.
 - Everything starts as soon as the plan allows; where several messages could take a
   port, the one that was ready first gets it (ties: the sender's earlier operation,
   then the lower rank). Completion is the time the last rank finishes.
@@ -27,9 +30,9 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from ..schedule import Copy, Recv, Reduce, Send
+from ..schedule import Copy, Fence, Recv, Reduce, Send
 
-_SEND, _RECV, _REDUCE, _COPY = 0, 1, 2, 3
+_SEND, _RECV, _REDUCE, _COPY, _FENCE = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -85,9 +88,12 @@ class Graph:
                     kinds.append(_RECV), nbytes.append((op.dst.hi - op.dst.lo) * itemsize), peers.append(op.peer)
                 elif isinstance(op, Reduce):
                     kinds.append(_REDUCE), nbytes.append((op.dst.hi - op.dst.lo) * itemsize), peers.append(-1)
+                elif isinstance(op, Fence):
+                    kinds.append(_FENCE), nbytes.append(0), peers.append(-1)
                 else:
                     assert isinstance(op, Copy)
-                    kinds.append(_COPY), nbytes.append(0), peers.append(-1)
+                    shared = "shm" in (op.dst.buf, op.src.buf)
+                    kinds.append(_COPY), nbytes.append((op.dst.hi - op.dst.lo) * itemsize * shared), peers.append(-1)
             self.kinds.append(kinds)
             self.nbytes.append(nbytes)
             self.real_peers.append(peers)
@@ -156,6 +162,7 @@ def _simulate(graph, model):
     started = set()
     dirty = set()  # ports and links freed (or newly wanted) since the last dispatch
     events = []  # (time, rank, index): an operation completes
+    fences = [[] for _ in range(size)]  # (time, index) of the fences each rank has reached, not passed
     finish = 0.0
 
     def post_message(now, src, i, dst, j):
@@ -175,7 +182,18 @@ def _simulate(graph, model):
         while pending[rank][i] == 0:
             kind = kinds[rank][i]
             if kind == _COPY:
-                heapq.heappush(events, (now, rank, i))
+                start = max(now, cpu_free[rank]) if nbytes[rank][i] else now
+                end = start + nbytes[rank][i] * model.beta
+                if nbytes[rank][i]:
+                    cpu_free[rank] = end
+                heapq.heappush(events, (end, rank, i))
+                return
+            if kind == _FENCE:  # representatives stand for every rank: all of them reached it
+                fences[rank].append((now, i))
+                if all(fences):
+                    end = max(waiting[0][0] for waiting in fences) + model.alpha
+                    for r, waiting in enumerate(fences):
+                        heapq.heappush(events, (end, r, waiting.pop(0)[1]))
                 return
             if kind == _REDUCE:
                 start = max(now, cpu_free[rank])

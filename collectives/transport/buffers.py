@@ -7,10 +7,11 @@ from ..schedule import Copy, ReduceMany
 
 
 class Buffers:
-    """The arrays behind ``in``, ``out`` and ``tmp`` for one call (flat, contiguous)."""
+    """The arrays behind ``in``, ``out``, ``tmp`` and ``shm`` for one call (flat, contiguous;
+    ``shm`` only for the shared-memory algorithms)."""
 
-    def __init__(self, inp, out, tmp):
-        self.arrays = {"in": inp, "out": out, "tmp": tmp}
+    def __init__(self, inp, out, tmp, shm=None):
+        self.arrays = {"in": inp, "out": out, "tmp": tmp, "shm": shm}
 
     def view(self, s):
         return self.arrays[s.buf][s.lo : s.hi]

@@ -1,14 +1,14 @@
 """The state machine that runs one rank's :class:`~collectives.schedule.Plan`.
 
 It starts every operation as soon as the plan allows: local operations (reduce, copy)
-run at once through ``run_local``; sends and receives are handed to ``post`` and
-reported back with :meth:`Execution.complete` when the transport sees them finish.
+run at once through ``run_local``; sends, receives and fences are handed to ``post``
+and reported back with :meth:`Execution.complete` when the transport sees them finish.
 Operations that become ready together start in program order.
 """
 
 import heapq
 
-from ..schedule import Recv, Send
+from ..schedule import Fence, Recv, Send
 
 
 class Execution:
@@ -46,7 +46,7 @@ class Execution:
         while ready:
             i = heapq.heappop(ready)
             op = ops[i]
-            if isinstance(op, (Send, Recv)):
+            if isinstance(op, (Send, Recv, Fence)):
                 self._post(i)
                 nxt = plan.fifo_next[i]
                 if nxt >= 0:

@@ -59,10 +59,11 @@ class LeanProgram:
 
 def program(plan):
     """The :class:`LeanProgram` of ``plan`` (made at the first call, kept with the plan),
-    or None if the plan is too large for the lean path."""
+    or None if the plan is too large for the lean path or uses the shared window (the
+    shared-memory algorithms: ``transport.shm`` runs those)."""
     lean = plan.__dict__.get("_lean", False)
     if lean is False:
-        lean = LeanProgram(plan) if len(plan.ops) <= MAX_OPS else None
+        lean = LeanProgram(plan) if len(plan.ops) <= MAX_OPS and not plan.shm else None
         object.__setattr__(plan, "_lean", lean)  # the plan is frozen; this is a cache beside it
     return lean
 

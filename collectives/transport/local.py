@@ -11,7 +11,7 @@ from collections import deque
 import numpy as np
 
 from ..errors import CollectiveError
-from ..schedule import Send
+from ..schedule import Fence, Send
 from .buffers import Buffers
 from .engine import Execution
 
@@ -23,13 +23,20 @@ def run(plans, inputs, outputs, op, dtype):
     (a length mismatch, or a deadlock).
     """
     size = len(plans)
-    buffers = [Buffers(inputs[r], outputs[r], np.empty(plans[r].tmp, dtype)) for r in range(size)]
+    shared = np.empty(max(plan.shm for plan in plans), dtype)  # one window, every rank's view of it
+    buffers = [Buffers(inputs[r], outputs[r], np.empty(plans[r].tmp, dtype), shared) for r in range(size)]
     sends, recvs = {}, {}
+    fences = [deque() for _ in range(size)]  # each rank's fences reached, not yet passed
     finished = deque()
 
     def poster(rank):
         def post(i):
             op_ = plans[rank].ops[i]
+            if isinstance(op_, Fence):  # passed once every rank has reached its next one
+                fences[rank].append(i)
+                if all(fences):
+                    finished.extend((r, waiting.popleft()) for r, waiting in enumerate(fences))
+                return
             if isinstance(op_, Send):
                 key = (rank, op_.peer)
                 sends.setdefault(key, deque()).append(i)

@@ -64,6 +64,7 @@ class Progress:
         self._next_look = 0.0  # when drain() next answers probes and reads failure notices
         self._device = []  # (handle, token, backend, event): device work the host waits for
         self.backends = []  # devices this communicator uses: polled while waiting (see device.standin)
+        self.shm = []  # shared-memory calls (transport.shm.ShmHandle), run in the order they were made
 
     def add(self, handle, token, request):
         self._requests.append(request)
@@ -97,6 +98,23 @@ class Progress:
                 progressed = True
         if self.backends:
             progressed = self._advance_device() or progressed
+        if self.shm:
+            progressed = self._advance_shm() or progressed
+        return progressed
+
+    def _advance_shm(self):
+        """Run the shared-memory calls, oldest first, as far as their fences let them."""
+        progressed = False
+        while self.shm:
+            handle = self.shm[0]
+            try:
+                progressed = handle.step() or progressed
+            except Exception as exc:
+                self.fail(exc, culprit=handle)
+                raise
+            if not handle._finished:
+                break
+            self.shm.pop(0)
         return progressed
 
     def _advance_device(self):
@@ -143,7 +161,7 @@ class Progress:
         while not handle._finished and handle._error is None:
             if self.advance():
                 continue
-            if not self._requests and not self._device:
+            if not self._requests and not self._device and not self.shm:
                 raise CollectiveError(f"{handle._describe} is unfinished with no message in flight "
                                       "(a bug in the library: please report it)")
             _yield_cpu()
@@ -200,6 +218,7 @@ class Progress:
                 self._abandoned.append(request)  # holds the buffer: the cancel may not have taken
         self._requests, self._owners, self._completed = [], [], 0
         self._device = []
+        self.shm = []
 
     def _time_out(self, handle, waited):
         outstanding = handle._outstanding()

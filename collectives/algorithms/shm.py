@@ -1,0 +1,182 @@
+"""Shared-memory algorithms (``shm``): the ranks of one node meet in a shared window.
+
+    rank 0 ──copy──▶ ┌ slot 0 ┐                      each rank folds its share of
+    rank 1 ──copy──▶ │ slot 1 │ ──fence──▶  r: Σ_q slot q[share r]  ──fence──▶
+    rank 2 ──copy──▶ └ slot 2 ┘            (rank order, in place)      everyone copies
+                                                                       every share out
+
+No messages: every rank copies its input into its own slot of a window all ranks of
+the node map (``shm``), a *fence* waits until every rank has reached it (after which
+each rank sees what the others wrote before it), and the ranks then read each other's
+slots in place. allreduce: copy in; fence; rank r folds share r of every slot, in rank
+order, into its ``out`` and publishes it in its slot; fence; every rank copies the
+other shares out. reduce_scatter: rank r's slot holds a piece of every block; fence;
+rank r folds block r's pieces into its ``out``. allgather: copy in; fence; copy every
+slot out. broadcast: the root copies into the window (one slot the size of all p);
+fence; the others copy out. reduce: allreduce's first two steps (the other ranks fold
+into their workspace), then the root copies the shares out.
+
+A window holds two banks of p slots of ``segment`` elements at most (fewer for a
+shorter call); a call longer than a slot runs in segments, alternating banks, so that segment k+2 writes a bank only after a
+fence that every rank passes once it has finished reading segment k (the executor also
+alternates the banks from call to call: :mod:`collectives.transport.shm`).
+
+Every reduction is the left fold x0 op x1 op … op x(p-1) in rank order, so these are
+deterministic-mode algorithms, and every rank's result has the same bits.
+
+Cost per rank for n bytes (the memory traffic, which is what costs here): allreduce
+reads and writes n to copy in, reads n and writes n/p to fold, reads and writes n to copy
+out (plus n/p to publish): about 5n bytes moved, and 2 fences per segment; through
+MPI's shared memory the ring moves as much twice over (each message is copied into and
+out of MPICH's cells). reduce_scatter: n to copy in, n reduced, one fence per segment;
+allgather: n/p in, n out, one fence; broadcast: the root n in, the others n out, one
+fence. In the simulator a fence costs α after the last rank arrives, a copy to or from
+``shm`` m·β, a fold step m·γ. Any p works. Only ranks that share memory can run them:
+the communicator refuses them across nodes and for device arrays.
+"""
+
+from ..schedule import Schedule, sl
+from ._layout import block_bounds, segments
+
+DEFAULT_SLOT_BYTES = 1 << 20  # one rank's slot in one bank: the segment of a long call
+
+
+def _slot(bank, rank, size, slot):
+    """The first element of ``rank``'s slot in ``bank`` (0 or 1)."""
+    return (bank * size + rank) * slot
+
+
+def _fold(s, dst, srcs):
+    """``dst = srcs[0] op srcs[1] op …``, left to right; ``dst`` overlaps none of them."""
+    s.reduce(dst, srcs[0], srcs[1])
+    for src in srcs[2:]:
+        s.reduce(dst, dst, src)
+
+
+def _trivial(count):
+    s = Schedule([])
+    s.copy(sl("out", 0, count), sl("in", 0, count))
+    return s
+
+
+def _reduce_to(s, rank, size, count, slot, target, publish):
+    """allreduce's and reduce's steps up to the second fence: each segment copied into
+    this rank's slot, fence, share ``rank`` folded into ``target(lo, hi)`` (a slice of
+    elements lo…hi of the segment's share) and, with ``publish``, copied back into the
+    slot; fence. Yields ``(bank, lo, bounds)`` after each segment's last fence."""
+    s.need_shm(2 * size * slot)
+    for k, (lo, hi) in enumerate(segments(0, count, slot)):
+        bank, s.banks = k % 2, k + 1
+        bounds = block_bounds(hi - lo, size)
+        first, last = bounds[rank], bounds[rank + 1]
+        s.copy(sl("shm", _slot(bank, rank, size, slot), _slot(bank, rank, size, slot) + hi - lo), sl("in", lo, hi))
+        s.fence()
+        mine = target(first, last, lo)
+        _fold(s, mine, [sl("shm", _slot(bank, q, size, slot) + first, _slot(bank, q, size, slot) + last)
+                        for q in range(size)])
+        if publish:
+            s.copy(sl("shm", _slot(bank, rank, size, slot) + first, _slot(bank, rank, size, slot) + last), mine)
+        s.fence()
+        yield bank, lo, bounds
+
+
+def allreduce(rank, size, count, *, segment=1, **_):
+    if size == 1:
+        return _trivial(count)
+    s = Schedule([])
+    slot = min(max(1, segment), count)
+    if count == 0:
+        return s
+    for bank, lo, bounds in _reduce_to(s, rank, size, count, slot, lambda a, b, lo: sl("out", lo + a, lo + b), True):
+        for q in range(size):
+            if q != rank:
+                start = _slot(bank, q, size, slot)
+                s.copy(sl("out", lo + bounds[q], lo + bounds[q + 1]), sl("shm", start + bounds[q], start + bounds[q + 1]))
+    return s
+
+
+def reduce(rank, size, count, *, root=0, segment=1, **_):
+    """The root's ``out`` gets the result; the other ranks fold their share into the
+    workspace and publish it."""
+    if size == 1:
+        return _trivial(count)
+    s = Schedule([])
+    slot = min(max(1, segment), count)
+    if count == 0:
+        return s
+    if rank == root:
+        target = lambda a, b, lo: sl("out", lo + a, lo + b)  # noqa: E731
+    else:
+        s.need_tmp(slot // size + 1)
+        target = lambda a, b, lo: sl("tmp", 0, b - a)  # noqa: E731
+    for bank, lo, bounds in _reduce_to(s, rank, size, count, slot, target, rank != root):
+        if rank == root:
+            for q in range(size):
+                if q != rank:
+                    start = _slot(bank, q, size, slot)
+                    s.copy(sl("out", lo + bounds[q], lo + bounds[q + 1]),
+                           sl("shm", start + bounds[q], start + bounds[q + 1]))
+    return s
+
+
+def reduce_scatter(rank, size, count, *, segment=1, **_):
+    """Each segment carries a piece of every block: rank r's slot holds pieces
+    ``[t, t + piece)`` of blocks 0 … p-1 side by side, and rank q folds block q's."""
+    if size == 1:
+        return _trivial(count)
+    s = Schedule([])
+    bounds = block_bounds(count, size)
+    longest = bounds[1] - bounds[0]
+    if longest == 0:
+        return s
+    piece = min(max(1, segment // size), longest)
+    slot = size * piece
+    s.need_shm(2 * size * slot)
+    for k, (t, end) in enumerate(segments(0, longest, piece)):
+        bank, s.banks = k % 2, k + 1
+        mine = _slot(bank, rank, size, slot)
+        for q in range(size):
+            n = max(0, min(end, bounds[q + 1] - bounds[q]) - t)
+            s.copy(sl("shm", mine + q * piece, mine + q * piece + n), sl("in", bounds[q] + t, bounds[q] + t + n))
+        s.fence()
+        n = max(0, min(end, bounds[rank + 1] - bounds[rank]) - t)
+        _fold(s, sl("out", t, t + n), [sl("shm", _slot(bank, q, size, slot) + rank * piece,
+                                          _slot(bank, q, size, slot) + rank * piece + n) for q in range(size)])
+    return s
+
+
+def allgather(rank, size, count, *, segment=1, **_):
+    """``count`` is the per-rank element count; ``out`` holds ``size * count``."""
+    s = Schedule([])
+    s.copy(sl("out", rank * count, (rank + 1) * count), sl("in", 0, count))
+    if size == 1 or count == 0:
+        return s
+    slot = min(max(1, segment), count)
+    s.need_shm(2 * size * slot)
+    for k, (lo, hi) in enumerate(segments(0, count, slot)):
+        bank, s.banks = k % 2, k + 1
+        mine = _slot(bank, rank, size, slot)
+        s.copy(sl("shm", mine, mine + hi - lo), sl("in", lo, hi))
+        s.fence()
+        for q in range(size):
+            if q != rank:
+                start = _slot(bank, q, size, slot)
+                s.copy(sl("out", q * count + lo, q * count + hi), sl("shm", start, start + hi - lo))
+    return s
+
+
+def broadcast(rank, size, count, *, root=0, segment=1, **_):
+    """The root's data goes through one slot the size of a whole bank."""
+    s = Schedule([])
+    if size == 1 or count == 0:
+        return s
+    whole = min(size * max(1, segment), count)
+    s.need_shm(2 * whole)
+    for k, (lo, hi) in enumerate(segments(0, count, whole)):
+        start, s.banks = (k % 2) * whole, k + 1
+        if rank == root:
+            s.copy(sl("shm", start, start + hi - lo), sl("out", lo, hi))
+        s.fence()
+        if rank != root:
+            s.copy(sl("out", lo, hi), sl("shm", start, start + hi - lo))
+    return s
