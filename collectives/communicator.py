@@ -30,7 +30,7 @@ from .transport import lean
 from .transport.buffers import Buffers
 from .transport.liveness import Liveness
 from .transport.mpi import PlanHandle, Progress, RequestHandle, check_timeout
-from .transport.shm import NodeWindow, ShmHandle
+from .transport.shm import NodeWindow, ShmCall, ShmHandle
 from .tuning import Selector
 
 # MPI libraries reduce float16 in scalar software loops: MPICH 5's allreduce of float16
@@ -63,6 +63,13 @@ def _plan(collective, algorithm, rank, size, count, root, segment, inplace, orde
         if device_split:
             schedule = split_schedule(schedule, device_split)
     return compile_plan(schedule, inplace=inplace)
+
+
+def _call_code(collective, algorithm, dtype, op):
+    """A number naming a call's kind (collective, algorithm, dtype, op): ranks compare
+    it in shared memory before they read each other's data (``transport.shm``)."""
+    op = op if collective in ("allreduce", "reduce", "reduce_scatter") else "-"  # as every path names it
+    return zlib.crc32(f"{collective}/{algorithm}/{dtype.str}/{op}".encode())
 
 
 def _slot_bytes():
@@ -997,11 +1004,27 @@ class Communicator:
             self._workspace.give(raw)
             return finish()
 
-        kind = zlib.crc32(f"{collective}/{algorithm}/{inp.dtype.str}/{op}".encode())
-        signature = (self._sequence, kind, inp.nbytes, root)
-        handle = ShmHandle(self._progress, describe, done, window, plan, inp, out, tmp, op, signature, timeout,
-                           self._sequence).start()
+        signature = (self._sequence, _call_code(collective, algorithm, inp.dtype, op), inp.nbytes, root)
+        call = ShmCall(window, plan, inp, out, tmp, op, signature, describe)
+        handle = ShmHandle(self._progress, describe, done, call, timeout, self._sequence).start()
         return handle.wait() if blocking else handle
+
+    def _run_shared_now(self, entry, x, inp, result, op, root):
+        """A blocking shared-memory call on the lean path (``entry`` from
+        ``_fast_entry``), run to its end here; on any failure the engine breaks as on
+        the general path."""
+        _, plan, name, code, _ = entry
+        raw, tmp = self._workspace.take(plan.tmp, x.dtype)
+        describe = f"{entry[4]}(algorithm={name!r}) call #{self._sequence}"
+        call = ShmCall(self._window, plan, inp, result, tmp, op, (self._sequence, code, x.nbytes, root), describe)
+        try:
+            call.run(lambda: self._lean_look(describe))
+        except BaseException as exc:
+            if self._progress.broken is None:
+                self._progress.fail(exc if isinstance(exc, Exception) else CollectiveError(
+                    f"{describe} was interrupted ({type(exc).__name__})"))
+            raise
+        self._workspace.give(raw)
 
     def _start(self, collective, algorithm, count, inp, out, inplace, op, root, segment_size, finish, blocking,
                timeout, counts=None):
@@ -1168,7 +1191,8 @@ class Communicator:
         if leaf:
             out = None
         inplace = out is x
-        key = (collective, algorithm, x.dtype, x.nbytes, op, root, inplace, self.segment_size, self.deterministic)
+        key = (collective, algorithm, x.dtype, x.nbytes, op, root, inplace, self.segment_size, self.deterministic,
+               self.shm_slot)
         entry = self._fast_entries.get(key)
         if entry is None:
             entry = self._fast_entry(collective, algorithm, x, op, root, inplace)
@@ -1177,6 +1201,9 @@ class Communicator:
             self._fast_entries[key] = entry
         if entry is False:
             return _NOT_HANDLED
+        if entry[0] == "shm" and entry[1].shm and (self._window is None or
+                                                   entry[1].shm * x.itemsize > self._window.capacity):
+            return _NOT_HANDLED  # the general path makes the window (collective)
         self._sequence = (self._sequence + 1) % self._tag_limit  # as _gate numbers every call
         progress.call = self._sequence
         if entry == "native":
@@ -1184,6 +1211,10 @@ class Communicator:
                 self._native(collective, x, out, inplace, op, root, None, blocking=True)
             except MPI.Exception as exc:
                 raise TransportError(f"{collective}(algorithm='native'): the MPI library failed: {exc}") from exc
+        elif entry[0] == "shm":
+            inp = x if x.ndim == 1 else x.reshape(-1)
+            result = inp if inplace else inp[:0] if out is None else out if out.ndim == 1 else out.reshape(-1)
+            self._run_shared_now(entry, x, inp, result, op, root)
         else:
             program, name = entry
             inp = x if x.ndim == 1 else x.reshape(-1)
@@ -1234,8 +1265,10 @@ class Communicator:
             return False  # the general path raises it
         if name == "native":
             return name
-        if (collective, name) in SHARED_MEMORY:
-            return False  # its own executor (_start_shared)
+        if (collective, name) in SHARED_MEMORY:  # its own executor, run here (_run_shared_now)
+            plan = _plan(collective, name, self.rank, self.size, x.size, root, max(1, self.shm_slot // x.itemsize),
+                         inplace, self.deterministic)
+            return ("shm", plan, name, _call_code(collective, name, x.dtype, op), collective)
         segment = self._segment(None, x.itemsize) if (collective, name) in SEGMENTED else 1
         plan = _plan(collective, name, self.rank, self.size, x.size, root, segment, inplace, self.deterministic,
                      topology=self._layout_for(collective, name))

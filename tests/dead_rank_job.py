@@ -1,8 +1,10 @@
 """The job test_dead_rank.py launches: the last rank kills itself (SIGKILL) in the
-middle of a ring allreduce of COUNT float32s; every survivor must raise, naming it,
-within timeout + 1 s, and the job must end with a non-zero exit.
+middle of an allreduce of COUNT float32s (ALGORITHM: ring, whose messages go through
+MPI, or shm, whose ranks wait on each other's counters in shared memory); every
+survivor must raise, naming it, within timeout + 1 s, and the job must end with a
+non-zero exit.
 
-    mpiexec -disable-auto-cleanup -n 4 python -m mpi4py tests/dead_rank_job.py OUTDIR TIMEOUT COUNT
+    mpiexec -disable-auto-cleanup -n 4 python -m mpi4py tests/dead_rank_job.py OUTDIR TIMEOUT COUNT [ALGORITHM]
 
 Run under ``python -m mpi4py`` as users should: an uncaught exception then aborts the
 job (MPI_Abort) instead of leaving it waiting in MPI_Finalize. Each survivor writes
@@ -23,6 +25,7 @@ import numpy as np
 import collectives as cc
 
 outdir, timeout, count = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+algorithm = sys.argv[4] if len(sys.argv) > 4 else "ring"
 from mpi4py import MPI  # noqa: E402
 
 # Each rank's stderr to a file: once a rank has died the launcher may stop forwarding it.
@@ -31,17 +34,17 @@ os.dup2(_stderr.fileno(), 2)
 comm = cc.Communicator(timeout=timeout)
 doomed = comm.size - 1
 x = np.ones(count, np.float32)
-comm.allreduce(x, algorithm="ring")  # everyone alive: a warm-up that must succeed
+comm.allreduce(x, algorithm=algorithm)  # everyone alive: a warm-up that must succeed
 comm.barrier()
 
 if comm.rank == doomed:
-    handle = comm.allreduce_async(x, algorithm="ring")  # its first sends go out
+    handle = comm.allreduce_async(x, algorithm=algorithm)  # its first sends go out
     handle.test()
     os.kill(os.getpid(), signal.SIGKILL)
 
 start = time.monotonic()
 try:
-    comm.allreduce(x, algorithm="ring")
+    comm.allreduce(x, algorithm=algorithm)
     # A survivor may get its whole result before the doomed rank died (its test() can
     # take the call several steps on). It then waits here, inside the library, where it
     # answers the others' probes and times out itself, instead of sleeping below

@@ -37,17 +37,20 @@ def mpiexec():
 COUNT = 4096
 
 
-def run_job(outdir):
+def run_job(outdir, algorithm):
     """Launch the job once; returns (exit status, seconds, stderr)."""
     command = [mpiexec(), "-disable-auto-cleanup", "-n", str(RANKS), sys.executable, "-m", "mpi4py",
-               os.path.join(HERE, "dead_rank_job.py"), str(outdir), str(TIMEOUT), str(COUNT)]
+               os.path.join(HERE, "dead_rank_job.py"), str(outdir), str(TIMEOUT), str(COUNT), algorithm]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "MPIR_", "HYDRA_"))}
     start = time.monotonic()
     job = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     return job.returncode, time.monotonic() - start, job.stderr
 
 
-def test_survivors_raise_naming_the_dead_rank_and_the_job_exits_nonzero(tmp_path):
+# ring: the survivors wait for its messages; shm: for its counter in the shared window,
+# which it left at the call's first fence (its memory stays mapped by the others).
+@pytest.mark.parametrize("algorithm", ["ring", "shm"])
+def test_survivors_raise_naming_the_dead_rank_and_the_job_exits_nonzero(tmp_path, algorithm):
     dead = RANKS - 1
     # Despite -disable-auto-cleanup, hydra now and then (about 1 run in 8 here) kills
     # every survivor within a second of the death, before any could time out: such a
@@ -56,7 +59,7 @@ def test_survivors_raise_naming_the_dead_rank_and_the_job_exits_nonzero(tmp_path
     for attempt in range(3):
         outdir = tmp_path / f"attempt-{attempt}"
         outdir.mkdir()
-        returncode, took, stderr = run_job(outdir)
+        returncode, took, stderr = run_job(outdir, algorithm)
         assert returncode != 0, f"the job exited 0 after losing a rank:\n{stderr}"
         reports = sorted(outdir.glob("rank-*.json"))
         if reports or took >= TIMEOUT:
@@ -65,6 +68,17 @@ def test_survivors_raise_naming_the_dead_rank_and_the_job_exits_nonzero(tmp_path
     # then ends the job (the killed rank alone would already make hydra's exit non-zero,
     # so it is the prompt end that shows the survivors do not hang).
     assert took < TIMEOUT + 15, f"the job took {took:.0f} s to end"
+    if algorithm == "shm" and not any(outdir.glob("rank-*.json")):
+        # What happens here with MPICH 5.0.2's hydra: while the survivors wait at a fence,
+        # their first look for probes (an MPI_Iprobe on the liveness communicator, 20 ms
+        # in) is followed within milliseconds by hydra killing them (SIGKILL, no message),
+        # -disable-auto-cleanup notwithstanding; with ring it is not. Plain mpi4py does the
+        # same (Dup, Barrier, a rank kills itself, the others' first Iprobe: all killed),
+        # so it is the MPI library's and launcher's doing. The job still ends
+        # at once, non-zero, and nobody hangs: the test holds the library to that, and
+        # to the report below wherever a survivor lived to write one.
+        assert took < TIMEOUT, f"the survivors were not ended by the launcher, yet left no report: {stderr[-2000:]}"
+        return
     for rank in range(dead):
         path = outdir / f"rank-{rank}.json"
         assert path.exists(), f"rank {rank} left no report (killed, or still waiting?): {stderr[-2000:]}\n" \
@@ -72,5 +86,7 @@ def test_survivors_raise_naming_the_dead_rank_and_the_job_exits_nonzero(tmp_path
         report = json.loads(path.read_text())
         assert report["raised"] == "CollectiveTimeoutError", report
         assert f"no answer within 0.5 s from rank {dead}" in report["message"], report["message"]
+        if algorithm == "shm":
+            assert f"in shared memory for rank {dead} to arrive" in report["message"], report["message"]
         assert report["seconds"] <= TIMEOUT + 1.0, report
     assert not (outdir / f"rank-{dead}.json").exists()

@@ -15,7 +15,7 @@ import pytest
 from mpi4py import MPI
 
 import collectives as cc
-from collectives.algorithms import block_bounds
+from collectives.algorithms import SHARED_MEMORY, block_bounds
 from collectives.device import bfloat16
 from conftest import (ALL_DTYPES, agree, counts_for, expected_result, ops_for, order_sensitive_input, rank_input,
                       serial_fold)
@@ -46,7 +46,10 @@ PATHS = {  # Communicator options for each way of moving device messages
     "cuda-aware": {"cuda_ipc": False, "cuda_aware": True},
 }
 SEGMENT = 256  # bytes per device segment: the larger calls here are cut into several
-ALGORITHMS = [(c, a) for c in cc.COLLECTIVES for a in cc.algorithms(c)]
+# shm runs on host arrays only (it reduces in a shared window of host memory): left
+# out here; test_shm_refuses_device_arrays checks that it says so.
+ALGORITHMS = [(c, a) for c in cc.COLLECTIVES for a in cc.algorithms(c) if (c, a) not in SHARED_MEMORY]
+ALLREDUCE = [a for c, a in ALGORITHMS if c == "allreduce"]
 REDUCING = ("allreduce", "reduce_scatter", "reduce")
 
 
@@ -180,7 +183,7 @@ def test_every_dtype_and_op_equals_the_host_path(dcomm_ipc, mpi_comm, collective
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("algorithm", cc.algorithms("allreduce"))
+@pytest.mark.parametrize("algorithm", ALLREDUCE)
 def test_allreduce_in_place_out_and_strided(dcomm_sweep, mpi_comm, algorithm):
     comm, problems = dcomm_sweep, []
     shift = len(algorithm)  # other values than the previous algorithm's: stale workspace cannot pass
@@ -282,7 +285,7 @@ def test_results_are_ready_on_the_users_stream(dcomm, mpi_comm):
     comm, problems = dcomm, []
     mine = D.new_stream()
     with D.use_stream(mine):
-        for algorithm in cc.algorithms("allreduce"):
+        for algorithm in ALLREDUCE:
             x = D.empty(1001, np.float64)
             values = rank_input(comm.rank, 1001, "float64")
             D.copy_async(x, values, mine)  # queued on the user's stream (the stand-in runs it only when waited for)
@@ -347,7 +350,7 @@ def test_bfloat16_device_arrays(dcomm, mpi_comm):
     comm, problems = dcomm, []
     xs = [rank_input(r, 99, "float32") for r in range(comm.size)]
     total = sum(xs)
-    for algorithm in cc.algorithms("allreduce"):
+    for algorithm in ALLREDUCE:
         host = xs[comm.rank].astype(ml_dtypes.bfloat16)
         if algorithm == "native":
             with pytest.raises(ValueError, match="'native' cannot move bfloat16"):
@@ -404,6 +407,17 @@ def test_deterministic_mode_on_the_device_is_the_serial_fold(mpi_comm, path):
                     problems.append(f"{what} {np.dtype(dtype).name} {op}")
     comm.free()
     agree(mpi_comm, problems)
+
+
+def test_shm_refuses_device_arrays(dcomm, mpi_comm):
+    """shm reduces in a shared window of host memory: on a device array every rank
+    refuses it, before any message (the communicator still works afterwards)."""
+    comm = dcomm
+    for collective in sorted(c for c, _ in SHARED_MEMORY):
+        with pytest.raises(ValueError, match="runs on host arrays only"):
+            call(comm, collective, D.asarray(np.ones(4, np.float32)), "shm")
+    got = comm.allreduce(D.asarray(np.ones(4, np.float32)), algorithm="ring")
+    agree(mpi_comm, [] if np.array_equal(D.asnumpy(got), np.full(4, comm.size, np.float32)) else ["broken after"])
 
 
 def test_host_and_device_arrays_mixed_in_one_call_is_a_type_error(dcomm):

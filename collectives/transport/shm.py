@@ -26,18 +26,25 @@ compares all of them once the fence is passed: ranks that called different thing
 raise instead of mixing up data.
 """
 
+import os
+import time
+
 import numpy as np
 from mpi4py import MPI
 
+from .. import ops as ops_layer
 from ..errors import CollectiveMismatchError, MessageSizeError
-from ..schedule import Fence
-from .buffers import Buffers
+from ..schedule import Copy, Fence, Reduce
 from .liveness import ranks
 from .mpi import Handle
 
 _LINE = 16  # int64 per rank in the flag area: two cache lines, so no two ranks share one
 _COUNTER, _SIGNATURE = 0, 2  # the fence counter; two signatures (calls alternate) of 4 words
 _MIN_DATA = 64 << 10  # bytes: the smallest data area made
+_COPY, _REDUCE, _FENCE = 0, 1, 2
+SPIN = 20e-6  # seconds a blocking wait polls before it yields the CPU at each poll
+LOOK_EVERY = 0.02  # seconds between looks for other ranks' failure notices (the engine's)
+_yield_cpu = getattr(os, "sched_yield", lambda: None)
 
 
 class NodeWindow:
@@ -50,7 +57,7 @@ class NodeWindow:
         self.win = None
         self.capacity = 0  # bytes of data area
         self.fences = 0  # fences handed out to calls so far (the next call's first is fences + 1)
-        self.flip = 0  # the bank the next call's bank 0 is
+        self.flip = 0  # which half of the data area the next call's bank 0 is
         self.calls = 0  # shared-memory calls so far (their signatures alternate)
 
     def ensure(self, nbytes):
@@ -66,96 +73,225 @@ class NodeWindow:
         self.win = MPI.Win.Allocate_shared(flags + capacity if self.rank == 0 else 0, 1, comm=self.comm)
         buffer, _ = self.win.Shared_query(0)
         memory = np.frombuffer(buffer, np.uint8)
-        self.flags = memory[:flags].view(np.int64)
-        self.counters = self.flags[_COUNTER : self.size * _LINE : _LINE]
+        self.words = memoryview(memory[:flags]).cast("q")  # the flag area, read and written word by word
         self.data = memory[flags : flags + capacity]
+        self._typed, self._steps, self._plans = {}, {}, {}
         self.win.Lock_all(MPI.MODE_NOCHECK)
         if self.rank == 0:
-            self.flags[:] = 0
+            memory[:flags] = 0
         self.win.Sync()
         self.comm.Barrier()  # nobody reads a flag before it is zero
         self.win.Sync()
-        self.capacity, self.fences, self.flip = capacity, 0, 0
+        self.capacity, self.fences, self.flip, self.calls = capacity, 0, 0, 0
 
     def free(self):
         """Release the window (collective over the node)."""
         if self.win is not None:
+            self.words.release()
             self.win.Unlock_all()
             self.win.Free()
-            self.win, self.capacity = None, 0
+            self.win, self.capacity, self.data, self._typed, self._steps = None, 0, None, {}, {}
+
+    def typed(self, dtype):
+        """The data area as ``dtype`` elements (an even number of them: two halves)."""
+        view = self._typed.get(dtype)
+        if view is None:
+            usable = self.capacity - self.capacity % (2 * dtype.itemsize)
+            view = self._typed[dtype] = self.data[:usable].view(dtype)
+        return view
+
+    def steps(self, plan, dtype, flip):
+        """``plan``'s steps with its ``shm`` slices made views of this window (for calls
+        that start on half ``flip``); the other slices stay ``(buffer, lo, hi, bank)``.
+        Kept per plan until the window is remade."""
+        key = (id(plan), dtype, flip)
+        steps = self._steps.get(key)
+        if steps is None:
+            shared = self.typed(dtype)
+            half = shared.size // 2
+
+            def view(spec):
+                buf, lo, hi, bank = spec
+                if buf != "shm":
+                    return spec
+                start = ((bank + flip) & 1) * half
+                return shared[start + lo : start + hi]
+
+            steps = [(kind, tuple(view(x) for x in slices)) for kind, slices in _steps(plan)]
+            if len(self._steps) > 256:
+                self._steps.clear()
+            self._steps[key] = steps
+            self._plans[id(plan)] = plan  # keeps id(plan) from naming another plan while cached
+        return steps
 
     def arrive(self, fence):
         self.win.Sync()  # this rank's writes before the counter
-        self.counters[self.rank] = fence
+        self.words[self.rank * _LINE] = fence
 
     def passed(self, fence):
-        if self.counters.min() < fence:
-            return False
+        words = self.words
+        for q in range(0, self.size * _LINE, _LINE):
+            if words[q] < fence:
+                return False
         self.win.Sync()  # the others' writes after their counters
         return True
 
     def behind(self, fence):
         """The node ranks that have not reached ``fence``."""
-        return [q for q in range(self.size) if self.counters[q] < fence]
+        return [q for q in range(self.size) if self.words[q * _LINE] < fence]
 
     def sign(self, parity, signature):
         start = self.rank * _LINE + _SIGNATURE + 4 * parity
-        self.flags[start : start + 4] = signature
+        for k, word in enumerate(signature):
+            self.words[start + k] = word
 
-    def signatures(self, parity):
-        lines = self.flags[: self.size * _LINE].reshape(self.size, _LINE)
-        return lines[:, _SIGNATURE + 4 * parity : _SIGNATURE + 4 * parity + 4].copy()
-
-
-class _WindowBuffers(Buffers):
-    """``Buffers`` whose ``shm`` is the window: the plan's two banks (``half`` elements
-    each, a slice lying in one) are the window's halves, swapped where the call starts
-    on the window's second half (``flip``). Every call's bank k is then the same memory
-    whatever its size, which is what alternating them from call to call relies on."""
-
-    def __init__(self, inp, out, tmp, shm, half, flip):
-        super().__init__(inp, out, tmp, shm)
-        self._half, self._flip, self._window_half = half, flip, shm.size // 2
-
-    def view(self, s):
-        if s.buf != "shm":
-            return self.arrays[s.buf][s.lo : s.hi]
-        bank, offset = (1, s.lo - self._half) if s.lo >= self._half else (0, s.lo)
-        lo = ((bank + self._flip) & 1) * self._window_half + offset
-        return self.arrays["shm"][lo : lo + s.hi - s.lo]
+    def signature_of(self, rank, parity):
+        start = rank * _LINE + _SIGNATURE + 4 * parity
+        return tuple(self.words[start : start + 4])
 
 
-class ShmHandle(Handle):
-    """A shared-memory call: runs its plan in order, waiting at each fence.
+def _steps(plan):
+    """The plan as ``(kind, slices)`` steps, each slice ``(buffer, lo, hi, bank)`` (a
+    ``shm`` slice: its bank, 0 or 1, and lo/hi within it); made once per plan."""
+    steps = plan.__dict__.get("_shm_steps")
+    if steps is None:
+        half = plan.shm // 2
+
+        def spec(s):
+            if s.buf != "shm":
+                return (s.buf, s.lo, s.hi, 0)
+            bank = 1 if s.lo >= half else 0
+            return ("shm", s.lo - bank * half, s.hi - bank * half, bank)
+
+        steps = []
+        for op in plan.ops:
+            if isinstance(op, Fence):
+                steps.append((_FENCE, ()))
+            elif isinstance(op, Copy):
+                steps.append((_COPY, (spec(op.dst), spec(op.src))))
+            elif isinstance(op, Reduce):
+                steps.append((_REDUCE, (spec(op.dst), spec(op.a), spec(op.b))))
+            else:
+                raise ValueError(f"the shared-memory executor cannot run {op!r}")
+        object.__setattr__(plan, "_shm_steps", steps)  # the plan is frozen; a cache beside it
+    return steps
+
+
+class ShmCall:
+    """One call's plan on the window: its views resolved, its fences and banks taken in
+    call order (so make calls in the order every rank makes them).
 
     ``signature``: four integers every rank must give alike (call number, a code of
     collective, algorithm, dtype and op, the size in bytes, the root), compared at the
     call's first fence; a size that differs is a :class:`MessageSizeError`, anything
     else a :class:`CollectiveMismatchError`."""
 
-    def __init__(self, progress, describe, finish, window, plan, inp, out, tmp, op, signature, timeout=None, call=0):
-        super().__init__(progress, describe, finish, timeout, call)
-        self._window, self._plan, self._op = window, plan, op
-        self._ops = plan.ops
-        self._next = 0  # the next operation to run
-        self._fences = sum(isinstance(op_, Fence) for op_ in plan.ops)
-        if not plan.shm:  # nothing shared (an empty call, one rank): local copies at most
-            self._buffers, self._base = Buffers(inp, out, tmp), 0
-            return
-        nbytes = plan.shm * inp.itemsize
-        if nbytes > window.capacity:
-            raise ValueError(f"{describe}: the window holds {window.capacity} B, the plan needs {nbytes} B "
-                             "(a bug in the library: please report it)")
-        shared = window.data[: window.capacity - window.capacity % (2 * inp.itemsize)].view(inp.dtype)
-        self._buffers = _WindowBuffers(inp, out, tmp, shared, plan.shm // 2, window.flip)
-        # fences are numbered over the window's life: this call's are _base + 1 … _base + _fences
-        self._base = self._fence = window.fences  # _fence: the last one this call passed
-        window.fences += self._fences
-        window.flip ^= plan.banks & 1
-        self._parity = window.calls & 1
-        window.calls += 1
-        self._signature = np.asarray(signature, np.int64)
-        self._arrived = False  # at the fence self._fence + 1
+    def __init__(self, window, plan, inp, out, tmp, op, signature, describe):
+        self.describe = describe
+        self.total = len(plan.ops)
+        self.fences = plan.__dict__.get("_shm_fences")
+        if self.fences is None:
+            self.fences = sum(1 for kind, _ in _steps(plan) if kind == _FENCE)
+            object.__setattr__(plan, "_shm_fences", self.fences)
+        arrays = {"in": inp, "out": out, "tmp": tmp}
+        if plan.shm:
+            shared = window.typed(inp.dtype)
+            if plan.shm > shared.size:
+                raise ValueError(f"{describe}: the window holds {shared.size} elements, the plan needs {plan.shm} "
+                                 "(a bug in the library: please report it)")
+            flip = window.flip
+            # fences are numbered over the window's life: this call's are base + 1 … base + fences
+            self.base = window.fences
+            window.fences += self.fences
+            window.flip ^= plan.banks & 1
+            self.parity = window.calls & 1
+            window.calls += 1
+        else:  # nothing shared (an empty call, one rank): local copies at most, no fence
+            flip, self.base, self.parity = 0, 0, 0
+
+        template = window.steps(plan, inp.dtype, flip) if plan.shm else _steps(plan)
+        self.steps = [(kind, tuple(x if type(x) is np.ndarray else arrays[x[0]][x[1] : x[2]] for x in views))
+                      for kind, views in template]
+        self.window, self.op, self.signature = window, op, tuple(int(v) for v in signature)
+        self.next = 0  # the next step to run
+        self.passed = self.base  # the last fence passed
+        self.arrived = False  # at fence self.passed + 1
+
+    @property
+    def done(self):
+        return self.next == len(self.steps)
+
+    def step(self):
+        """Run steps until the plan ends or a fence holds it; True if any ran."""
+        steps, op_name, window = self.steps, self.op, self.window
+        moved = False
+        while self.next < len(steps):
+            kind, views = steps[self.next]
+            if kind == _COPY:
+                np.copyto(views[0], views[1])
+            elif kind == _REDUCE:
+                ops_layer.combine(op_name, views[1], views[2], views[0])
+            else:
+                fence = self.passed + 1
+                if not self.arrived:
+                    if fence == self.base + 1:
+                        window.sign(self.parity, self.signature)
+                    window.arrive(fence)
+                    self.arrived = True
+                if not window.passed(fence):
+                    return moved
+                self.arrived, self.passed = False, fence
+                if fence == self.base + 1:
+                    self._compare_signatures()
+            self.next += 1
+            moved = True
+        return True
+
+    def run(self, look):
+        """Run to the end, here and now (a blocking call with nothing else in flight):
+        each wait polls for ``SPIN`` seconds, then yields the CPU between polls (ranks
+        may outnumber cores); ``look()`` every ``LOOK_EVERY`` seconds of waiting."""
+        while not self.done:
+            if self.step():
+                continue
+            spin_until = time.perf_counter() + SPIN
+            next_look = time.monotonic() + LOOK_EVERY
+            while not self.step():
+                if time.perf_counter() > spin_until:
+                    _yield_cpu()
+                    if time.monotonic() >= next_look:
+                        next_look = time.monotonic() + LOOK_EVERY
+                        look()
+
+    def _compare_signatures(self):
+        mine = self.signature
+        for rank in range(self.window.size):
+            theirs = self.window.signature_of(rank, self.parity)
+            if theirs == mine:
+                continue
+            if theirs[0] == mine[0] and theirs[1] == mine[1] and theirs[3] == mine[3]:
+                raise MessageSizeError(f"{self.describe}: rank {rank} called it with {theirs[2]} B where this "
+                                       f"rank has {mine[2]} B; the ranks called it with buffers of different sizes")
+            raise CollectiveMismatchError(f"{self.describe}: rank {rank} is in a different call (call #{theirs[0]}, "
+                                          "or another collective, algorithm, dtype, op or root); every rank must "
+                                          "call the same collectives in the same order")
+
+    def outstanding(self):
+        """What the call waits for, for timeout and stall messages."""
+        fence = self.passed + 1
+        behind = self.window.behind(fence) if self.arrived else []
+        waiting = (f"waiting at fence {fence - self.base} of {self.fences} in shared memory for {ranks(behind)} "
+                   "to arrive") if behind else "running"
+        return f"at step {self.next + 1} of {self.total}: {waiting}"
+
+
+class ShmHandle(Handle):
+    """A shared-memory call in flight: the :class:`Progress` engine runs it (its
+    ``shm`` queue, oldest call first) whenever it polls."""
+
+    def __init__(self, progress, describe, finish, call, timeout=None, sequence=0):
+        super().__init__(progress, describe, finish, timeout, sequence)
+        self._run = call
 
     def start(self):
         self._progress.shm.append(self)
@@ -163,51 +299,13 @@ class ShmHandle(Handle):
         return self
 
     def step(self):
-        """Run operations until the plan ends or a fence holds it; True if any ran or
-        a fence was passed."""
-        ops, window, buffers, op_name = self._ops, self._window, self._buffers, self._op
-        moved = False
-        while self._next < len(ops):
-            op = ops[self._next]
-            if isinstance(op, Fence):
-                fence = self._fence + 1
-                if not self._arrived:
-                    if fence == self._base + 1:
-                        window.sign(self._parity, self._signature)
-                    window.arrive(fence)
-                    self._arrived = True
-                if not window.passed(fence):
-                    return moved
-                self._arrived, self._fence = False, fence
-                if fence == self._base + 1:
-                    self._compare_signatures()
-            else:
-                buffers.run_local(op_name, op)
-            self._next += 1
-            moved = True
-        self._check_done()
-        return True
-
-    def _compare_signatures(self):
-        theirs = self._window.signatures(self._parity)
-        mine = self._signature
-        for rank, signature in enumerate(theirs):
-            if np.array_equal(signature, mine):
-                continue
-            if signature[0] == mine[0] and signature[1] == mine[1] and signature[3] == mine[3]:
-                raise MessageSizeError(f"{self._describe}: rank {rank} called it with {signature[2]} B where "
-                                       f"this rank has {mine[2]} B; the ranks called it with buffers of different "
-                                       "sizes")
-            raise CollectiveMismatchError(f"{self._describe}: rank {rank} is in a different call (call "
-                                          f"#{signature[0]}, or another collective, algorithm, dtype, op or root); "
-                                          "every rank must call the same collectives in the same order")
+        moved = self._run.step()
+        if self._run.done:
+            self._check_done()
+        return moved
 
     def _is_done(self):
-        return self._next == len(self._ops)
+        return self._run.done
 
     def _outstanding(self):
-        fence = self._fence + 1
-        behind = self._window.behind(fence) if self._arrived else []
-        waiting = (f"waiting at fence {fence - self._base} of {self._fences} in shared memory for "
-                   f"{ranks(behind)} to arrive") if behind else "running"
-        return f"at step {self._next + 1} of {len(self._ops)}: {waiting}"
+        return self._run.outstanding()
