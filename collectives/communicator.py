@@ -19,7 +19,7 @@ from mpi4py import MPI
 from . import check as check_mode
 from . import ops
 from . import topology as topology_module
-from .algorithms import (SEGMENTED, SHARED_MEMORY, TOPOLOGICAL, VARIABLE, block_bounds, build, check_algorithm,
+from .algorithms import (ORDERED, SEGMENTED, SHARED_MEMORY, TOPOLOGICAL, VARIABLE, block_bounds, build, check_algorithm,
                          check_ordered, cost_model_choice)
 from .algorithms.shm import DEFAULT_SLOT_BYTES
 from .errors import CollectiveError, CollectiveMismatchError, TransportError
@@ -962,6 +962,8 @@ class Communicator:
             return algorithm
         chosen = self._selector.choose(collective, nbytes, device)
         if (collective, chosen) in SHARED_MEMORY and (device or not self._shares_memory):  # a table's entry
+            if self.deterministic and collective in ORDERED:
+                return ORDERED[collective][0]
             return cost_model_choice(collective, nbytes, self.size, topology=self.topology)
         if chosen == "native":
             instead = self._instead_of_native(collective, nbytes, dtype, device)

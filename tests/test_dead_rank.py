@@ -86,7 +86,10 @@ def test_survivors_raise_naming_the_dead_rank_and_the_job_exits_nonzero(tmp_path
         report = json.loads(path.read_text())
         assert report["raised"] == "CollectiveTimeoutError", report
         assert f"no answer within 0.5 s from rank {dead}" in report["message"], report["message"]
-        if algorithm == "shm":
+        if algorithm == "shm" and "barrier call #" not in report["message"]:
+            # Raised inside the shm allreduce: it names what it waited for. (A survivor whose
+            # allreduce finished before the death, its last peer's part done in that rank's
+            # test(), times out in the barrier after it instead: see dead_rank_job.py.)
             assert f"in shared memory for rank {dead} to arrive" in report["message"], report["message"]
         assert report["seconds"] <= TIMEOUT + 1.0, report
     assert not (outdir / f"rank-{dead}.json").exists()

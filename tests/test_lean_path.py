@@ -103,7 +103,7 @@ def test_lean_path_takes_repeated_calls_and_learns_each_kind_once(comm):
     if not np.array_equal(ring, again) or not np.array_equal(again, x * comm.size):
         problems.append(f"ring gave {again}, want {x * comm.size}")
     entry = comm._fast_entries.get(("allreduce", "ring", x.dtype, x.nbytes, "sum", 0, False, comm.segment_size,
-                                    comm.deterministic))
+                                    comm.deterministic, comm.shm_slot))
     if not (isinstance(entry, tuple) and entry[1] == "ring"):
         problems.append(f"no lean entry for the ring call: {entry!r}")
     agree(comm._comm, problems)

@@ -19,7 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import Communicator
-from ..algorithms import COLLECTIVES, ORDERED, VARIABLE, algorithms
+from ..algorithms import COLLECTIVES, ORDERED, SHARED_MEMORY, VARIABLE, algorithms
 from ..arrays import SUPPORTED_DTYPES
 from ..ops import OPS, check_op
 from ..tuning import TuningTable
@@ -135,7 +135,8 @@ def contenders(collective, args):
         wanted = ours + ([] if args.tune else ["auto"])  # auto is what is being tuned
     else:
         wanted = args.algorithms
-    names = ["native"] + [a for a in wanted if a in algorithms(collective) and a != "native"]
+    names = ["native"] + [a for a in wanted if a in algorithms(collective) and a != "native"
+                          and not (args.device != "host" and (collective, a) in SHARED_MEMORY)]  # host arrays only
     if "gloo" in args.peers and collective in ("allreduce", "broadcast", "allgather") and args.op != "avg":
         names.append("gloo")
     if args.deterministic and collective in ORDERED:
