@@ -276,10 +276,10 @@ def closed_form(collective, algorithm, p, n, gamma=G, segments=1):
     if key == ("reduce", "direct"):  # the reduce_scatter, then the root receives p-1 blocks in turn
         return max((p - 1) * c(b) + g(b, gamma), c(b) + (p - 1) * g(b, gamma)) + (p - 1) * c(b)
     # Shared memory: a copy to or from the window costs m·β, a fence α after the last arrival.
-    if key in (("allreduce", "shm"), ("reduce", "shm")):  # in, fence, fold, publish, fence, out
-        return 2 * A + 2 * n * B + g((p - 1) * b, gamma)
-    if key == ("reduce_scatter", "shm"):  # every block's piece in, fence, fold
-        return A + n * B + g((p - 1) * b, gamma)
+    if key in (("allreduce", "shm"), ("reduce", "shm")):  # the others' shares in, fence, fold, fence, all out
+        return 2 * A + (2 * n - b) * B + g((p - 1) * b, gamma)
+    if key == ("reduce_scatter", "shm"):  # the other blocks' pieces in, fence, fold
+        return A + (p - 1) * b * B + g((p - 1) * b, gamma)
     if key == ("allgather", "shm"):  # n: the gathered size
         return A + n * B
     if key == ("broadcast", "shm"):

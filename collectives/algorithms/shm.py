@@ -1,38 +1,39 @@
 """Shared-memory algorithms (``shm``): the ranks of one node meet in a shared window.
 
-    rank 0 ──copy──▶ ┌ slot 0 ┐                      each rank folds its share of
-    rank 1 ──copy──▶ │ slot 1 │ ──fence──▶  r: Σ_q slot q[share r]  ──fence──▶
-    rank 2 ──copy──▶ └ slot 2 ┘            (rank order, in place)      everyone copies
-                                                                       every share out
+    rank 0 ──copy──▶ ┌ slot 0 ┐                    rank r folds share r of every     everyone
+    rank 1 ──copy──▶ │ slot 1 │ ──fence──▶  slot, in rank order, into its own ──fence──▶ copies
+    rank 2 ──copy──▶ └ slot 2 ┘            slot's share r (its own part read     every share
+                                            from its input in place)             out
 
 No messages: every rank copies its input into its own slot of a window all ranks of
 the node map (``shm``), a *fence* waits until every rank has reached it (after which
 each rank sees what the others wrote before it), and the ranks then read each other's
-slots in place. allreduce: copy in; fence; rank r folds share r of every slot, in rank
-order, into its ``out`` and publishes it in its slot; fence; every rank copies the
-other shares out. reduce_scatter: rank r's slot holds a piece of every block; fence;
-rank r folds block r's pieces into its ``out``. allgather: copy in; fence; copy every
-slot out. broadcast: the root copies into the window (one slot the size of all p);
-fence; the others copy out. reduce: allreduce's first two steps (the other ranks fold
-into their workspace), then the root copies the shares out.
+slots in place. allreduce: copy in (all but the rank's own share); fence; rank r folds
+share r of every slot (its own from ``in``) into share r of its slot; fence; every rank
+copies every share out. reduce_scatter: rank r's slot holds a piece of every other
+block; fence; rank r folds block r's pieces into its ``out``. allgather: copy in;
+fence; copy every slot out. broadcast: the root copies into the window (one slot the
+size of all p); fence; the others copy out. reduce: allreduce, but only the root
+copies the shares out.
 
 A window holds two banks of p slots of ``segment`` elements at most (fewer for a
-shorter call); a call longer than a slot runs in segments, alternating banks, so that segment k+2 writes a bank only after a
-fence that every rank passes once it has finished reading segment k (the executor also
-alternates the banks from call to call: :mod:`collectives.transport.shm`).
+shorter call); a call longer than a slot runs in segments, alternating banks, so that
+segment k+2 writes a bank only after a fence that every rank passes once it has
+finished reading segment k (the executor also alternates the banks from call to call:
+:mod:`collectives.transport.shm`).
 
 Every reduction is the left fold x0 op x1 op … op x(p-1) in rank order, so these are
 deterministic-mode algorithms, and every rank's result has the same bits.
 
-Cost per rank for n bytes (the memory traffic, which is what costs here): allreduce
-reads and writes n to copy in, reads n and writes n/p to fold, reads and writes n to copy
-out (plus n/p to publish): about 5n bytes moved, and 2 fences per segment; through
-MPI's shared memory the ring moves as much twice over (each message is copied into and
-out of MPICH's cells). reduce_scatter: n to copy in, n reduced, one fence per segment;
-allgather: n/p in, n out, one fence; broadcast: the root n in, the others n out, one
-fence. In the simulator a fence costs α after the last rank arrives, a copy to or from
-``shm`` m·β, a fold step m·γ. Any p works. Only ranks that share memory can run them:
-the communicator refuses them across nodes and for device arrays.
+Cost per rank for n bytes (the memory traffic is what costs here): allreduce copies
+(p-1)/p·n in, reads n and writes n/p to fold, copies n out: 2n + (p-1)/p·2n moved (4.5n
+at p = 2) and 2 fences per segment. MPI's shared-memory messages cost a copy into and
+out of its cells on each hop, so a ring moves about as much (5.5n at p = 2): what this
+saves is the messages, not the copies. reduce_scatter: (p-1)/p·n in, n reduced, one
+fence per segment; allgather: n/p in, n out, one fence; broadcast: the root n in, the
+others n out, one fence. In the simulator a fence costs α after the last rank arrives,
+a copy to or from ``shm`` m·β, a fold step m·γ. Any p works. Only ranks that share
+memory can run them: the communicator refuses them across nodes and for device arrays.
 """
 
 from ..schedule import Schedule, sl
@@ -59,25 +60,34 @@ def _trivial(count):
     return s
 
 
-def _reduce_to(s, rank, size, count, slot, target, publish):
-    """allreduce's and reduce's steps up to the second fence: each segment copied into
-    this rank's slot, fence, share ``rank`` folded into ``target(lo, hi)`` (a slice of
-    elements lo…hi of the segment's share) and, with ``publish``, copied back into the
-    slot; fence. Yields ``(bank, lo, bounds)`` after each segment's last fence."""
+def _reduce_to(s, rank, size, count, slot):
+    """allreduce's and reduce's steps up to the second fence, per segment: the other
+    ranks' shares of this rank's input copied into its slot; fence; share ``rank``
+    folded, in rank order (its own part read from ``in`` in place), into the slot's
+    share ``rank`` (the part nobody copied in: so the fold's target overlaps none of
+    its inputs, in place too); fence. Yields ``(bank, lo, bounds)`` after each
+    segment's last fence."""
     s.need_shm(2 * size * slot)
     for k, (lo, hi) in enumerate(segments(0, count, slot)):
         bank, s.banks = k % 2, k + 1
         bounds = block_bounds(hi - lo, size)
         first, last = bounds[rank], bounds[rank + 1]
-        s.copy(sl("shm", _slot(bank, rank, size, slot), _slot(bank, rank, size, slot) + hi - lo), sl("in", lo, hi))
+        mine = _slot(bank, rank, size, slot)
+        s.copy(sl("shm", mine, mine + first), sl("in", lo, lo + first))
+        s.copy(sl("shm", mine + last, mine + hi - lo), sl("in", lo + last, hi))
         s.fence()
-        mine = target(first, last, lo)
-        _fold(s, mine, [sl("shm", _slot(bank, q, size, slot) + first, _slot(bank, q, size, slot) + last)
-                        for q in range(size)])
-        if publish:
-            s.copy(sl("shm", _slot(bank, rank, size, slot) + first, _slot(bank, rank, size, slot) + last), mine)
+        _fold(s, sl("shm", mine + first, mine + last), [sl("in", lo + first, lo + last) if q == rank else
+                          sl("shm", _slot(bank, q, size, slot) + first, _slot(bank, q, size, slot) + last)
+                          for q in range(size)])
         s.fence()
         yield bank, lo, bounds
+
+
+def _copy_out(s, rank, size, slot, bank, lo, bounds):
+    """Every rank's reduced share of the segment at ``lo``, from its slot into ``out``."""
+    for q in range(size):
+        start = _slot(bank, q, size, slot)
+        s.copy(sl("out", lo + bounds[q], lo + bounds[q + 1]), sl("shm", start + bounds[q], start + bounds[q + 1]))
 
 
 def allreduce(rank, size, count, *, segment=1, **_):
@@ -87,35 +97,22 @@ def allreduce(rank, size, count, *, segment=1, **_):
     slot = min(max(1, segment), count)
     if count == 0:
         return s
-    for bank, lo, bounds in _reduce_to(s, rank, size, count, slot, lambda a, b, lo: sl("out", lo + a, lo + b), True):
-        for q in range(size):
-            if q != rank:
-                start = _slot(bank, q, size, slot)
-                s.copy(sl("out", lo + bounds[q], lo + bounds[q + 1]), sl("shm", start + bounds[q], start + bounds[q + 1]))
+    for bank, lo, bounds in _reduce_to(s, rank, size, count, slot):
+        _copy_out(s, rank, size, slot, bank, lo, bounds)
     return s
 
 
 def reduce(rank, size, count, *, root=0, segment=1, **_):
-    """The root's ``out`` gets the result; the other ranks fold their share into the
-    workspace and publish it."""
+    """allreduce, but only the root copies the shares out."""
     if size == 1:
         return _trivial(count)
     s = Schedule([])
     slot = min(max(1, segment), count)
     if count == 0:
         return s
-    if rank == root:
-        target = lambda a, b, lo: sl("out", lo + a, lo + b)  # noqa: E731
-    else:
-        s.need_tmp(slot // size + 1)
-        target = lambda a, b, lo: sl("tmp", 0, b - a)  # noqa: E731
-    for bank, lo, bounds in _reduce_to(s, rank, size, count, slot, target, rank != root):
+    for bank, lo, bounds in _reduce_to(s, rank, size, count, slot):
         if rank == root:
-            for q in range(size):
-                if q != rank:
-                    start = _slot(bank, q, size, slot)
-                    s.copy(sl("out", lo + bounds[q], lo + bounds[q + 1]),
-                           sl("shm", start + bounds[q], start + bounds[q + 1]))
+            _copy_out(s, rank, size, slot, bank, lo, bounds)
     return s
 
 
@@ -135,12 +132,15 @@ def reduce_scatter(rank, size, count, *, segment=1, **_):
     for k, (t, end) in enumerate(segments(0, longest, piece)):
         bank, s.banks = k % 2, k + 1
         mine = _slot(bank, rank, size, slot)
-        for q in range(size):
+        for q in range(size):  # every block's piece but this rank's own, which it reads in place
             n = max(0, min(end, bounds[q + 1] - bounds[q]) - t)
-            s.copy(sl("shm", mine + q * piece, mine + q * piece + n), sl("in", bounds[q] + t, bounds[q] + t + n))
+            if q != rank:
+                s.copy(sl("shm", mine + q * piece, mine + q * piece + n), sl("in", bounds[q] + t, bounds[q] + t + n))
         s.fence()
         n = max(0, min(end, bounds[rank + 1] - bounds[rank]) - t)
-        _fold(s, sl("out", t, t + n), [sl("shm", _slot(bank, q, size, slot) + rank * piece,
+        own = bounds[rank] + t
+        _fold(s, sl("out", t, t + n), [sl("in", own, own + n) if q == rank else
+                                       sl("shm", _slot(bank, q, size, slot) + rank * piece,
                                           _slot(bank, q, size, slot) + rank * piece + n) for q in range(size)])
     return s
 
