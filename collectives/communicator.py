@@ -25,7 +25,7 @@ from .algorithms.shm import DEFAULT_SLOT_BYTES
 from .errors import CollectiveError, CollectiveMismatchError, TransportError
 from .arrays import as_array, check_dtype, check_out, flat_input, flat_view, is_extra, overlaps, same_memory
 from .device import DeviceArray, is_device
-from .schedule import compile_plan, fuse_reductions, split_schedule
+from .schedule import Fence, Schedule, compile_plan, fuse_reductions, split_schedule
 from .transport import lean
 from .transport.buffers import Buffers
 from .transport.liveness import Liveness
@@ -65,11 +65,12 @@ def _plan(collective, algorithm, rank, size, count, root, segment, inplace, orde
     return compile_plan(schedule, inplace=inplace)
 
 
-def _call_code(collective, algorithm, dtype, op):
-    """A number naming a call's kind (collective, algorithm, dtype, op): ranks compare
-    it in shared memory before they read each other's data (``transport.shm``)."""
+def _call_code(collective, algorithm, dtype, op, slot):
+    """A number naming a call's kind (collective, algorithm, dtype, op, and the slot
+    size, which sets its segments and fences): ranks compare it in shared memory before
+    they read each other's data (``transport.shm``)."""
     op = op if collective in ("allreduce", "reduce", "reduce_scatter") else "-"  # as every path names it
-    return zlib.crc32(f"{collective}/{algorithm}/{dtype.str}/{op}".encode())
+    return zlib.crc32(f"{collective}/{algorithm}/{dtype.name}/{dtype.itemsize}/{op}/{slot}".encode())
 
 
 def _slot_bytes():
@@ -325,6 +326,9 @@ class Communicator:
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
             raise ValueError(f"nbytes must be a non-negative number of bytes; got {nbytes!r}")
         choice, why = self._selector.explain(collective, int(nbytes), bool(device))
+        if (collective, choice) in SHARED_MEMORY and (device or not self._shares_memory):
+            choice = self._instead_of_shared(collective, int(nbytes))
+            why = f"{why}, but shm runs on host arrays of ranks that share memory: so {choice}"
         if choice == "native" and dtype is not None:
             instead = self._instead_of_native(collective, int(nbytes), np.dtype(dtype), bool(device))
             if instead is not None:
@@ -388,6 +392,8 @@ class Communicator:
     def free(self):
         """Release the private MPI communicators (collective). The object is unusable after."""
         if self._comm != MPI.COMM_NULL:
+            if self._progress.broken is None:
+                self._finish_in_flight()  # shared-memory calls read the window freed below
             for ctx in self._devices.values():
                 ctx.free(self._comm.Barrier)
             self._devices = {}
@@ -961,15 +967,21 @@ class Communicator:
         if algorithm != "auto":
             return algorithm
         chosen = self._selector.choose(collective, nbytes, device)
-        if (collective, chosen) in SHARED_MEMORY and (device or not self._shares_memory):  # a table's entry
-            if self.deterministic and collective in ORDERED:
-                return ORDERED[collective][0]
-            return cost_model_choice(collective, nbytes, self.size, topology=self.topology)
+        if (collective, chosen) in SHARED_MEMORY and (device or not self._shares_memory):
+            if collective in self._selector.overrides:  # COLLECTIVES_<COLLECTIVE>_ALGORITHM names it
+                self._check_shared_memory(chosen, device)
+            chosen = self._instead_of_shared(collective, nbytes)  # a table measured where memory was shared
         if chosen == "native":
             instead = self._instead_of_native(collective, nbytes, dtype, device)
             if instead is not None:
                 return instead[0]
         return chosen
+
+    def _instead_of_shared(self, collective, nbytes):
+        """What ``auto`` picks where its table names ``shm`` but this call cannot run it."""
+        if self.deterministic and collective in ORDERED:
+            return ORDERED[collective][0]
+        return cost_model_choice(collective, nbytes, self.size, topology=self.topology)
 
     def _check_shared_memory(self, algorithm, device):
         if device:
@@ -979,15 +991,21 @@ class Communicator:
             raise ValueError(f"algorithm {algorithm!r} needs every rank on one node (ranks that share memory); "
                              f"this communicator spans {self.topology.describe()}: use 'hierarchical' or 'auto'")
 
-    def _window_for(self, nbytes, timeout):
+    def _window_for(self, nbytes, timeout, signature, describe):
         """The node's shared window, holding ``nbytes`` of data (made or grown here:
-        collective; the ranks agree on the size first, within ``timeout``)."""
+        collective; the ranks agree on the size first, within ``timeout``). Before it
+        grows, the ranks pass a fence signed with the call's ``signature``: a rank whose
+        call differs (in size, say, and fits the window as it is) meets it at its own
+        first fence, and both raise there instead of waiting for each other."""
         window = self._window
         if window is not None and nbytes <= window.capacity:
             return window
         self._finish_in_flight()  # nothing may use the old window, nor wait on this rank meanwhile
-        if window is None:
+        if window is None:  # the first call on it: nothing to sign yet, only the size to agree on
             window = self._window = NodeWindow(self._node_comm)
+        else:
+            grow = ShmCall(window, _GROW_PLAN, *([np.empty(0, np.uint8)] * 3), "-", signature, describe)
+            ShmHandle(self._progress, describe, _nothing, grow, timeout, self._sequence).start().wait()
         need = np.array([nbytes], np.int64)
         self._request("the shared window's set-up",
                       lambda: self._node_comm.Iallreduce(MPI.IN_PLACE, need, MPI.MAX), timeout, need.nbytes)
@@ -999,14 +1017,14 @@ class Communicator:
         """Run a shared-memory algorithm's call (see ``transport.shm``)."""
         segment = max(1, self.shm_slot // inp.itemsize)
         plan = _plan(collective, algorithm, self.rank, self.size, count, root, segment, inplace, self.deterministic)
-        window = self._window_for(plan.shm * inp.itemsize, timeout) if plan.shm else None
+        signature = (self._sequence, _call_code(collective, algorithm, inp.dtype, op, self.shm_slot), inp.nbytes, root)
+        window = self._window_for(plan.shm * inp.itemsize, timeout, signature, describe) if plan.shm else None
         raw, tmp = self._workspace.take(plan.tmp, inp.dtype)
 
         def done():
             self._workspace.give(raw)
             return finish()
 
-        signature = (self._sequence, _call_code(collective, algorithm, inp.dtype, op), inp.nbytes, root)
         call = ShmCall(window, plan, inp, out, tmp, op, signature, describe)
         handle = ShmHandle(self._progress, describe, done, call, timeout, self._sequence).start()
         return handle.wait() if blocking else handle
@@ -1270,7 +1288,7 @@ class Communicator:
         if (collective, name) in SHARED_MEMORY:  # its own executor, run here (_run_shared_now)
             plan = _plan(collective, name, self.rank, self.size, x.size, root, max(1, self.shm_slot // x.itemsize),
                          inplace, self.deterministic)
-            return ("shm", plan, name, _call_code(collective, name, x.dtype, op), collective)
+            return ("shm", plan, name, _call_code(collective, name, x.dtype, op, self.shm_slot), collective)
         segment = self._segment(None, x.itemsize) if (collective, name) in SEGMENTED else 1
         plan = _plan(collective, name, self.rank, self.size, x.size, root, segment, inplace, self.deterministic,
                      topology=self._layout_for(collective, name))
@@ -1398,6 +1416,9 @@ def _vector_messages(send, recv, counts):
     send_counts, recv_counts = counts
     return [send, (send_counts, _starts(send_counts))], [recv, (recv_counts, _starts(recv_counts))]
 
+
+# A fence and nothing else, on the window: what the ranks pass before it grows (_window_for).
+_GROW_PLAN = compile_plan(Schedule([Fence()], shm=1))
 
 _NOT_HANDLED = object()  # _native_now's and _fast_call's "take the general path"
 

@@ -8,8 +8,11 @@ After a :class:`CollectiveTimeoutError`, a :class:`MessageSizeError` or a
 :class:`TransportError` raised while messages were in flight, the communicator is
 *broken*: its other calls in flight were cancelled and fail, and every later call on it
 raises :class:`CollectiveError` at once (the ranks no longer agree on which messages
-belong to which call). A :class:`CollectiveMismatchError` leaves it usable: it is
-raised on every rank before any message of the call is sent.
+belong to which call). A :class:`CollectiveMismatchError` from check mode leaves it
+usable: it is raised on every rank before any message of the call is sent. The
+shared-memory algorithms (``shm``) find a mismatch themselves, at a call's first fence
+(:class:`CollectiveMismatchError`, or :class:`MessageSizeError` for a size), and break
+the communicator, since the ranks' fences no longer line up.
 """
 
 
@@ -28,7 +31,8 @@ class MessageSizeError(TransportError):
 
 class CollectiveMismatchError(CollectiveError):
     """Check mode: the ranks called different collectives, or the same one with a
-    different dtype, shape, op, root or algorithm. Raised on every rank alike."""
+    different dtype, shape, op, root or algorithm. Raised on every rank alike. (A
+    shared-memory call raises it too, where its ranks meet in different calls.)"""
 
 
 class CollectiveTimeoutError(CollectiveError):

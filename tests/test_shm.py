@@ -209,6 +209,50 @@ def test_a_size_mismatch_is_an_error_on_every_rank():
 
 
 @needs_peers
+def test_a_size_mismatch_that_grows_the_window_on_one_rank_is_an_error_on_every_rank():
+    # The last rank's call needs a larger window; the others' fits the one they have:
+    # the last rank's growth fence meets their first fence, and all of them raise.
+    comm = cc.Communicator()
+    comm.allreduce(np.ones(1000), algorithm="shm")  # the window is made
+    count = 1_000_000 if comm.rank == LAST else 1000
+    kind, message = outcome(lambda: comm.allreduce(np.ones(count), algorithm="shm", timeout=30))
+    agree(WORLD, [] if kind == "MessageSizeError" and "different sizes" in message else [f"{kind}: {message}"])
+
+
+@needs_peers
+def test_ranks_with_different_slots_are_an_error_on_every_rank():
+    # The slot sets the segments and fences: ranks that disagree on it must not go on.
+    comm = cc.Communicator()
+    comm.shm_slot = 256 if comm.rank == LAST else 512
+    kind, message = outcome(lambda: comm.allreduce(np.ones(1000), algorithm="shm", timeout=30))
+    agree(WORLD, [] if kind == "CollectiveMismatchError" else [f"{kind}: {message}"])
+
+
+def test_auto_and_overrides_where_memory_is_not_shared(monkeypatch):
+    comm = cc.Communicator()
+    comm._shares_memory = False  # as on a communicator that spans hosts
+    monkeypatch.setattr(comm._selector, "explain", lambda collective, nbytes, device: ("shm", "a stub table"))
+    monkeypatch.setattr(comm._selector, "choose", lambda collective, nbytes, device: "shm")
+    choice, why = comm.choose("allreduce", 1 << 20)
+    problems = [] if choice != "shm" and "host arrays of ranks that share memory" in why else [f"choose: {choice}, {why}"]
+    # bfloat16 (ml_dtypes): MPI has no type for it, so the fallback must not be native either
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    got = comm.allreduce(np.ones(8, dtype=ml_dtypes.bfloat16))
+    if not np.array_equal(got.astype(np.float64), np.full(8, float(comm.size))):
+        problems.append(f"auto's fallback gave {got}")
+    comm._selector.overrides["allreduce"] = "shm"  # COLLECTIVES_ALLREDUCE_ALGORITHM=shm names it
+    try:
+        comm.allreduce(np.ones(8))
+        problems.append("an override naming shm ran where memory is not shared")
+    except ValueError as exc:
+        if "every rank on one node" not in str(exc):
+            problems.append(str(exc))
+    finally:
+        del comm._selector.overrides["allreduce"]
+    agree(WORLD, problems)
+
+
+@needs_peers
 def test_different_collectives_are_an_error_on_every_rank():
     comm = cc.Communicator()
     x = np.ones(64)

@@ -191,9 +191,9 @@ def _simulate(graph, model):
             if kind == _FENCE:  # representatives stand for every rank: all of them reached it
                 fences[rank].append((now, i))
                 if all(fences):
-                    end = max(waiting[0][0] for waiting in fences) + model.alpha
-                    for r, waiting in enumerate(fences):
-                        heapq.heappush(events, (end, r, waiting.pop(0)[1]))
+                    end = max(reached[0][0] for reached in fences) + model.alpha
+                    for r, reached in enumerate(fences):
+                        heapq.heappush(events, (end, r, reached.pop(0)[1]))
                 return
             if kind == _REDUCE:
                 start = max(now, cpu_free[rank])

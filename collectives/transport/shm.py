@@ -38,7 +38,7 @@ from ..schedule import Copy, Fence, Reduce
 from .liveness import ranks
 from .mpi import Handle
 
-_LINE = 16  # int64 per rank in the flag area: two cache lines, so no two ranks share one
+_LINE = 16  # int64 per rank in the flag area: 128 bytes, so no two ranks share a cache line
 _COUNTER, _SIGNATURE = 0, 2  # the fence counter; two signatures (calls alternate) of 4 words
 _MIN_DATA = 64 << 10  # bytes: the smallest data area made
 _COPY, _REDUCE, _FENCE = 0, 1, 2
@@ -90,7 +90,7 @@ class NodeWindow:
             self.words.release()
             self.win.Unlock_all()
             self.win.Free()
-            self.win, self.capacity, self.data, self._typed, self._steps = None, 0, None, {}, {}
+            self.win, self.capacity, self.data, self._typed, self._steps, self._plans = None, 0, None, {}, {}, {}
 
     def typed(self, dtype):
         """The data area as ``dtype`` elements (an even number of them: two halves)."""
@@ -120,6 +120,7 @@ class NodeWindow:
             steps = [(kind, tuple(view(x) for x in slices)) for kind, slices in _steps(plan)]
             if len(self._steps) > 256:
                 self._steps.clear()
+                self._plans.clear()
             self._steps[key] = steps
             self._plans[id(plan)] = plan  # keeps id(plan) from naming another plan while cached
         return steps
