@@ -220,6 +220,12 @@ class Communicator:
     and tunings at one world size. ``auto`` then picks among the algorithms that can
     keep that order (``direct``); naming another one is a ``ValueError``.
 
+    The ``shm`` algorithms (ranks that share memory, host arrays) run through a shared
+    window of the node made at the first such call; ``comm.shm_slot`` is one rank's
+    slot in it, in bytes (``COLLECTIVES_SHM_SLOT``, else 1 MiB; ``dup()`` keeps it): a
+    longer call runs slot by slot. Set it alike on every rank (ranks that differ raise
+    at the call's first fence). See :mod:`collectives.transport.shm`.
+
     ``comm.topology`` (a :class:`~collectives.Topology`) is the node layout, learned
     once at creation: ranks that MPI says can share memory are one node. The two-level
     algorithms (``hierarchical``, ``hierarchical_leader``) and ``auto`` use it. ``nodes``
@@ -360,11 +366,13 @@ class Communicator:
         if deterministic is not None and not isinstance(deterministic, bool):
             raise TypeError(f"deterministic must be True, False or None (this communicator's); got {deterministic!r}")
         self._finish_in_flight()
-        return Communicator(self._comm, segment_size=self.segment_size, check=self.check,
+        twin = Communicator(self._comm, segment_size=self.segment_size, check=self.check,
                             timeout=self.timeout or math.inf, stall_warn=self.stall_warn or math.inf,
                             device_segment_size=self.device_segment_size,
                             deterministic=self.deterministic if deterministic is None else deterministic,
                             nodes=self.topology.node_of, **self._device_options)
+        twin.shm_slot = self.shm_slot
+        return twin
 
     def broadcast_object(self, obj, root=0, *, timeout=None):
         """``obj`` from ``root`` on every rank: a small picklable Python object (metadata
