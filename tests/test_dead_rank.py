@@ -55,8 +55,9 @@ def test_survivors_raise_naming_the_dead_rank_and_the_job_exits_nonzero(tmp_path
     # Despite -disable-auto-cleanup, hydra now and then (about 1 run in 8 here) kills
     # every survivor within a second of the death, before any could time out: such a
     # run ends non-zero with no report and says nothing about the library, so it is
-    # run again, at most 3 times in all.
-    for attempt in range(3):
+    # run again, at most 5 times in all (a CI run on 2026-11-25 lost 3 in a row, with
+    # ring, which passed 12 runs out of 12 on the same machine right after).
+    for attempt in range(5):
         outdir = tmp_path / f"attempt-{attempt}"
         outdir.mkdir()
         returncode, took, stderr = run_job(outdir, algorithm)
