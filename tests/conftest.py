@@ -12,6 +12,7 @@ import pytest
 from mpi4py import MPI
 
 import collectives as cc
+from collectives.algorithms import SHARED_MEMORY
 
 ALL_DTYPES = [d.name for d in cc.SUPPORTED_DTYPES]
 FLOAT_DTYPES = [d for d in ALL_DTYPES if d.startswith(("float", "complex"))]
@@ -177,6 +178,32 @@ def pytest_collection_modifyitems(config, items):
     if reason:
         for item in marked:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def _world_shares_memory():
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_size() == MPI.COMM_WORLD.Get_size()
+    finally:
+        node.Free()
+
+
+WORLD_SHARES_MEMORY = _world_shares_memory()  # False in a testbed job across hosts (make test-multihost)
+
+
+def runs_here(comm, collective, algorithm):
+    """Whether ``comm`` runs ``algorithm``: the shared-memory ones (``shm``) need ranks
+    that share memory; across hosts they raise, which test_multihost.py checks."""
+    return (collective, algorithm) not in SHARED_MEMORY or comm._shares_memory
+
+
+@pytest.fixture
+def shared_memory_needed(request):
+    """For tests parametrized by ``algorithm``: skip ``shm`` in a job across hosts
+    (``pytestmark = pytest.mark.usefixtures("shared_memory_needed")``)."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("algorithm") == "shm" and not WORLD_SHARES_MEMORY:
+        pytest.skip("shm needs ranks that share memory; across hosts it refuses (test_multihost.py checks that)")
 
 
 @pytest.fixture(scope="session")
