@@ -170,7 +170,15 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` skip, with the reason, where no GPU can run them."""
+    """Tests marked ``gpu`` skip, with the reason, where no GPU can run them. The
+    ``shm`` cases of test_collectives.py's sweeps are ``long``: `make test` runs them
+    at 1-4 ranks, `make test-long` at 5-8 (each fence is a scheduling round when ranks
+    outnumber cores, which made `make test` pass 20 minutes)."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if (callspec is not None and callspec.params.get("algorithm") == "shm"
+                and item.module.__name__ == "test_collectives"):
+            item.add_marker(pytest.mark.long)
     from device_under_test import gpu_reason
 
     marked = [item for item in items if "gpu" in item.keywords]
