@@ -1045,13 +1045,7 @@ class Communicator:
         raw, tmp = self._workspace.take(plan.tmp, x.dtype)
         describe = f"{entry[4]}(algorithm={name!r}) call #{self._sequence}"
         call = ShmCall(self._window, plan, inp, result, tmp, op, (self._sequence, code, x.nbytes, root), describe)
-        try:
-            call.run(lambda: self._lean_look(describe))
-        except BaseException as exc:
-            if self._progress.broken is None:
-                self._progress.fail(exc if isinstance(exc, Exception) else CollectiveError(
-                    f"{describe} was interrupted ({type(exc).__name__})"))
-            raise
+        self._breaking_on_failure(lambda: call.run(lambda: self._lean_look(describe)), lambda: describe)
         self._workspace.give(raw)
 
     def _start(self, collective, algorithm, count, inp, out, inplace, op, root, segment_size, finish, blocking,
@@ -1262,13 +1256,19 @@ class Communicator:
         general path, telling the other ranks of a message-size or MPI error; an
         interrupt (KeyboardInterrupt) breaks it too, since the ranks no longer agree on
         which message belongs to which call."""
-        progress = self._progress
+        self._breaking_on_failure(
+            lambda: lean.run(program, self._comm, self._sequence, buffers, op, describe,
+                             self._progress._abandoned.append, lambda: self._lean_look(describe())),
+            describe)
+
+    def _breaking_on_failure(self, run, describe):
+        """``run()`` a call outside the engine (the lean path); if anything escapes it, an
+        interrupt too, the engine breaks as it would have (``describe()`` names the call)."""
         try:
-            lean.run(program, self._comm, self._sequence, buffers, op, describe, progress._abandoned.append,
-                     lambda: self._lean_look(describe()))
+            run()
         except BaseException as exc:
-            if progress.broken is None:
-                progress.fail(exc if isinstance(exc, Exception) else CollectiveError(
+            if self._progress.broken is None:
+                self._progress.fail(exc if isinstance(exc, Exception) else CollectiveError(
                     f"{describe()} was interrupted ({type(exc).__name__})"))
             raise
 

@@ -26,7 +26,6 @@ compares all of them once the fence is passed: ranks that called different thing
 raise instead of mixing up data.
 """
 
-import os
 import time
 
 import numpy as np
@@ -35,6 +34,7 @@ from mpi4py import MPI
 from .. import ops as ops_layer
 from ..errors import CollectiveMismatchError, MessageSizeError
 from ..schedule import Copy, Fence, Reduce
+from .lean import LOOK_EVERY, SPIN, _yield_cpu  # the lean path's waiting, the same here
 from .liveness import ranks
 from .mpi import Handle
 
@@ -42,9 +42,6 @@ _LINE = 16  # int64 per rank in the flag area: 128 bytes, so no two ranks share 
 _COUNTER, _SIGNATURE = 0, 2  # the fence counter; two signatures (calls alternate) of 4 words
 _MIN_DATA = 64 << 10  # bytes: the smallest data area made
 _COPY, _REDUCE, _FENCE = 0, 1, 2
-SPIN = 20e-6  # seconds a blocking wait polls before it yields the CPU at each poll
-LOOK_EVERY = 0.02  # seconds between looks for other ranks' failure notices (the engine's)
-_yield_cpu = getattr(os, "sched_yield", lambda: None)
 
 
 class NodeWindow:
