@@ -735,6 +735,28 @@ def test_projection_switches_to_the_closed_form_beyond_the_simulated_range():
     assert project.predict("tree", 64, 1 << 20, model, max_ops=10) == (None, None)
 
 
+def test_projection_estimates_do_not_undercount_the_plans():
+    """predict() simulates where estimated_ops says the plans are small enough: an
+    estimate far below the real count would simulate p = 4096 plans of millions of
+    operations (the shared-memory algorithms' grow as p² and are left out of projections)."""
+    from collectives.algorithms import SHARED_MEMORY
+    from collectives.sim import project
+    from collectives.sim.simulate import plan_maker, symmetry, timed_ranks
+
+    assert not any(("allreduce", a) in SHARED_MEMORY for a in project.ALLREDUCE)
+    for algorithm in project.ALLREDUCE:
+        for p in (16, 64):
+            for nbytes in (64 << 10, 4 << 20):
+                params = dict(segment_size=project.SEGMENT)
+                if algorithm.startswith("hierarchical"):
+                    params["nodes"] = p
+                count = nbytes // 4
+                plan_of = plan_maker("allreduce", algorithm, p, count, **params)
+                reps = timed_ranks(p, symmetry("allreduce", algorithm, p, count, **params))
+                actual = sum(len(plan_of(r).ops) for r in range(reps))
+                assert actual <= 2 * project.estimated_ops(algorithm, p, nbytes), (algorithm, p, nbytes, actual)
+
+
 def synthetic_rows(params, world_sizes=(2, 4)):
     """Benchmark rows whose 'measured' time is the model's under ``params``."""
     rows = []

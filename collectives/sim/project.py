@@ -11,11 +11,13 @@ run); the pipelined tree, which has none, is left out there. Every row says whic
 
 import math
 
-from ..algorithms import BUILDERS
+from ..algorithms import BUILDERS, SHARED_MEMORY
 from ..algorithms.hierarchical import pipeline_pieces
 from .simulate import DEFAULT_SEGMENT_SIZE as SEGMENT, costs, symmetry, timed_ranks
 
-ALLREDUCE = tuple(BUILDERS["allreduce"])
+# Projections are of clusters (p up to 4096 over links): the shared-memory algorithms,
+# which run only among the ranks of one node (and whose plans grow as p²), are left out.
+ALLREDUCE = tuple(a for a in BUILDERS["allreduce"] if ("allreduce", a) not in SHARED_MEMORY)
 DEFAULT_MAX_OPS = 400_000  # simulated operations per point: about 3 s here
 
 
