@@ -21,7 +21,7 @@ from . import ops
 from . import topology as topology_module
 from .algorithms import (ORDERED, SEGMENTED, SHARED_MEMORY, TOPOLOGICAL, VARIABLE, block_bounds, build, check_algorithm,
                          check_ordered, cost_model_choice)
-from .algorithms.shm import DEFAULT_SLOT_BYTES
+from .algorithms.shm import DEFAULT_SLOT_BYTES, REGISTERED
 from .errors import CollectiveError, CollectiveMismatchError, TransportError
 from .arrays import as_array, check_dtype, check_out, flat_input, flat_view, is_extra, overlaps, same_memory
 from .device import DeviceArray, is_device
@@ -30,7 +30,7 @@ from .transport import lean
 from .transport.buffers import Buffers
 from .transport.liveness import Liveness
 from .transport.mpi import PlanHandle, Progress, RequestHandle, check_timeout
-from .transport.shm import NodeWindow, ShmCall, ShmHandle
+from .transport.shm import NodeWindow, Registration, ShmCall, ShmHandle
 from .tuning import Selector
 
 # MPI libraries reduce float16 in scalar software loops: MPICH 5's allreduce of float16
@@ -49,15 +49,15 @@ _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "m
 
 @lru_cache(maxsize=512)
 def _plan(collective, algorithm, rank, size, count, root, segment, inplace, ordered, device_split=None, counts=None,
-          topology=None):
+          topology=None, registered=None):
     """The compiled plan of one rank (``ordered``: reductions in rank order; ``counts``:
     the per-peer ``(send, recv)`` element counts of alltoallv; ``topology``: the node
     layout, for the two-level algorithms only, so the others share plans). For device
     buffers (``device_split`` not None) its chains of reductions are fused into
     multi-input kernels and it is cut into segments of ``device_split`` elements (0:
-    not cut)."""
+    not cut). ``registered``: ``(stride, offset)`` of registered inputs (``shm``)."""
     schedule = build(collective, algorithm, rank, size, count, root=root, segment=segment, ordered=ordered,
-                     counts=counts, topology=topology)
+                     counts=counts, topology=topology, registered=registered)
     if device_split is not None:
         schedule = fuse_reductions(schedule, inplace=inplace)
         if device_split:
@@ -65,12 +65,13 @@ def _plan(collective, algorithm, rank, size, count, root, segment, inplace, orde
     return compile_plan(schedule, inplace=inplace)
 
 
-def _call_code(collective, algorithm, dtype, op, slot):
+def _call_code(collective, algorithm, dtype, op, slot, registered=None):
     """A number naming a call's kind (collective, algorithm, dtype, op, and the slot
-    size, which sets its segments and fences): ranks compare it in shared memory before
-    they read each other's data (``transport.shm``)."""
+    size, which sets its segments and fences; for registered buffers, which
+    registration and where in it): ranks compare it in shared memory before they read
+    each other's data (``transport.shm``)."""
     op = op if collective in ("allreduce", "reduce", "reduce_scatter") else "-"  # as every path names it
-    return zlib.crc32(f"{collective}/{algorithm}/{dtype.name}/{dtype.itemsize}/{op}/{slot}".encode())
+    return zlib.crc32(f"{collective}/{algorithm}/{dtype.name}/{dtype.itemsize}/{op}/{slot}/{registered}".encode())
 
 
 def _slot_bytes():
@@ -110,6 +111,19 @@ def _check_counts(counts, name, size):
 def _starts(lengths):
     """Where each block begins when blocks of ``lengths`` are packed one after another."""
     return tuple(itertools.accumulate(lengths[:-1], initial=0)) if lengths else ()  # (NumPy's cumsum costs µs)
+
+
+def _check_shape(shape):
+    """``shape`` as a tuple of non-negative ints (an int is a 1-d shape), else a ValueError
+    naming it."""
+    dims = (shape,) if isinstance(shape, (int, np.integer)) else shape
+    try:
+        dims = tuple(dims)
+    except TypeError:
+        dims = None
+    if dims is None or not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in dims):
+        raise ValueError(f"shape must be a non-negative int or a tuple of them; got {shape!r}")
+    return tuple(int(d) for d in dims)
 
 
 def _check_root(root, size):
@@ -295,6 +309,7 @@ class Communicator:
         self._shares_memory = self._node_comm.Get_size() == self.size
         self.shm_slot = _slot_bytes()
         self._window = None
+        self._registrations = []  # what empty() and zeros() made, in the order every rank made them
 
     def __repr__(self):
         return f"<collectives.Communicator rank {self.rank} of {self.size}>"
@@ -374,6 +389,66 @@ class Communicator:
         twin.shm_slot = self.shm_slot
         return twin
 
+    def empty(self, shape, dtype="float32"):
+        """A new host array, uninitialised, in memory that the ranks of this node share: a
+        *registered buffer* (as NCCL's user-buffer registration). Collective: every rank
+        calls it, in the same order, with the same ``shape`` and ``dtype``.
+
+        A call of the ``shm`` algorithm whose input is a registered array on every rank
+        (the same array of every rank's ``empty``, or the same slice of it) copies
+        nothing into the shared window: the ranks read each other's inputs where they
+        are. That holds for allreduce called in place (``out=x``), reduce_scatter,
+        allgather and broadcast; any other call on a registered array (reduce, another
+        algorithm, allreduce out of place) runs as on any array. Ranks that mix
+        registered and unregistered inputs in one ``shm`` call all raise
+        :class:`~collectives.CollectiveMismatchError`.
+
+        Lifetime: the array is valid until ``comm.free()``, which releases its memory
+        (using it afterwards is undefined, as with freed MPI memory); keep no view of
+        it past that. Each ``empty`` makes one shared window, so make a few large
+        arrays (buckets) rather than many small ones. Across nodes each node shares
+        its own ranks' arrays; the ``shm`` algorithms need one node."""
+        shape = _check_shape(shape)
+        try:
+            dtype = np.dtype(dtype)
+        except TypeError:
+            raise TypeError(f"dtype must name a NumPy dtype; got {dtype!r}") from None
+        check_dtype(dtype, "dtype")
+        nbytes = math.prod(shape) * dtype.itemsize
+        # Every rank must ask for the same: compare a digest (max and min of it) first.
+        digest = zlib.crc32(f"{shape}/{dtype.str}".encode())
+        agree = np.array([digest, -digest], np.int64)
+        self._request("empty()", lambda: self._comm.Iallreduce(MPI.IN_PLACE, agree, MPI.MAX), self.timeout,
+                      agree.nbytes)
+        if agree[0] != -agree[1]:
+            raise ValueError(f"shape and dtype must be the same on every rank: this rank asked for {shape} "
+                             f"{dtype.name}, another rank for something else")
+        registration = Registration(self._node_comm, nbytes, len(self._registrations))
+        self._registrations.append(registration)
+        return registration.mine.view(dtype).reshape(shape)
+
+    def zeros(self, shape, dtype="float32"):
+        """:meth:`empty`, filled with zeros (each rank writes its own array, so its memory
+        is placed near it). Collective, like :meth:`empty`."""
+        array = self.empty(shape, dtype)
+        array[...] = 0
+        return array
+
+    def _registered(self, inp, out, inplace, collective):
+        """``(registration, (stride, offset))`` in elements where ``inp`` lies in one of
+        this rank's registered arrays and the call has a registered form (allreduce:
+        only in place), else None."""
+        if not self._registrations or collective not in REGISTERED or (collective == "allreduce" and not inplace):
+            return None
+        itemsize = inp.itemsize
+        for registration in self._registrations:
+            offset = registration.offset_of(inp)
+            if offset is not None:
+                if offset % itemsize:
+                    return None
+                return registration, (registration.stride // itemsize, offset // itemsize)
+        return None
+
     def broadcast_object(self, obj, root=0, *, timeout=None):
         """``obj`` from ``root`` on every rank: a small picklable Python object (metadata
         such as names, shapes and hyperparameters), never array data — arrays go through
@@ -407,6 +482,10 @@ class Communicator:
             self._devices = {}
             if self._window is not None and self._progress.broken is None:  # (collective: a broken job may hang in it)
                 self._window.free()
+            if self._progress.broken is None:
+                for registration in self._registrations:
+                    registration.free()
+            self._registrations = []
             if self._node_comm is not None:
                 self._node_comm.Free()
             self._comm.Free()
@@ -1024,16 +1103,21 @@ class Communicator:
                       describe):
         """Run a shared-memory algorithm's call (see ``transport.shm``)."""
         segment = max(1, self.shm_slot // inp.itemsize)
-        plan = _plan(collective, algorithm, self.rank, self.size, count, root, segment, inplace, self.deterministic)
-        signature = (self._sequence, _call_code(collective, algorithm, inp.dtype, op, self.shm_slot), inp.nbytes, root)
-        window = self._window_for(plan.shm * inp.itemsize, timeout, signature, describe) if plan.shm else None
+        registration, registered = self._registered(inp, out, inplace, collective) or (None, None)
+        plan = _plan(collective, algorithm, self.rank, self.size, count, root, segment, inplace, self.deterministic,
+                     registered=registered)
+        code = _call_code(collective, algorithm, inp.dtype, op, self.shm_slot,
+                          registered and (registration.number, registered[1]))
+        signature = (self._sequence, code, inp.nbytes, root)
+        window = (self._window_for(plan.shm * inp.itemsize, timeout, signature, describe)
+                  if plan.shm or any(type(op_) is Fence for op_ in plan.ops) else None)
         raw, tmp = self._workspace.take(plan.tmp, inp.dtype)
 
         def done():
             self._workspace.give(raw)
             return finish()
 
-        call = ShmCall(window, plan, inp, out, tmp, op, signature, describe)
+        call = ShmCall(window, plan, inp, out, tmp, op, signature, describe, registration)
         handle = ShmHandle(self._progress, describe, done, call, timeout, self._sequence).start()
         return handle.wait() if blocking else handle
 
@@ -1223,9 +1307,10 @@ class Communicator:
             self._fast_entries[key] = entry
         if entry is False:
             return _NOT_HANDLED
-        if entry[0] == "shm" and entry[1].shm and (self._window is None or
-                                                   entry[1].shm * x.itemsize > self._window.capacity):
-            return _NOT_HANDLED  # the general path makes the window (collective)
+        if entry[0] == "shm" and ((entry[1].shm and (self._window is None or
+                                                     entry[1].shm * x.itemsize > self._window.capacity))
+                                  or self._registrations):
+            return _NOT_HANDLED  # the general path makes the window (collective), and reads registered buffers
         self._sequence = (self._sequence + 1) % self._tag_limit  # as _gate numbers every call
         progress.call = self._sequence
         if entry == "native":

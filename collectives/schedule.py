@@ -20,7 +20,11 @@ A slice names a buffer and an element range: ``("in", lo, hi)``, ``("out", lo, h
 memory every rank of the node sees, the same elements for all (a shared window; the
 schedule states its size too): only the shared-memory algorithms use it, and only
 executors that have one run them (``collectives.transport.shm`` and the in-process
-runner). Buffers are flat and contiguous.
+runner). ``("reg", lo, hi)`` is every rank's input at once, where the inputs are
+registered buffers (arrays in memory the node shares, ``Communicator.empty``): rank q's
+element i is element ``q·stride + offset + i`` of ``reg``, ``stride`` and ``offset``
+given to the algorithm; a plan reads it, and only between fences. Buffers are flat and
+contiguous.
 
 :func:`compile_plan` turns the list into a :class:`Plan`: each operation waits only for
 the earlier operations that touch the same elements (read after write, write after
@@ -45,7 +49,7 @@ Copy = namedtuple("Copy", "dst src")
 ReduceMany = namedtuple("ReduceMany", "dst srcs")
 Fence = namedtuple("Fence", "")
 
-BUFFERS = ("in", "out", "tmp", "shm")
+BUFFERS = ("in", "out", "tmp", "shm", "reg")
 _END = 1 << 62  # past the end of any buffer
 
 

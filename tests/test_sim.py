@@ -659,8 +659,8 @@ def test_a_wrong_schedule_is_caught(monkeypatch):
 
     real = local.run
 
-    def off_by_one(plans, inputs, outputs, op, dtype):
-        real(plans, inputs, outputs, op, dtype)
+    def off_by_one(plans, inputs, outputs, op, dtype, registered=None):
+        real(plans, inputs, outputs, op, dtype, registered)
         outputs[1][0] += 1
 
     monkeypatch.setattr(local, "run", off_by_one)

@@ -197,12 +197,20 @@ def check_ordered(collective, algorithm):
     return algorithm
 
 
-def build(collective, algorithm, rank, size, count, *, root=0, segment=1, ordered=False, counts=None, topology=None):
+def build(collective, algorithm, rank, size, count, *, root=0, segment=1, ordered=False, counts=None, topology=None,
+          registered=None):
     """The schedule of ``algorithm`` for one rank; ``ordered``: reductions in rank order
     (deterministic mode; only the algorithms in ``ORDERED`` can); ``counts``: this
     rank's ``(send, recv)`` element counts per peer (the collectives in ``VARIABLE``);
-    ``topology``: the node layout (the algorithms in ``TOPOLOGICAL``; None: one node)."""
+    ``topology``: the node layout (the algorithms in ``TOPOLOGICAL``; None: one node);
+    ``registered``: ``(stride, offset)`` in elements where every rank's input is a
+    registered buffer (the shared-memory algorithms of ``shm.REGISTERED`` only)."""
     builder = BUILDERS[collective][algorithm]
+    if registered is not None:
+        if (collective, algorithm) not in SHARED_MEMORY or collective not in shm.REGISTERED:
+            raise ValueError(f"{collective} {algorithm!r} has no form for registered buffers "
+                             f"(the shm algorithm of {', '.join(shm.REGISTERED)} has)")
+        return builder(rank, size, count, root=root, segment=segment, registered=tuple(registered))
     if (collective, algorithm) in TOPOLOGICAL:
         return builder(rank, size, count, root=root, segment=segment, topology=topology)
     if collective in VARIABLE:

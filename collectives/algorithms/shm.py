@@ -22,6 +22,21 @@ segment k+2 writes a bank only after a fence that every rank passes once it has
 finished reading segment k (the executor also alternates the banks from call to call:
 :mod:`collectives.transport.shm`).
 
+**Registered buffers** (``registered=(stride, offset)``: every rank's input lives in
+memory the node shares, ``Communicator.empty``, rank q's element i at ``reg[q·stride +
+offset + i]``): nothing is copied in; the ranks read each other's inputs where they are.
+
+    allreduce (in place):  fence; rank r folds share r of every input into its own
+                           array; fence; copies every other share from its owner's
+                           array; fence (nobody reads this rank's array any more)
+    reduce_scatter:        fence; rank r folds block r of every input into out; fence
+    allgather:             fence; every rank copies every input into out; fence
+    broadcast:             fence; the others copy the root's array; fence
+
+No window data, no segments: three fences (allreduce) or two, whatever the size. The
+last fence is there because the caller may write its array as soon as the call
+returns, and another rank may still be reading it. reduce has no registered form.
+
 Every reduction is the left fold x0 op x1 op … op x(p-1) in rank order, so these are
 deterministic-mode algorithms, and every rank's result has the same bits.
 
@@ -34,7 +49,17 @@ fence per segment; allgather: n/p in, n out, one fence; broadcast: the root n in
 others n out, one fence. In the simulator a fence costs α after the last rank arrives,
 a copy to or from ``shm`` m·β, a fold step m·γ. Any p works. Only ranks that share
 memory can run them: the communicator refuses them across nodes and for device arrays.
+
+Registered, per rank: allreduce reads every input's share (n) and writes its own
+share (n/p) to fold, then copies the other shares in, (p-1)/p·n read and written: at
+p = 2, 2.5n moved, the physical floor (read both halves, write one, fetch the other),
+and 3 fences; a rank r ≥ 2 folds beside its array first (n/p more each way), since
+its own share is an input of a later fold step.
+reduce_scatter: n read, n/p written; allgather: n in and out; broadcast: n (the root
+nothing). Copies from ``reg`` cost m·β in the simulator, as copies to ``shm`` do.
 """
+
+REGISTERED = ("allreduce", "reduce_scatter", "allgather", "broadcast")  # collectives with a registered form
 
 from ..schedule import Schedule, sl
 from ._layout import block_bounds, segments
@@ -83,6 +108,49 @@ def _reduce_to(s, rank, size, count, slot):
         yield bank, lo, bounds
 
 
+def _theirs(rank, stride, offset, lo, hi):
+    """Elements ``[lo, hi)`` of ``rank``'s registered input."""
+    base = rank * stride + offset
+    return sl("reg", base + lo, base + hi)
+
+
+def _allreduce_registered(rank, size, count, stride, offset):
+    """In place on registered arrays (see the module's drawing)."""
+    s = Schedule([])
+    if count == 0:
+        return s
+    bounds = block_bounds(count, size)
+    first, last = bounds[rank], bounds[rank + 1]
+    inputs = [sl("in", first, last) if q == rank else _theirs(q, stride, offset, first, last) for q in range(size)]
+    s.fence()
+    if rank < 2:  # its own share is read by the fold's first step, before anything is written
+        _fold(s, sl("out", first, last), inputs)
+    else:
+        s.need_tmp(last - first)
+        _fold(s, sl("tmp", 0, last - first), inputs)
+        s.copy(sl("out", first, last), sl("tmp", 0, last - first))
+    s.fence()
+    for q in range(size):
+        if q != rank:
+            s.copy(sl("out", bounds[q], bounds[q + 1]), _theirs(q, stride, offset, bounds[q], bounds[q + 1]))
+    s.fence()
+    return s
+
+
+def _reduce_scatter_registered(rank, size, count, stride, offset):
+    s = Schedule([])
+    bounds = block_bounds(count, size)
+    if bounds[1] == 0:  # every block empty
+        return s
+    first, last = bounds[rank], bounds[rank + 1]
+    s.fence()
+    if last > first:
+        _fold(s, sl("out", 0, last - first), [sl("in", first, last) if q == rank else
+                                              _theirs(q, stride, offset, first, last) for q in range(size)])
+    s.fence()
+    return s
+
+
 def _copy_out(s, rank, size, slot, bank, lo, bounds):
     """Every rank's reduced share of the segment at ``lo``, from its slot into ``out``."""
     for q in range(size):
@@ -90,9 +158,11 @@ def _copy_out(s, rank, size, slot, bank, lo, bounds):
         s.copy(sl("out", lo + bounds[q], lo + bounds[q + 1]), sl("shm", start + bounds[q], start + bounds[q + 1]))
 
 
-def allreduce(rank, size, count, *, segment=1, **_):
+def allreduce(rank, size, count, *, segment=1, registered=None, **_):
     if size == 1:
         return _trivial(count)
+    if registered is not None:
+        return _allreduce_registered(rank, size, count, *registered)
     s = Schedule([])
     slot = min(max(1, segment), count)
     if count == 0:
@@ -116,11 +186,13 @@ def reduce(rank, size, count, *, root=0, segment=1, **_):
     return s
 
 
-def reduce_scatter(rank, size, count, *, segment=1, **_):
+def reduce_scatter(rank, size, count, *, segment=1, registered=None, **_):
     """Each segment carries a piece of every block: rank r's slot holds pieces
     ``[t, t + piece)`` of blocks 0 … p-1 side by side, and rank q folds block q's."""
     if size == 1:
         return _trivial(count)
+    if registered is not None:
+        return _reduce_scatter_registered(rank, size, count, *registered)
     s = Schedule([])
     bounds = block_bounds(count, size)
     longest = bounds[1] - bounds[0]
@@ -145,11 +217,19 @@ def reduce_scatter(rank, size, count, *, segment=1, **_):
     return s
 
 
-def allgather(rank, size, count, *, segment=1, **_):
+def allgather(rank, size, count, *, segment=1, registered=None, **_):
     """``count`` is the per-rank element count; ``out`` holds ``size * count``."""
     s = Schedule([])
     s.copy(sl("out", rank * count, (rank + 1) * count), sl("in", 0, count))
     if size == 1 or count == 0:
+        return s
+    if registered is not None:
+        stride, offset = registered
+        s.fence()
+        for q in range(size):
+            if q != rank:
+                s.copy(sl("out", q * count, (q + 1) * count), _theirs(q, stride, offset, 0, count))
+        s.fence()
         return s
     slot = min(max(1, segment), count)
     s.need_shm(2 * size * slot)
@@ -165,10 +245,17 @@ def allgather(rank, size, count, *, segment=1, **_):
     return s
 
 
-def broadcast(rank, size, count, *, root=0, segment=1, **_):
+def broadcast(rank, size, count, *, root=0, segment=1, registered=None, **_):
     """The root's data goes through one slot the size of a whole bank."""
     s = Schedule([])
     if size == 1 or count == 0:
+        return s
+    if registered is not None:
+        stride, offset = registered
+        s.fence()
+        if rank != root:
+            s.copy(sl("out", 0, count), _theirs(root, stride, offset, 0, count))
+        s.fence()
         return s
     whole = min(size * max(1, segment), count)
     s.need_shm(2 * whole)

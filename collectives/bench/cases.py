@@ -6,6 +6,8 @@ library, through the MPI library directly (``native``) and through gloo. Buffers
 allocated once per case, so the timed calls allocate nothing of the harness's.
 """
 
+import copy
+
 import numpy as np
 from mpi4py import MPI
 
@@ -96,6 +98,17 @@ class Case:
                 self.dx = device.empty(self.x.shape, self.dtype)
                 self.dout = self.dx if inplace or collective == "broadcast" else device.empty(self.x.shape, self.dtype)
         self._reset()
+
+    def registered(self, pool):
+        """This case with its input in ``pool`` (a registered array, ``Communicator.empty``)
+        and, for allreduce, in place: what ``shm`` reads in place across ranks."""
+        twin = copy.copy(self)
+        twin.x = pool[: self.x.nbytes].view(self.dtype).reshape(self.x.shape)
+        twin.inplace = self.collective in ("allreduce", "broadcast")
+        if twin.inplace:
+            twin.out = twin.x
+        twin._reset()
+        return twin
 
     def _reset(self):
         self.x[...] = self.fresh

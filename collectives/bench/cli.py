@@ -6,6 +6,7 @@ against the MPI library's own collectives measured in the same run.
     mpiexec -n 4 collectives-bench --tune tuning.json     # then COLLECTIVES_TUNING=tuning.json
     mpiexec -n 2 collectives-bench --device cuda -c allreduce -b 64K -e 256M --check   # on a GPU
     mpiexec -n 4 collectives-bench -c allreduce --deterministic   # + what deterministic mode runs
+    mpiexec -n 2 collectives-bench -c allreduce -b 1M --registered  # + shm on registered buffers
 
 Exit status: 1 if ``--check`` found any wrong element, 2 on bad arguments.
 """
@@ -20,6 +21,7 @@ from mpi4py import MPI
 
 from .. import Communicator
 from ..algorithms import COLLECTIVES, ORDERED, SHARED_MEMORY, VARIABLE, algorithms
+from ..algorithms.shm import REGISTERED
 from ..arrays import SUPPORTED_DTYPES
 from ..ops import OPS, check_op
 from ..tuning import TuningTable
@@ -86,6 +88,10 @@ def parse_args(argv):
     p.add_argument("--deterministic", action="store_true",
                    help="also time what deterministic mode runs (auto on a Communicator(deterministic=True)), "
                         "as the contender 'deterministic', for allreduce, reduce_scatter and reduce")
+    p.add_argument("--registered", action="store_true",
+                   help="also time shm on registered buffers (Communicator.empty: the ranks read each other's "
+                        "inputs in place), as the contender 'shm_registered', for allreduce (in place), "
+                        "reduce_scatter, allgather and broadcast on ranks that share memory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--no-bound", action="store_true",
                    help="skip the memory-bandwidth probe and the 'bound' column (time over the memory-traffic bound)")
@@ -141,6 +147,8 @@ def contenders(collective, args):
         names.append("gloo")
     if args.deterministic and collective in ORDERED:
         names.append("deterministic")
+    if args.registered and collective in REGISTERED and args.device == "host":
+        names.append("shm_registered")
     return names
 
 
@@ -165,13 +173,18 @@ def start_gloo(world):
     return dist.group.WORLD
 
 
-def measure(case, comm, world, names, args, gloo_group, ordered_comm=None, bandwidth=None):
+def measure(case, comm, world, names, args, gloo_group, ordered_comm=None, bandwidth=None, pool=None):
     """Rows (dicts) for every contender on one case (``ordered_comm``: the deterministic
     communicator that runs the contender ``deterministic``; ``bandwidth``: the memory
-    probe's bytes per second per rank, for the bound column)."""
-    calls = {}
+    probe's bytes per second per rank, for the bound column; ``pool``: a registered
+    array of ``comm``'s, the buffers of the contender ``shm_registered``)."""
+    calls, cases = {}, {}
     for name in names:
-        if name == "native":
+        cases[name] = case
+        if name == "shm_registered":
+            cases[name] = case.registered(pool)
+            calls[name] = cases[name].ours(comm, "shm")
+        elif name == "native":
             calls[name] = case.native(world)
         elif name == "gloo":
             calls[name] = case.gloo(gloo_group)
@@ -190,7 +203,7 @@ def measure(case, comm, world, names, args, gloo_group, ordered_comm=None, bandw
         row = {
             "collective": case.collective, "algorithm": name, "bytes": case.nbytes, "count": case.count,
             "world_size": case.size, "layout": comm.topology.key(), "dtype": case.dtype.name, "op": case.op,
-            "inplace": case.inplace, **stats, "algbw_GBps": algbw, "busbw_GBps": algbw * factor,
+            "inplace": cases[name].inplace, **stats, "algbw_GBps": algbw, "busbw_GBps": algbw * factor,
             "chosen": (comm if name == "auto" else ordered_comm).choose(case.collective, case.nbytes,
                                                                         case.device is not None, case.dtype)[0]
             if name in ("auto", "deterministic") else None,
@@ -200,7 +213,7 @@ def measure(case, comm, world, names, args, gloo_group, ordered_comm=None, bandw
             # MPI's and gloo's C memory is invisible to tracemalloc, and so is a device's
             row["extra_mem_bytes"] = timing.peak_extra_memory(world, calls[name], comm.release_memory)
         if args.check:
-            row["wrong"] = world.allreduce(case.count_wrong(calls[name]), op=MPI.SUM)
+            row["wrong"] = world.allreduce(cases[name].count_wrong(calls[name]), op=MPI.SUM)
         rows.append(row)
     native = rows[0]["time_us"]
     bound = membound.bound_us(case.collective, case.nbytes, case.size, bandwidth)
@@ -278,14 +291,19 @@ def sweep(args, world, comm, device=None, ordered_comm=None):
         say(f"# memory: {bandwidth / 1e9:.1f} GB/s read + written per rank, all ranks at once (np.add); "
             "bound = time / the memory-traffic bound (collectives.bench.membound)")
     rows = []
+    pool = None
+    if args.registered and device is None and comm._shares_memory:  # the buffers of every shm_registered case
+        pool = comm.empty(args.end + 4096, np.uint8)
+    elif args.registered and rank0:
+        say("# --registered: left out (it needs host buffers on ranks that share memory)")
     for collective in args.collectives:
-        names = contenders(collective, args)
+        names = [n for n in contenders(collective, args) if n != "shm_registered" or pool is not None]
         say(report.header(collective, meta))
         for nbytes in size_list:
             case = Case(collective, nbytes, world, args.dtype, args.op, args.inplace, device=device)
             if bar is not None:
                 bar.set_description(f"{collective} {report.human_bytes(case.nbytes)}")
-            for row in measure(case, comm, world, names, args, gloo_group, ordered_comm, bandwidth):
+            for row in measure(case, comm, world, names, args, gloo_group, ordered_comm, bandwidth, pool):
                 rows.append(row)
                 say(report.line(row))
             if bar is not None:

@@ -9,7 +9,7 @@ import numpy as np
 from .. import ops as ops_layer
 from ..algorithms import (BUILDERS, NODE_SYMMETRIC, SEGMENTED, SHARED_MEMORY, SYMMETRIC, TOPOLOGICAL, VARIABLE,
                           block_bounds, build, check_ordered)
-from ..algorithms.shm import DEFAULT_SLOT_BYTES
+from ..algorithms.shm import DEFAULT_SLOT_BYTES, REGISTERED
 from ..algorithms.hierarchical import pipeline_pieces
 from ..arrays import check_dtype
 from ..communicator import DEFAULT_SEGMENT_SIZE, _check_segment_size  # segments as the Communicator cuts them
@@ -22,7 +22,7 @@ from .timing import Graph, Model
 
 # Schedules that exist only in the simulator: baselines to compare with, not algorithms.
 BASELINES = {("allreduce", "parameter_server"): parameter_server.allreduce}
-PARAMS = ("segment_size", "servers", "inplace", "ordered", "counts", "nodes")
+PARAMS = ("segment_size", "servers", "inplace", "ordered", "counts", "nodes", "registered")
 
 
 def alltoallv_counts(world_size, count):
@@ -184,7 +184,11 @@ def _check_args(collective, algorithm, world_size, count, dtype, op, root, param
             )
     elif "servers" in params:
         raise TypeError(f"servers is a parameter of the parameter_server baseline, not of {algorithm}")
-    for flag in ("inplace", "ordered"):
+    if params.get("registered"):
+        if (collective, algorithm) not in SHARED_MEMORY or collective not in REGISTERED:
+            raise ValueError(f"registered: only the shm algorithm of {', '.join(REGISTERED)} reads registered "
+                             f"buffers; got {collective} {algorithm!r}")
+    for flag in ("inplace", "ordered", "registered"):
         if not isinstance(params.get(flag, False), (bool, np.bool_)):
             raise ValueError(f"{flag} must be True or False; got {params[flag]!r}")
     if params.get("inplace") and collective not in ("allreduce", "reduce", "broadcast"):
@@ -238,7 +242,9 @@ def plan_maker(collective, algorithm, world_size, count, dtype="float32", root=0
     """``plan_of(rank)``: one virtual rank's compiled plan (the arguments checked first)."""
     _check_args(collective, algorithm, world_size, count, dtype, None, root, params)
     world_size, count, root = int(world_size), int(count), int(root)  # NumPy integers too
-    inplace = bool(params.get("inplace", False)) or collective == "broadcast"
+    registered = bool(params.get("registered", False))
+    inplace = bool(params.get("inplace", False)) or collective == "broadcast" or (registered and
+                                                                                 collective == "allreduce")
     if (collective, algorithm) in BASELINES:
         builder = BASELINES[collective, algorithm]
         servers = int(params.get("servers", 1))
@@ -255,7 +261,8 @@ def plan_maker(collective, algorithm, world_size, count, dtype="float32", root=0
     def plan_of(r):
         counts = None if matrix is None else (tuple(matrix[r].tolist()), tuple(matrix[:, r].tolist()))
         return compile_plan(build(collective, algorithm, r, world_size, count, root=root, segment=segment,
-                                  ordered=ordered, counts=counts, topology=topology), inplace)
+                                  ordered=ordered, counts=counts, topology=topology,
+                                  registered=(count, 0) if registered else None), inplace)
 
     return plan_of
 
@@ -324,6 +331,8 @@ def run(collective, algorithm, world_size, count, dtype="float32", op="sum", roo
     ``params``: ``segment_size`` (bytes, for the pipelined ``tree`` and ``pipeline``, and the
     shared-memory algorithms' slot),
     ``inplace`` (the in-place form of the call), ``servers`` (``parameter_server``),
+    ``registered`` (``shm`` on registered buffers, which reads the other ranks' inputs
+    where they are; its allreduce runs in place),
     ``ordered`` (reductions in rank order, as in deterministic mode), ``counts``
     (alltoallv: ``counts[i][j]`` elements from rank i to rank j), ``nodes`` (the node
     layout the two-level algorithms see: ranks per node, or one node label per rank;
@@ -342,7 +351,7 @@ def run(collective, algorithm, world_size, count, dtype="float32", op="sum", roo
               for r in range(world_size)]
     inplace = bool(params.get("inplace", False))
     got = local.run_collective(collective, algorithm, [x.copy() for x in inputs], op, root, inplace=inplace, plans=plans,
-                               counts=matrix)
+                               counts=matrix, registered=bool(params.get("registered", False)))
     contributors = range(world_size)
     if baseline:  # servers hold no data and get no result
         contributors = range(int(params.get("servers", 1)), world_size)

@@ -13,8 +13,9 @@ The model (also in the package docstring and docs/algorithms.md):
   ranks of a node take turns on the network.
 - A reduction of m bytes takes ``m·γ`` on its rank's processor, one at a time, while
   the rank's messages go on. Copies cost nothing (the model has no memory-copy term),
-  except a copy to or from the node's shared window (the shared-memory algorithms),
-  which carries their data and takes ``m·β`` on the processor, like a message's bytes.
+  except a copy to or from the node's shared window or another rank's registered
+  buffer (the shared-memory algorithms), which carries their data and takes ``m·β`` on
+  the processor, like a message's bytes.
 - A fence (shared-memory algorithms) ends ``α`` after the last rank has reached it.
 - Everything starts as soon as the plan allows; where several messages could take a
   port, the one that was ready first gets it (ties: the sender's earlier operation,
@@ -92,7 +93,7 @@ class Graph:
                     kinds.append(_FENCE), nbytes.append(0), peers.append(-1)
                 else:
                     assert isinstance(op, Copy)
-                    shared = "shm" in (op.dst.buf, op.src.buf)
+                    shared = op.dst.buf in ("shm", "reg") or op.src.buf in ("shm", "reg")
                     kinds.append(_COPY), nbytes.append((op.dst.hi - op.dst.lo) * itemsize * shared), peers.append(-1)
             self.kinds.append(kinds)
             self.nbytes.append(nbytes)

@@ -7,11 +7,11 @@ from ..schedule import Copy, ReduceMany
 
 
 class Buffers:
-    """The arrays behind ``in``, ``out``, ``tmp`` and ``shm`` for one call (flat, contiguous;
-    ``shm`` only for the shared-memory algorithms)."""
+    """The arrays behind ``in``, ``out``, ``tmp``, ``shm`` and ``reg`` for one call (flat,
+    contiguous; ``shm`` and ``reg`` only for the shared-memory algorithms)."""
 
-    def __init__(self, inp, out, tmp, shm=None):
-        self.arrays = {"in": inp, "out": out, "tmp": tmp, "shm": shm}
+    def __init__(self, inp, out, tmp, shm=None, reg=None):
+        self.arrays = {"in": inp, "out": out, "tmp": tmp, "shm": shm, "reg": reg}
 
     def view(self, s):
         return self.arrays[s.buf][s.lo : s.hi]

@@ -16,15 +16,18 @@ from .buffers import Buffers
 from .engine import Execution
 
 
-def run(plans, inputs, outputs, op, dtype):
+def run(plans, inputs, outputs, op, dtype, registered=None):
     """Run ``plans[r]`` with ``inputs[r]`` / ``outputs[r]`` (flat arrays) for every rank.
+    ``registered``: the array the plans' ``reg`` slices address (every rank's input,
+    where the inputs are registered buffers: views of it).
 
     Raises :class:`CollectiveError` if the ranks' messages do not fit together
     (a length mismatch, or a deadlock).
     """
     size = len(plans)
     shared = np.empty(max(plan.shm for plan in plans), dtype)  # one window, every rank's view of it
-    buffers = [Buffers(inputs[r], outputs[r], np.empty(plans[r].tmp, dtype), shared) for r in range(size)]
+    buffers = [Buffers(inputs[r], outputs[r], np.empty(plans[r].tmp, dtype), shared, registered)
+               for r in range(size)]
     sends, recvs = {}, {}
     fences = [deque() for _ in range(size)]  # each rank's fences reached, not yet passed
     finished = deque()
@@ -77,7 +80,7 @@ def run(plans, inputs, outputs, op, dtype):
 
 
 def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, inplace=False, plans=None,
-                   counts=None):
+                   counts=None, registered=False):
     """Run ``collective`` with ``algorithm`` for ``len(inputs)`` virtual ranks in this
     process and return each rank's result as the Communicator would shape it (flat;
     ``None`` for the non-roots of reduce and gather). ``inputs[r]`` is rank r's flat
@@ -85,6 +88,9 @@ def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, i
     holds ``len(inputs)`` blocks; for alltoallv ``counts[i][j]`` elements go from rank i
     to rank j.
     ``plans``: every rank's compiled plan, if the caller has built them already.
+    ``registered``: the inputs are registered buffers (copied into one array, rank r's
+    from ``r * count``, as ``Communicator.empty`` places them; the plans address it as
+    ``reg`` with stride ``count``, offset 0); allreduce then runs in place.
     """
     # Imported here: the algorithm registry imports nothing from the transports.
     from .. import ops as ops_layer
@@ -95,12 +101,18 @@ def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, i
     count = inputs[root].size // size if collective in ("scatter", "alltoall") else inputs[0].size
     dtype = inputs[root].dtype
     inputs = [np.ascontiguousarray(x).reshape(-1) for x in inputs]
+    shared = None
+    if registered:
+        if collective == "allreduce":
+            inplace = True
+        shared = np.concatenate(inputs) if inputs[0].size else np.empty(0, dtype)
+        inputs = [shared[r * count : (r + 1) * count] for r in range(size)]  # fresh copies already
     if collective == "broadcast":
-        inputs = [x.copy() for x in inputs]
+        inputs = inputs if registered else [x.copy() for x in inputs]
         outputs = inputs
         inplace = True
     elif inplace:
-        inputs = [x.copy() for x in inputs]
+        inputs = inputs if registered else [x.copy() for x in inputs]
         outputs = [x if collective != "reduce" or r == root else x[:0] for r, x in enumerate(inputs)]
     elif collective == "allgather":
         outputs = [np.empty(size * count, dtype) for _ in range(size)]
@@ -122,11 +134,12 @@ def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, i
         plans = [
             compile_plan(build(collective, algorithm, r, size, count, root=root, segment=segment,
                                counts=None if counts is None else (tuple(counts[r].tolist()),
-                                                                   tuple(counts[:, r].tolist()))),
+                                                                   tuple(counts[:, r].tolist())),
+                               registered=(count, 0) if registered else None),
                          inplace=inplace)
             for r in range(size)
         ]
-    run(plans, inputs, outputs, op, dtype)
+    run(plans, inputs, outputs, op, dtype, shared)
     if collective in ("allreduce", "reduce_scatter", "reduce"):
         for r, out in enumerate(outputs):
             if collective != "reduce" or r == root:

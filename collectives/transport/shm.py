@@ -59,8 +59,9 @@ class NodeWindow:
 
     def ensure(self, nbytes):
         """Make the data area hold ``nbytes`` (collective over the node: every rank calls
-        it at the same point, with the same size, and no call on the window in flight)."""
-        if nbytes <= self.capacity:
+        it at the same point, with the same size, and no call on the window in flight).
+        The window is made even for 0 bytes: its flag area holds the fences."""
+        if self.win is not None and nbytes <= self.capacity:
             return
         capacity = max(_MIN_DATA, self.capacity * 2)
         while capacity < nbytes:
@@ -148,6 +149,52 @@ class NodeWindow:
         return tuple(self.words[start : start + 4])
 
 
+class Registration:
+    """Memory every rank of the node maps, for the arrays ``Communicator.empty`` makes
+    (registered buffers): one window per ``empty`` call, made collectively, holding one
+    region per node rank, ``stride`` bytes apart (page-aligned). Rank q's array is the
+    first ``nbytes`` of region q; every rank can read all of them (``memory``), which is
+    what lets the ``shm`` algorithms read another rank's input in place instead of
+    copying it into the window first. Valid until :meth:`free` (the communicator's
+    ``free()``): the arrays made on it must not be used after that."""
+
+    def __init__(self, node_comm, nbytes, number):
+        size, rank = node_comm.Get_size(), node_comm.Get_rank()
+        self.number = number  # the communicator's count of empty() calls: alike on every rank
+        self.nbytes = nbytes
+        self.stride = max(1, -(-nbytes // 4096)) * 4096
+        # Rank 0 allocates every region (as NodeWindow does), so that region q starts q
+        # strides in on every rank, whatever the MPI library does with per-rank segments.
+        self.win = MPI.Win.Allocate_shared(size * self.stride if rank == 0 else 0, 1, comm=node_comm)
+        buffer, _ = self.win.Shared_query(0)
+        self.memory = np.frombuffer(buffer, np.uint8)[: size * self.stride]
+        self.mine = self.memory[rank * self.stride : rank * self.stride + nbytes]
+        self.start = self.mine.__array_interface__["data"][0]
+        self._typed = {}
+        self.win.Lock_all(MPI.MODE_NOCHECK)  # Win.Sync (the fences' memory barrier) needs an epoch
+
+    def typed(self, dtype):
+        """Every rank's region as ``dtype`` elements (rank q's from ``q * stride /
+        itemsize``)."""
+        view = self._typed.get(dtype)
+        if view is None:
+            view = self._typed[dtype] = self.memory.view(dtype)
+        return view
+
+    def offset_of(self, array):
+        """The byte offset of ``array`` (flat, contiguous) in this rank's region, or None
+        if it does not lie wholly inside it."""
+        offset = array.__array_interface__["data"][0] - self.start
+        return offset if 0 <= offset and offset + array.nbytes <= self.nbytes else None
+
+    def free(self):
+        """Release the window (collective over the node)."""
+        if self.win is not None:
+            self.win.Unlock_all()
+            self.win.Free()
+            self.win, self.memory, self.mine, self._typed = None, None, None, {}
+
+
 def _steps(plan):
     """The plan as ``(kind, slices)`` steps, each slice ``(buffer, lo, hi, bank)`` (a
     ``shm`` slice: its bank, 0 or 1, and lo/hi within it); made once per plan."""
@@ -182,9 +229,10 @@ class ShmCall:
     ``signature``: four integers every rank must give alike (call number, a code of
     collective, algorithm, dtype and op, the size in bytes, the root), compared at the
     call's first fence; a size that differs is a :class:`MessageSizeError`, anything
-    else a :class:`CollectiveMismatchError`."""
+    else a :class:`CollectiveMismatchError`. ``registration``: the
+    :class:`Registration` the plan's ``reg`` slices address (registered buffers)."""
 
-    def __init__(self, window, plan, inp, out, tmp, op, signature, describe):
+    def __init__(self, window, plan, inp, out, tmp, op, signature, describe, registration=None):
         self.describe = describe
         self.total = len(plan.ops)
         self.fences = plan.__dict__.get("_shm_fences")
@@ -192,7 +240,12 @@ class ShmCall:
             self.fences = sum(1 for kind, _ in _steps(plan) if kind == _FENCE)
             object.__setattr__(plan, "_shm_fences", self.fences)
         arrays = {"in": inp, "out": out, "tmp": tmp}
-        if plan.shm:
+        # Win.Sync is the memory barrier of one window: the fences pass it on the
+        # registration's window too, whose memory the plan reads across ranks.
+        self.sync = registration.win.Sync if registration is not None else None
+        if registration is not None:
+            arrays["reg"] = registration.typed(inp.dtype)
+        if plan.shm or self.fences:
             shared = window.typed(inp.dtype)
             if plan.shm > shared.size:
                 raise ValueError(f"{describe}: the window holds {shared.size} elements, the plan needs {plan.shm} "
@@ -234,10 +287,14 @@ class ShmCall:
                 if not self.arrived:
                     if fence == self.base + 1:
                         window.sign(self.parity, self.signature)
+                    if self.sync is not None:
+                        self.sync()
                     window.arrive(fence)
                     self.arrived = True
                 if not window.passed(fence):
                     return moved
+                if self.sync is not None:
+                    self.sync()
                 self.arrived, self.passed = False, fence
                 if fence == self.base + 1:
                     self._compare_signatures()
@@ -271,7 +328,8 @@ class ShmCall:
                 raise MessageSizeError(f"{self.describe}: rank {rank} called it with {theirs[2]} B where this "
                                        f"rank has {mine[2]} B; the ranks called it with buffers of different sizes")
             raise CollectiveMismatchError(f"{self.describe}: rank {rank} is in a different call (call #{theirs[0]}, "
-                                          "or another collective, algorithm, dtype, op or root); every rank must "
+                                          "or another collective, algorithm, dtype, op or root, or registered "
+                                          "buffers on some ranks only); every rank must "
                                           "call the same collectives in the same order")
 
     def outstanding(self):
