@@ -113,6 +113,14 @@ def _starts(lengths):
     return tuple(itertools.accumulate(lengths[:-1], initial=0)) if lengths else ()  # (NumPy's cumsum costs µs)
 
 
+def _persistent_kind(collective, count, itemsize):
+    """Whether a blocking call (no timeout or stall warning) of one of the library's own
+    message-based algorithms runs on a persistent program (``lean.PersistentProgram``):
+    small ones, by what every rank knows alike (the collective and its ``count``, the
+    element count the plan is built for), so that every rank decides the same."""
+    return collective not in VARIABLE and count * itemsize <= lean.PERSISTENT_BYTES
+
+
 def _check_shape(shape):
     """``shape`` as a tuple of non-negative ints (an int is a 1-d shape), else a ValueError
     naming it."""
@@ -294,13 +302,17 @@ class Communicator:
         self._selector = Selector.from_environment(self.size, deterministic=deterministic, topology=self.topology,
                                                    agree=lambda bits: self._comm.allreduce(bits, op=MPI.BAND),
                                                    hint=self.rank == 0)
-        self._tag_limit = self._comm.Get_attr(MPI.TAG_UB) + 1
+        tag_ub = self._comm.Get_attr(MPI.TAG_UB)
+        self._tag_limit = tag_ub  # calls are numbered mod this: their messages' tags, 0 … TAG_UB - 1
+        self._blocking_tag = tag_ub  # every blocking call that cannot time out: see _start
+        self._p2p_tag_limit = tag_ub + 1  # send/recv (their own communicator): any tag MPI allows
         self._sequence = 0
         self._progress = Progress(Liveness(mpi_comm.Dup()), self.stall_warn)
         self._p2p_comm = mpi_comm.Dup()  # send/recv: never matched with a collective's messages
         self._workspace = _Workspace()
         self._devices = {}  # backend -> DeviceContext, made at the first call on that device
         self._fast_entries = {}  # what the lean path knows of a kind of call: see _fast_call
+        self._persistent = {}  # small blocking calls' PersistentPrograms, by plan, dtype and sizes: see _run_persistent
         # The ranks that share memory with this one (made here: a blocking collective at
         # a call's start could wait forever on an absent rank, with no timeout to stop it).
         # The shared-memory algorithms need all of them on it (MPI's view, whatever
@@ -477,6 +489,9 @@ class Communicator:
         if self._comm != MPI.COMM_NULL:
             if self._progress.broken is None:
                 self._finish_in_flight()  # shared-memory calls read the window freed below
+            for program in self._persistent.values():
+                program.free()
+            self._persistent = {}
             for ctx in self._devices.values():
                 ctx.free(self._comm.Barrier)
             self._devices = {}
@@ -926,8 +941,8 @@ class Communicator:
         return int(peer)
 
     def _check_tag(self, tag):
-        if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag < self._tag_limit:
-            raise ValueError(f"tag must be an integer in 0..{self._tag_limit - 1}; got {tag!r}")
+        if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag < self._p2p_tag_limit:
+            raise ValueError(f"tag must be an integer in 0..{self._p2p_tag_limit - 1}; got {tag!r}")
         return int(tag)
 
     def _p2p_open(self, what):
@@ -1153,12 +1168,26 @@ class Communicator:
         segment = self._segment(segment_size, out.itemsize) if (collective, algorithm) in SEGMENTED else 1
         plan = _plan(collective, algorithm, self.rank, self.size, count, root, segment, inplace, self.deterministic,
                      counts=counts if collective in VARIABLE else None, topology=self._layout_for(collective, algorithm))
+        alone = blocking and self._mpi_blocks(timeout)
+        tag = self._sequence
+        if alone:
+            # A blocking call that cannot time out runs alone, after this rank's calls in
+            # flight, on one tag kept for such calls (persistent requests have a fixed
+            # tag). Every rank does so for the same calls, whichever executor each one
+            # takes (a persistent program for a small call, the lean one, the engine),
+            # so their messages meet; a size mismatch across the persistent program's
+            # threshold is then still a size error, not a wait on two tags.
+            self._finish_in_flight()
+            tag = self._blocking_tag
+            if _persistent_kind(collective, count, out.itemsize):
+                self._run_persistent(plan, inp, out, inplace, op, lambda: describe)
+                return finish()
         raw, tmp = self._workspace.take(plan.tmp, out.dtype)
         buffers = Buffers(inp, out, tmp)
-        if blocking and self._mpi_blocks(timeout) and not self._progress.active:
+        if alone:
             program = lean.program(plan)
             if program is not None:  # nothing else to serve while it runs: the lean executor
-                self._run_lean(program, buffers, op, lambda: describe)
+                self._run_lean(program, buffers, op, lambda: describe, tag)
                 self._workspace.give(raw)
                 return finish()
 
@@ -1166,7 +1195,7 @@ class Communicator:
             self._workspace.give(raw)
             return finish()
 
-        handle = PlanHandle(self._progress, describe, done, self._comm, self._sequence, plan, buffers, op,
+        handle = PlanHandle(self._progress, describe, done, self._comm, tag, plan, buffers, op,
                             timeout, self._sequence).start()
         return handle.wait() if blocking else handle
 
@@ -1313,9 +1342,9 @@ class Communicator:
             return _NOT_HANDLED  # the general path makes the window (collective), and reads registered buffers
         self._sequence = (self._sequence + 1) % self._tag_limit  # as _gate numbers every call
         progress.call = self._sequence
-        if entry == "native":
-            try:  # _native_blocking without finishing calls in flight: there are none
-                self._native(collective, x, out, inplace, op, root, None, blocking=True)
+        if entry[0] == "native":
+            try:  # MPI's blocking collective, made once for this kind (nothing in flight to finish first)
+                entry[1](x, out)
             except MPI.Exception as exc:
                 raise TransportError(f"{collective}(algorithm='native'): the MPI library failed: {exc}") from exc
         elif entry[0] == "shm":
@@ -1323,26 +1352,62 @@ class Communicator:
             result = inp if inplace else inp[:0] if out is None else out if out.ndim == 1 else out.reshape(-1)
             self._run_shared_now(entry, x, inp, result, op, root)
         else:
-            program, name = entry
+            program, name, persistent, _ = entry
             inp = x if x.ndim == 1 else x.reshape(-1)
             result = inp if inplace else inp[:0] if out is None else out if out.ndim == 1 else out.reshape(-1)
-            raw, tmp = self._workspace.take(program.plan.tmp, x.dtype)
             sequence = self._sequence
-            self._run_lean(program, Buffers(inp, result, tmp), op,
-                           lambda: f"{collective}(algorithm={name!r}) call #{sequence}")
-            self._workspace.give(raw)
+            describe = lambda: f"{collective}(algorithm={name!r}) call #{sequence}"  # noqa: E731
+            if persistent:  # nothing in flight to finish first (checked above)
+                self._run_persistent(program.plan, inp, result, inplace, op, describe, entry)
+            else:
+                raw, tmp = self._workspace.take(program.plan.tmp, x.dtype)
+                self._run_lean(program, Buffers(inp, result, tmp), op, describe, self._blocking_tag)
+                self._workspace.give(raw)
         if op == "avg" and out is not None:
             ops.finish(op, out, self.size)
         return out
 
-    def _run_lean(self, program, buffers, op, describe):
+    def _run_persistent(self, plan, inp, result, inplace, op, describe, entry=None):
+        """Run a small blocking call's ``plan`` on its :class:`~.lean.PersistentProgram`
+        (made at its first call, kept): ``inp`` copied in, ``result`` copied out. On a
+        failure the engine breaks, as on the general path.
+
+        Every rank takes this path for the same calls (:func:`_persistent_kind`, a
+        blocking call with no timeout or stall warning, after the calls in flight),
+        since its messages travel on a tag of their own that a call on any other path
+        would never receive. ``entry``: the lean path's entry for the call's kind, a list
+        whose last item keeps the program (the call then skips the lookup)."""
+        program = entry[3] if entry is not None else None
+        if program is None or program.requests is None:
+            key = (id(plan), inp.dtype, inp.size, result.size)
+            program = self._persistent.get(key)
+        if program is None:
+            if len(self._persistent) >= 64:  # a bounded set: free the oldest
+                self._persistent.pop(next(iter(self._persistent))).free()
+            program = self._persistent[key] = lean.PersistentProgram(
+                plan, self._comm, self._blocking_tag, inp.dtype, inp.size, result.size, inplace)
+        if entry is not None:
+            entry[3] = program
+        if inp.size:
+            np.copyto(program.inp, inp)
+        try:
+            program.run(op, describe, lambda: self._lean_look(describe()))
+        except BaseException as exc:  # as _breaking_on_failure, inline: this path is the small calls'
+            if self._progress.broken is None:
+                self._progress.fail(exc if isinstance(exc, Exception) else CollectiveError(
+                    f"{describe()} was interrupted ({type(exc).__name__})"))
+            raise
+        if result.size:
+            np.copyto(result, program.out)
+
+    def _run_lean(self, program, buffers, op, describe, tag):
         """Run a blocking call's plan on the lean executor (``describe()`` names the
-        call). If it fails, its requests are given up and the engine breaks as on the
-        general path, telling the other ranks of a message-size or MPI error; an
-        interrupt (KeyboardInterrupt) breaks it too, since the ranks no longer agree on
-        which message belongs to which call."""
+        call), its messages on ``tag``. If it fails, its requests are given up and the
+        engine breaks as on the general path, telling the other ranks of a message-size
+        or MPI error; an interrupt (KeyboardInterrupt) breaks it too, since the ranks no
+        longer agree on which message belongs to which call."""
         self._breaking_on_failure(
-            lambda: lean.run(program, self._comm, self._sequence, buffers, op, describe,
+            lambda: lean.run(program, self._comm, tag, buffers, op, describe,
                              self._progress._abandoned.append, lambda: self._lean_look(describe())),
             describe)
 
@@ -1363,9 +1428,10 @@ class Communicator:
         self._progress._look_around(_LeanCall(describe, self._sequence))
 
     def _fast_entry(self, collective, algorithm, x, op, root, inplace):
-        """What the lean path keeps for a call: ``"native"``, ``(LeanProgram, algorithm)``,
-        or False where the general path must take it (bad arguments, which it reports;
-        a plan too large for the lean executor)."""
+        """What the lean path keeps for a call: ``("native", caller)``, ``("shm", plan,
+        …)``, ``(LeanProgram, algorithm, persistent)``, or False where the general path
+        must take it (bad arguments, which it reports; a plan too large for the lean
+        executor)."""
         try:
             check_algorithm(collective, algorithm)
             check_dtype(x.dtype, "x")
@@ -1377,7 +1443,7 @@ class Communicator:
         except (TypeError, ValueError):
             return False  # the general path raises it
         if name == "native":
-            return name
+            return ("native", self._native_caller(collective, x, op, root, inplace))
         if (collective, name) in SHARED_MEMORY:  # its own executor, run here (_run_shared_now)
             plan = _plan(collective, name, self.rank, self.size, x.size, root, max(1, self.shm_slot // x.itemsize),
                          inplace, self.deterministic)
@@ -1385,8 +1451,28 @@ class Communicator:
         segment = self._segment(None, x.itemsize) if (collective, name) in SEGMENTED else 1
         plan = _plan(collective, name, self.rank, self.size, x.size, root, segment, inplace, self.deterministic,
                      topology=self._layout_for(collective, name))
-        program = lean.program(plan)
-        return False if program is None else (program, name)
+        persistent = _persistent_kind(collective, x.size, x.itemsize)
+        program = lean.LeanProgram(plan) if persistent else lean.program(plan)
+        return False if program is None else [program, name, persistent, None]  # last: its PersistentProgram
+
+    def _native_caller(self, collective, x, op, root, inplace):
+        """``(x, out) -> None``: MPI's blocking collective for the lean path's calls of one
+        kind, its arguments bound once (what ``_native`` does per call)."""
+        comm = self._comm
+        if x.size == 0:  # the general dispatch, which gives an empty out an address of its own
+            return lambda x, out: self._native(collective, x, out, inplace, op, root, None, blocking=True)
+        if collective == "allreduce":
+            allreduce, mpi_op = comm.Allreduce, _MPI_OPS[op]
+            if inplace:
+                return lambda x, out: allreduce(MPI.IN_PLACE, out, mpi_op)
+            return lambda x, out: allreduce(x, out, mpi_op)
+        if collective == "allgather":
+            return comm.Allgather
+        if collective == "broadcast":
+            bcast = comm.Bcast
+            return lambda x, out: bcast(x, root)
+        reduce, mpi_op, at_root = comm.Reduce, _MPI_OPS[op], self.rank == root
+        return lambda x, out: reduce(MPI.IN_PLACE if inplace else x, out if at_root else None, mpi_op, root)
 
     def _native_starter(self, collective, op, root, counts):
         """``(send, receive) -> request``: MPI's non-blocking collective on whole buffers

@@ -80,31 +80,39 @@ def test_lean_path_gives_the_general_paths_bits(comm, collective, algorithm, cou
     agree(comm._comm, problems)
 
 
-def test_lean_path_takes_repeated_calls_and_learns_each_kind_once(comm):
+def test_lean_path_takes_repeated_calls_and_learns_each_kind_once(comm, monkeypatch):
     """The second call of a kind is served from what the first learnt: native for a tiny
-    auto allreduce (here auto's choice), a LeanProgram for the library's own."""
+    auto allreduce (here auto's choice), for the library's own a persistent program
+    (small calls) or a LeanProgram (larger ones)."""
     x = np.arange(4, dtype=np.float32)
+    big = np.ones((lean.PERSISTENT_BYTES // 4) + 1, np.float32)
     ring = comm.allreduce(x, algorithm="ring")
+    comm.allreduce(big, algorithm="ring")
     runs = []
-    real_run = lean.run
+    real_run, real_persistent = lean.run, lean.PersistentProgram.run
 
     def counting_run(*args, **kwargs):
-        runs.append(args[0])
+        runs.append("lean")
         return real_run(*args, **kwargs)
 
-    lean.run = counting_run
-    try:
-        again = comm.allreduce(x, algorithm="ring")
-    finally:
-        lean.run = real_run
+    def counting_persistent(self, *args, **kwargs):
+        runs.append("persistent")
+        return real_persistent(self, *args, **kwargs)
+
+    monkeypatch.setattr(lean, "run", counting_run)
+    monkeypatch.setattr(lean.PersistentProgram, "run", counting_persistent)
+    again = comm.allreduce(x, algorithm="ring")
+    big_again = comm.allreduce(big, algorithm="ring")
     problems = []
-    if comm.size > 1 and len(runs) != 1:
-        problems.append(f"the lean executor ran {len(runs)} times for one ring call")
+    if comm.size > 1 and runs != ["persistent", "lean"]:
+        problems.append(f"the executors that ran for a small and a large ring call: {runs}")
+    if not np.array_equal(big_again, big * comm.size):
+        problems.append("the large ring call gave a wrong result")
     if not np.array_equal(ring, again) or not np.array_equal(again, x * comm.size):
         problems.append(f"ring gave {again}, want {x * comm.size}")
     entry = comm._fast_entries.get(("allreduce", "ring", x.dtype, x.nbytes, "sum", 0, False, comm.segment_size,
                                     comm.deterministic, comm.shm_slot))
-    if not (isinstance(entry, tuple) and entry[1] == "ring"):
+    if not (isinstance(entry, list) and entry[1] == "ring"):
         problems.append(f"no lean entry for the ring call: {entry!r}")
     agree(comm._comm, problems)
 
@@ -206,3 +214,52 @@ def test_a_size_mismatch_on_the_lean_path_stops_every_rank(algorithm):
         if "broken" not in str(exc):
             problems.append(f"later call: {exc}")
     agree(WORLD, problems)
+
+
+def test_small_calls_allocate_nothing_per_call(comm):
+    """A persistent program's call copies into buffers made once: what a call allocates
+    does not grow with the message (Python's few small objects at most)."""
+    import tracemalloc
+
+    peaks = {}
+    for count in (16, 8192):
+        x = np.ones(count, np.float32)
+        out = np.empty_like(x)
+        for _ in range(3):  # the first call learns and makes the program
+            comm.allreduce(x, out=out, algorithm="recursive_doubling")
+        tracemalloc.start()
+        for _ in range(20):
+            comm.allreduce(x, out=out, algorithm="recursive_doubling")
+        peaks[count] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    problems = [] if peaks[8192] < peaks[16] + 4096 else [f"traced peak by count: {peaks}"]
+    agree(comm._comm, problems)
+
+
+@pytest.mark.skipif(WORLD.Get_size() < 2, reason="needs two ranks")
+def test_a_size_mismatch_across_the_persistent_threshold_stops_every_rank():
+    """One rank's call is small enough for a persistent program, another's is not: they
+    still meet on one tag, and both raise."""
+    comm = cc.Communicator()
+    n = lean.PERSISTENT_BYTES // 4 + (1 if comm.rank == LAST else 0)
+    try:
+        comm.allreduce(np.ones(n, np.float32), algorithm="ring")
+        kind = "no error"
+    except cc.CollectiveError as exc:
+        kind = type(exc).__name__
+    agree(WORLD, [] if kind == "MessageSizeError" else [f"got {kind}"])
+
+
+def test_a_blocking_call_finishes_the_calls_in_flight_first(comm):
+    """Blocking calls that cannot time out run alone (on a tag of their own): the async
+    calls in flight finish first, and every result is right."""
+    p, r = comm.size, comm.rank
+    handles = [comm.allreduce_async(np.full(1000, k + r, np.int64), algorithm="ring") for k in range(3)]
+    small = comm.allreduce(np.full(5, r, np.int64), algorithm="direct")
+    problems = [] if np.array_equal(small, np.full(5, p * (p - 1) // 2)) else [f"blocking call: {small}"]
+    for k, handle in enumerate(handles):
+        if not handle.test():
+            problems.append(f"async call {k} not finished by the blocking call")
+        if not np.array_equal(handle.wait(), np.full(1000, k * p + p * (p - 1) // 2)):
+            problems.append(f"async call {k}: wrong result")
+    agree(comm._comm, problems)

@@ -375,6 +375,28 @@ def test_time_equals_the_closed_form(collective, algorithm, gamma):
     assert not problems, "\n".join(problems[:10])
 
 
+def registered_closed_form(collective, p, n, gamma):
+    """``shm`` on registered buffers: nothing copied in; fences, the fold, the copies
+    from the other ranks' arrays (m·β each, as copies from the window)."""
+    moved = (p - 1) * (n // p)
+    return {"allreduce": 3 * A + moved * B + g(moved, gamma), "reduce_scatter": 2 * A + g(moved, gamma),
+            "allgather": 2 * A + moved * B, "broadcast": 2 * A + n * B}[collective]
+
+
+@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "allgather", "broadcast"])
+@pytest.mark.parametrize("gamma", [G, 5000.0])
+def test_registered_time_equals_the_closed_form(collective, gamma):
+    problems = []
+    for p in list(range(2, 18)) + [32]:
+        count = 6 * p
+        n = count * ITEM * (p if collective == "allgather" else 1)
+        got = sim.costs(collective, "shm", p, count, registered=True).time(A, B, gamma)
+        want = registered_closed_form(collective, p, n, gamma)
+        if got != want:
+            problems.append(f"p={p}: simulated {got}, closed form {want}")
+    assert not problems, "\n".join(problems[:10])
+
+
 ORDERED_ALGORITHMS = [(c, a) for c, names in ORDERED.items() for a in names]
 
 
