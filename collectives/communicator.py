@@ -322,6 +322,7 @@ class Communicator:
         self.shm_slot = _slot_bytes()
         self._window = None
         self._registrations = []  # what empty() and zeros() made, in the order every rank made them
+        self._registered_entries = {}  # the lean path's shm entries for registered inputs: see _registered_entry
 
     def __repr__(self):
         return f"<collectives.Communicator rank {self.rank} of {self.size}>"
@@ -500,7 +501,7 @@ class Communicator:
             if self._progress.broken is None:
                 for registration in self._registrations:
                     registration.free()
-            self._registrations = []
+            self._registrations, self._registered_entries = [], {}
             if self._node_comm is not None:
                 self._node_comm.Free()
             self._comm.Free()
@@ -1136,14 +1137,36 @@ class Communicator:
         handle = ShmHandle(self._progress, describe, done, call, timeout, self._sequence).start()
         return handle.wait() if blocking else handle
 
+    def _registered_entry(self, entry, x, out, inplace):
+        """The lean path's shm ``entry`` for a call whose input may be a registered
+        buffer: ``entry`` itself where it is not, else the same with the registered
+        plan, call code and registration (kept per entry, registration and offset)."""
+        collective, (count, root, segment, op) = entry[4], entry[6]
+        found = self._registered(x, out, inplace, collective)
+        if found is None:
+            return entry
+        registration, registered = found
+        key = (id(entry), registration.number, registered)
+        made = self._registered_entries.get(key)
+        if made is None:
+            if len(self._registered_entries) > 256:
+                self._registered_entries.clear()
+            plan = _plan(collective, entry[2], self.rank, self.size, count, root, segment, inplace,
+                         self.deterministic, registered=registered)
+            code = _call_code(collective, entry[2], x.dtype, op, self.shm_slot, (registration.number, registered[1]))
+            made = self._registered_entries[key] = ("shm", plan, entry[2], code, collective, registration, entry[6],
+                                                    entry)  # (the last keeps id(entry) from naming another)
+        return made
+
     def _run_shared_now(self, entry, x, inp, result, op, root):
         """A blocking shared-memory call on the lean path (``entry`` from
         ``_fast_entry``), run to its end here; on any failure the engine breaks as on
         the general path."""
-        _, plan, name, code, _ = entry
+        _, plan, name, code, _, registration = entry[:6]
         raw, tmp = self._workspace.take(plan.tmp, x.dtype)
         describe = f"{entry[4]}(algorithm={name!r}) call #{self._sequence}"
-        call = ShmCall(self._window, plan, inp, result, tmp, op, (self._sequence, code, x.nbytes, root), describe)
+        call = ShmCall(self._window, plan, inp, result, tmp, op, (self._sequence, code, x.nbytes, root), describe,
+                       registration)
         self._breaking_on_failure(lambda: call.run(lambda: self._lean_look(describe)), lambda: describe)
         self._workspace.give(raw)
 
@@ -1336,10 +1359,11 @@ class Communicator:
             self._fast_entries[key] = entry
         if entry is False:
             return _NOT_HANDLED
-        if entry[0] == "shm" and ((entry[1].shm and (self._window is None or
-                                                     entry[1].shm * x.itemsize > self._window.capacity))
-                                  or self._registrations):
-            return _NOT_HANDLED  # the general path makes the window (collective), and reads registered buffers
+        if entry[0] == "shm":
+            if self._registrations:  # the input may be a registered buffer: its own plan then
+                entry = self._registered_entry(entry, x, out, inplace)
+            if self._window is None or entry[1].shm * x.itemsize > self._window.capacity:
+                return _NOT_HANDLED  # the general path makes the window (collective)
         self._sequence = (self._sequence + 1) % self._tag_limit  # as _gate numbers every call
         progress.call = self._sequence
         if entry[0] == "native":
@@ -1447,7 +1471,8 @@ class Communicator:
         if (collective, name) in SHARED_MEMORY:  # its own executor, run here (_run_shared_now)
             plan = _plan(collective, name, self.rank, self.size, x.size, root, max(1, self.shm_slot // x.itemsize),
                          inplace, self.deterministic)
-            return ("shm", plan, name, _call_code(collective, name, x.dtype, op, self.shm_slot), collective)
+            return ("shm", plan, name, _call_code(collective, name, x.dtype, op, self.shm_slot), collective, None,
+                    (x.size, root, max(1, self.shm_slot // x.itemsize), op))
         segment = self._segment(None, x.itemsize) if (collective, name) in SEGMENTED else 1
         plan = _plan(collective, name, self.rank, self.size, x.size, root, segment, inplace, self.deterministic,
                      topology=self._layout_for(collective, name))

@@ -202,3 +202,29 @@ def test_the_simulator_runs_the_registered_forms(collective):
         sim.costs(collective, "ring" if collective != "broadcast" else "binomial", 4, 100, registered=True)
     with pytest.raises(ValueError, match="registered"):
         sim.costs("reduce", "shm", 4, 100, registered=True)
+
+
+def test_repeated_calls_on_the_lean_path_tell_registered_from_plain_arrays():
+    # The same kind of call (collective, dtype, size) on a registered array, on another
+    # registration, on a plain array, in turns: the lean path picks each one's plan.
+    comm = cc.Communicator()
+    p, r = comm.size, comm.rank
+    first, second = comm.empty(300_000, "float64"), comm.empty(300_000, "float64")
+    plain = np.empty(300_000)
+    problems = []
+    for k in range(4):
+        for name, x in (("first", first), ("second", second), ("plain", plain)):
+            x[...] = k + r
+            comm.allreduce(x, out=x, algorithm="shm")
+            if not (x == k * p + p * (p - 1) / 2).all():
+                problems.append(f"round {k}, {name}: allreduce in place gave {x[:3]}")
+            x[...] = r
+            got = comm.allgather(x[:1000], algorithm="shm")
+            if not np.array_equal(got, np.repeat(np.arange(p, dtype=np.float64), 1000).reshape(p, 1000)):
+                problems.append(f"round {k}, {name}: allgather")
+    # Copied in, the plain array's 2.4 MB needs two banks of p slots of 1 MiB; the
+    # registered calls alone would have left the window at its smallest.
+    if comm.size > 1 and window_data(comm) <= 64 << 10:
+        problems.append("the plain array's calls did not use the window")
+    agree(WORLD, problems)
+    comm.free()
