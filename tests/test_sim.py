@@ -990,3 +990,23 @@ def test_the_projection_counts_every_rank_where_the_nodes_do_not_divide_p():
     assert estimated_ops("ring", 4096, nbytes, ranks_per_node=6) > DEFAULT_MAX_OPS
     assert estimated_ops("hierarchical", 4096, nbytes, ranks_per_node=8) <= DEFAULT_MAX_OPS
     assert estimated_ops("hierarchical", 4096, nbytes, ranks_per_node=6) > DEFAULT_MAX_OPS
+
+
+@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "reduce"])
+def test_shared_memory_calls_in_many_segments_time_from_rank_0_where_shares_are_equal(collective):
+    # shm runs slot by slot: rank 0 stands for all only where every segment's shares are
+    # equal (p divides the slot as well as the count); then it gives the full time.
+    # reduce: rank 0 is the root, whose time is the call's (its copies out come last).
+    for p, slot_elements in ((2, 8), (4, 8), (8, 16), (3, 9)):
+        count = slot_elements * 5 + p  # five full segments and a short one
+        count -= count % p
+        params = dict(segment_size=slot_elements * ITEM)
+        fast = sim.costs(collective, "shm", p, count, **params)
+        assert fast.symmetric
+        full = sim.simulate.Costs(collective, "shm", p, count, "float32", 0,
+                                  sim.simulate.plan_maker(collective, "shm", p, count, **params))
+        assert counters(fast) == counters(full)
+        assert fast.time(alpha=A, beta=B, gamma=G) == full.time(alpha=A, beta=B, gamma=G)
+    uneven = sim.simulate.symmetry("allreduce", "shm", 4, 40, segment_size=6 * ITEM)  # slots of 6: shares 2,2,1,1
+    assert uneven is None
+    assert sim.simulate.symmetry("reduce", "shm", 4, 40, root=1) is None  # rank 0 would not be the root

@@ -96,10 +96,14 @@ TOPOLOGICAL = frozenset((collective, name) for collective, names in BUILDERS.ite
 # The deterministic (ordered) forms fold in rank order and are not symmetric; alltoallv
 # is symmetric where its counts are circulant (counts[i][j] depends on j - i mod p).
 # tests/test_sim.py checks each against the full simulation.
+# The shared-memory ones send nothing: rank r copies, folds and fences as rank 0 does,
+# on its own share (and slot) of each segment, so with equal shares every rank's steps
+# are rank 0's, at the same times (fences hold everyone alike).
 SYMMETRIC = frozenset({("allreduce", "ring"), ("reduce_scatter", "ring"), ("allgather", "ring"),
                        ("allreduce", "direct"), ("reduce_scatter", "direct"), ("allgather", "direct"),
                        ("alltoall", "pairwise"), ("alltoall", "bruck"), ("allgather", "bruck"),
-                       ("alltoallv", "pairwise")})
+                       ("alltoallv", "pairwise"),
+                       ("allreduce", "shm"), ("reduce_scatter", "shm"), ("allgather", "shm")})
 
 # Two-level algorithms symmetric under a shift by one node: with equal nodes of k ranks
 # placed node by node (and equal blocks), rank r + k's plan is rank r's with every peer

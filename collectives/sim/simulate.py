@@ -267,26 +267,39 @@ def plan_maker(collective, algorithm, world_size, count, dtype="float32", root=0
     return plan_of
 
 
-def symmetry(collective, algorithm, world_size, count, **params):
+def symmetry(collective, algorithm, world_size, count, dtype="float32", root=0, **params):
     """A shift s of the ranks under which the call is symmetric (rank r + s's plan is
     rank r's with every peer q read as q + s, mod p), or None where there is none to
     use:
 
     - 1 for one of ``collectives.algorithms.SYMMETRIC``, not ordered, with every block
       the same size (allgather's and alltoall's always are; alltoallv's where its
-      counts are circulant; the others' where p divides count);
+      counts are circulant; the others' where p divides count, and for the
+      shared-memory allreduce, copied in segment by segment, each segment: p divides
+      the slot too); and the shared-memory reduce rooted at rank 0, whose steps are the
+      allreduce's with the root's copies out added: the fences hold every rank until
+      the root arrives, so the root's time is the call's and rank 0 stands for all (the
+      counters do not count copies);
     - k for one of ``NODE_SYMMETRIC`` over equal nodes of k ranks (``nodes=k`` with k
       dividing p) and equal blocks (allreduce: p times its pieces divide count;
       reduce_scatter: p divides count)."""
     p, count = int(world_size), int(count)
     if params.get("ordered") or p < 1:
         return None
+    if collective == "reduce" and (collective, algorithm) in SHARED_MEMORY and int(root) == 0:
+        collective = "allreduce"  # the same conditions (the root's plan is allreduce's, its copies out too)
     if (collective, algorithm) in SYMMETRIC:
         if collective in VARIABLE:
             matrix = _counts(collective, p, count, params)
             shifted = (np.arange(p)[None, :] - np.arange(p)[:, None]) % p  # j - i mod p
             return 1 if np.array_equal(matrix, matrix[0][shifted]) else None
-        return 1 if collective in ("allgather", "alltoall") or count % p == 0 else None
+        if collective in ("allgather", "alltoall"):
+            return 1
+        if collective == "allreduce" and (collective, algorithm) in SHARED_MEMORY and not params.get("registered"):
+            slot = max(1, int(params.get("segment_size", DEFAULT_SLOT_BYTES)) // np.dtype(dtype).itemsize)
+            if min(slot, count) % p:
+                return None
+        return 1 if count % p == 0 else None
     nodes = params.get("nodes")
     if (collective, algorithm) in NODE_SYMMETRIC and _is_int(nodes) and 0 < int(nodes) and p % int(nodes) == 0:
         k = int(nodes)
@@ -317,7 +330,7 @@ def costs(collective, algorithm, world_size, count, dtype="float32", root=0, **p
     """
     plan_of = plan_maker(collective, algorithm, world_size, count, dtype, root, **params)
     return Costs(collective, algorithm, int(world_size), int(count), dtype, int(root), plan_of,
-                 symmetry(collective, algorithm, world_size, count, **params))
+                 symmetry(collective, algorithm, world_size, count, dtype, root, **params))
 
 
 def run(collective, algorithm, world_size, count, dtype="float32", op="sum", root=0, **params):
