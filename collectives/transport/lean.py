@@ -70,6 +70,50 @@ def program(plan):
     return lean
 
 
+class Patience:
+    """How one blocking call waits (both executors here, and the shared-memory one): it
+    polls without yielding for ``SPIN`` seconds from the first poll that found nothing,
+    then yields the CPU between polls, and calls ``look()`` every ``LOOK_EVERY`` seconds
+    of waiting. :meth:`progressed` after a poll that found something."""
+
+    __slots__ = ("spin_until", "next_look", "look")
+
+    def __init__(self, look=None):
+        self.spin_until = self.next_look = None
+        self.look = look
+
+    def progressed(self):
+        self.spin_until = None  # the next wait spins again first
+
+    def idle(self):
+        now = time.monotonic()
+        if self.spin_until is None:  # the first poll of this wait that found nothing
+            self.spin_until = now + SPIN
+            if self.next_look is None:
+                self.next_look = now + LOOK_EVERY
+        elif now >= self.spin_until:
+            _yield_cpu()
+            if now >= self.next_look and self.look is not None:
+                self.next_look = now + LOOK_EVERY
+                self.look()
+
+
+def wrong_size(describe, step, steps, peer, got, expected):
+    """The :class:`MessageSizeError` of a receive that got ``got`` bytes where the plan's
+    step ``step`` (0-based) of ``steps`` expects ``expected``."""
+    error = MessageSizeError(f"{describe()}: step {step + 1} of {steps}: received {got} B from rank {peer} where the "
+                             f"schedule expects {expected} B; the ranks called it with buffers of different sizes")
+    error.peer, error.step = peer, step + 1
+    return error
+
+
+def too_long(describe, where, peer):
+    """The :class:`MessageSizeError` of a message longer than its receive (MPI's
+    truncation error); ``where``: "step k of n: " or ""."""
+    return MessageSizeError(f"{describe()}: {where}the message from rank {peer} is longer than the receive "
+                            "(MPI truncation error); the ranks called it with buffers of different sizes")
+
+
 def run(lean, comm, tag, buffers, op_name, describe, abandon, look=None):
     """Run ``lean`` over ``comm`` with ``tag`` on ``buffers`` (a
     :class:`~collectives.transport.buffers.Buffers`), blocking until it has finished.
@@ -88,7 +132,7 @@ def run(lean, comm, tag, buffers, op_name, describe, abandon, look=None):
     requests, owners, sizes = [], [], []
     statuses = []  # Testsome fills it: entry k is for the k-th finished request
     remaining = len(kinds)
-    next_look = spin_until = None
+    patience = Patience(look)
     try:
         while True:
             while ready:
@@ -125,28 +169,15 @@ def run(lean, comm, tag, buffers, op_name, describe, abandon, look=None):
                 if finished is None:  # every request has completed, yet operations remain
                     raise TransportError(f"{describe()} is unfinished with no message in flight "
                                          "(a bug in the library: please report it)")
-                now = time.monotonic()
-                if spin_until is None:  # the first poll of this wait that found nothing
-                    spin_until = now + SPIN
-                    if next_look is None:
-                        next_look = now + LOOK_EVERY
-                if now >= spin_until:
-                    _yield_cpu()
-                    if now >= next_look and look is not None:
-                        next_look = now + LOOK_EVERY
-                        look()
+                patience.idle()
                 continue
-            spin_until = None  # progress: the next wait spins again first
+            patience.progressed()
             for k, j in enumerate(finished):
                 i = owners[j]
                 if kinds[i] == _RECV:
                     got = statuses[k].Get_count(MPI.BYTE)
                     if got != sizes[j]:
-                        error = MessageSizeError(
-                            f"{describe()}: step {i + 1} of {len(kinds)}: received {got} B from rank {peers[i]} where "
-                            f"the schedule expects {sizes[j]} B; the ranks called it with buffers of different sizes")
-                        error.peer, error.step = peers[i], i + 1
-                        raise error
+                        raise wrong_size(describe, i, len(kinds), peers[i], got, sizes[j])
                 remaining -= 1
                 for j2 in dependents[i]:
                     pending[j2] -= 1
@@ -180,8 +211,7 @@ def _mpi_error(exc, statuses, requests, owners, kinds, peers, describe):
         step = pending[0] + 1 if pending else -1
         where = f"step {step} of {len(kinds)}: " if pending else ""
         if MPI.Get_error_class(code) == MPI.ERR_TRUNCATE:
-            error = MessageSizeError(f"{describe()}: {where}the message from rank {peer} is longer than the receive "
-                                     "(MPI truncation error); the ranks called it with buffers of different sizes")
+            error = too_long(describe, where, peer)
         else:
             error = TransportError(f"{describe()}: {where}MPI failed on the message from rank {peer}: "
                                    f"{MPI.Get_error_string(code)}")
@@ -262,7 +292,7 @@ class PersistentProgram:
         kinds, dependents, fifo_next = lean.kinds, lean.dependents, lean.fifo_next
         in_flight = []
         remaining = len(kinds)
-        next_look = spin_until = None
+        patience = Patience(look)
         i = -1  # the operation being started or tested, for MPI's errors
         try:
             while True:
@@ -300,7 +330,7 @@ class PersistentProgram:
                         k += 1
                         continue
                     if kinds[i] == _RECV and status.Get_count(MPI.BYTE) != sizes[i]:
-                        self._size_error(i, status, describe)
+                        raise wrong_size(describe, i, len(kinds), lean.peers[i], status.Get_count(MPI.BYTE), sizes[i])
                     del in_flight[k]
                     remaining -= 1
                     for j in dependents[i]:
@@ -308,26 +338,15 @@ class PersistentProgram:
                         if pending[j] == 0:
                             heapq.heappush(ready, j)
                 if ready or remaining == 0:
-                    spin_until = None
-                    continue
-                now = time.monotonic()
-                if spin_until is None:
-                    spin_until = now + SPIN
-                    if next_look is None:
-                        next_look = now + LOOK_EVERY
-                elif now >= spin_until:
-                    _yield_cpu()
-                    if now >= next_look and look is not None:
-                        next_look = now + LOOK_EVERY
-                        look()
+                    patience.progressed()
+                else:
+                    patience.idle()
         except MPI.Exception as exc:
             self._give_up(in_flight)
             peers = lean.peers
             peer = peers[i] if i >= 0 and kinds[i] == _RECV else -1
             if peer >= 0 and exc.Get_error_class() == MPI.ERR_TRUNCATE:
-                error = MessageSizeError(f"{describe()}: step {i + 1} of {len(kinds)}: the message from rank {peer} "
-                                         "is longer than the receive (MPI truncation error); the ranks called it "
-                                         "with buffers of different sizes")
+                error = too_long(describe, f"step {i + 1} of {len(kinds)}: ", peer)
             else:
                 error = TransportError(f"{describe()}: MPI failed: {exc}")
             error.peer, error.step = peer, (i + 1 if peer >= 0 else -1)
@@ -335,14 +354,6 @@ class PersistentProgram:
         except BaseException:  # a size error, a failed reduction, an interrupt
             self._give_up(in_flight)
             raise
-
-    def _size_error(self, i, status, describe):
-        peer, got = self.lean.peers[i], status.Get_count(MPI.BYTE)
-        error = MessageSizeError(
-            f"{describe()}: step {i + 1} of {len(self.lean.kinds)}: received {got} B from rank {peer} where the "
-            f"schedule expects {self.sizes[i]} B; the ranks called it with buffers of different sizes")
-        error.peer, error.step = peer, i + 1
-        raise error
 
     def _give_up(self, in_flight):
         """After a failure: cancel the receives still active; the program is never run

@@ -26,7 +26,6 @@ compares all of them once the fence is passed: ranks that called different thing
 raise instead of mixing up data.
 """
 
-import time
 
 import numpy as np
 from mpi4py import MPI
@@ -34,7 +33,7 @@ from mpi4py import MPI
 from .. import ops as ops_layer
 from ..errors import CollectiveMismatchError, MessageSizeError
 from ..schedule import Copy, Fence, Reduce
-from .lean import LOOK_EVERY, SPIN, _yield_cpu  # the lean path's waiting, the same here
+from .lean import Patience  # the lean path's waiting, the same here
 from .liveness import ranks
 from .mpi import Handle
 
@@ -303,20 +302,16 @@ class ShmCall:
         return True
 
     def run(self, look):
-        """Run to the end, here and now (a blocking call with nothing else in flight):
-        each wait polls for ``SPIN`` seconds, then yields the CPU between polls (ranks
-        may outnumber cores); ``look()`` every ``LOOK_EVERY`` seconds of waiting."""
+        """Run to the end, here and now (a blocking call with nothing else in flight),
+        waiting as the lean path's calls wait (:class:`~.lean.Patience`: a spin, then
+        yielding the CPU between polls, since ranks may outnumber cores); ``look()``
+        every ``LOOK_EVERY`` seconds of waiting."""
+        patience = Patience(look)
         while not self.done:
             if self.step():
-                continue
-            spin_until = time.perf_counter() + SPIN
-            next_look = time.monotonic() + LOOK_EVERY
-            while not self.step():
-                if time.perf_counter() > spin_until:
-                    _yield_cpu()
-                    if time.monotonic() >= next_look:
-                        next_look = time.monotonic() + LOOK_EVERY
-                        look()
+                patience.progressed()
+            else:
+                patience.idle()
 
     def _compare_signatures(self):
         mine = self.signature
