@@ -75,8 +75,9 @@ def test_ordered_schedules_equal_the_serial_fold(collective):
                         for inplace in ([False, True] if collective != "reduce_scatter" else [False]):
                             root = size - 1
                             inputs = [rank_input(r, count, dtype, op) for r in range(size)]
-                            plans = [compile_plan(build(collective, algorithm, r, size, count, root=root, ordered=True),
-                                                  inplace=inplace) for r in range(size)]
+                            # shm in slots of 16 elements: several segments, not one per element
+                            plans = [compile_plan(build(collective, algorithm, r, size, count, root=root, ordered=True,
+                                                        segment=16), inplace=inplace) for r in range(size)]
                             got = run_collective(collective, algorithm, [x.copy() for x in inputs], op, root,
                                                  inplace=inplace, plans=plans)
                             for r in range(size):

@@ -228,3 +228,33 @@ def test_repeated_calls_on_the_lean_path_tell_registered_from_plain_arrays():
         problems.append("the plain array's calls did not use the window")
     agree(WORLD, problems)
     comm.free()
+
+
+@needs_peers
+def test_a_timeout_names_the_rank_that_never_came():
+    # The registered plans wait at the same fences as the others: a rank that does not
+    # arrive is named, within the timeout plus the liveness probe's half second.
+    import time
+
+    comm = cc.Communicator()
+    x = comm.empty(3000, "float64")
+    x[...] = 1
+    comm.allreduce(x, out=x, algorithm="shm")  # the window is made (every rank waits for the others)
+    start = time.monotonic()
+    if comm.rank == LAST:
+        time.sleep(2.0)
+        kind, message = "absent", ""
+    else:
+        try:
+            comm.allreduce(x, out=x, algorithm="shm", timeout=1.0)
+            kind, message = "ok", ""
+        except cc.CollectiveError as exc:
+            kind, message = type(exc).__name__, str(exc)
+    took = time.monotonic() - start
+    problems = []
+    if comm.rank != LAST:
+        if kind != "CollectiveTimeoutError" or f"in shared memory for rank {LAST} to arrive" not in message:
+            problems.append(f"{kind}: {message}")
+        if not took < 2.0:
+            problems.append(f"raised after {took:.2f} s, more than timeout + 1 s")
+    agree(WORLD, problems)
