@@ -25,15 +25,20 @@ from .errors import CollectiveMismatchError
 from .ops import OPS
 from .transport.liveness import ranks
 
-CALLS = COLLECTIVES + ("barrier", "broadcast_object") + VARIABLE
+CALLS = COLLECTIVES + ("barrier", "broadcast_object") + VARIABLE + ("empty",)
 ALGORITHMS = ("-", "native") + tuple(sorted({a for table in BUILDERS.values() for a in table}))
 OP_NAMES = ("-",) + tuple(OPS)
 DTYPES = ("-",) + tuple(d.name for d in SUPPORTED_DTYPES + EXTRA_DTYPES)
 SHOWN_DIMS = 8  # dimensions stored as they are; a hash of the whole shape catches the rest
 LENGTH = 10 + SHOWN_DIMS + 1
 
-_FIELDS = ("call number", "collective", "algorithm", "op", "dtype", "root", "native call", "memory", "order")
-_NATIVE_CALLS = ("-", "MPI blocking", "MPI non-blocking")
+_FIELDS = ("call number", "collective", "algorithm", "op", "dtype", "root", "how it runs", "memory", "order")
+# How a call runs, where the ranks must agree on it: a native call is MPI's blocking or
+# non-blocking collective (which MPI never matches with each other); a call of the
+# library's own message-based algorithms on host arrays either runs alone (blocking,
+# no timeout or stall warning: on the tag kept for such calls) or among the others
+# (on its call number's tag).
+_NATIVE_CALLS = ("-", "MPI blocking", "MPI non-blocking", "alone (blocking)", "among calls in flight")
 MEMORY = ("-", "host", "cuda", "standin")  # where the arrays live
 ORDERS = ("-", "any", "rank order (deterministic)")  # how a reduction folds the ranks' contributions
 
@@ -66,7 +71,7 @@ def _decode(record):
         "op": OP_NAMES[op],
         "dtype": DTYPES[dtype],
         "root": root,
-        "native call": _NATIVE_CALLS[native],
+        "how it runs": _NATIVE_CALLS[native],
         "memory": MEMORY[memory],
         "order": ORDERS[order],
         "shape": shape_text if ndim <= SHOWN_DIMS else f"{shape_text} (hash {int(record[-1])})",
@@ -122,8 +127,8 @@ def compare(records):
         if len(values) > 1:
             lines.append(f"  {field}: " + "; ".join(f"{value} on {ranks(members)}"
                                                      for value, members in values.items()))
-    if len({fields["native call"] for fields in decoded.values()}) > 1:
-        lines.append("  (a blocking call that resolves to 'native' uses MPI's blocking collective unless a "
-                     "timeout or stall_warn is set; MPI never matches it with a non-blocking one: call it the "
-                     "same way, with the same timeout and stall_warn, on every rank)")
+    if len({fields["how it runs"] for fields in decoded.values()}) > 1:
+        lines.append("  (a blocking call uses MPI's blocking collective ('native'), or runs alone on a tag of its "
+                     "own (the library's algorithms), unless a timeout or stall_warn is set; neither meets a "
+                     "non-blocking call: call it the same way, with the same timeout and stall_warn, on every rank)")
     raise CollectiveMismatchError("the ranks' calls differ (check mode):\n" + "\n".join(lines))

@@ -26,7 +26,7 @@ from .errors import CollectiveError, CollectiveMismatchError, TransportError
 from .arrays import as_array, check_dtype, check_out, flat_input, flat_view, is_extra, overlaps, same_memory
 from .device import DeviceArray, is_device
 from .schedule import Fence, Schedule, compile_plan, fuse_reductions, split_schedule
-from .transport import lean
+from .transport import lean, p2p
 from .transport.buffers import Buffers
 from .transport.liveness import Liveness
 from .transport.mpi import PlanHandle, Progress, RequestHandle, check_timeout
@@ -111,6 +111,16 @@ def _check_counts(counts, name, size):
 def _starts(lengths):
     """Where each block begins when blocks of ``lengths`` are packed one after another."""
     return tuple(itertools.accumulate(lengths[:-1], initial=0)) if lengths else ()  # (NumPy's cumsum costs µs)
+
+
+def _needs_window(plan):
+    """Whether a shared-memory plan uses the node's window: its data area, or its flags
+    for fences (registered plans have fences and no data); kept beside the plan."""
+    needs = plan.__dict__.get("_needs_window")
+    if needs is None:
+        needs = bool(plan.shm) or any(type(op) is Fence for op in plan.ops)
+        object.__setattr__(plan, "_needs_window", needs)  # the plan is frozen; a cache beside it
+    return needs
 
 
 def _persistent_kind(collective, count, itemsize):
@@ -428,6 +438,7 @@ class Communicator:
             raise TypeError(f"dtype must name a NumPy dtype; got {dtype!r}") from None
         check_dtype(dtype, "dtype")
         nbytes = math.prod(shape) * dtype.itemsize
+        self._gate("empty", self.timeout, dtype=dtype, shape=shape)  # numbered; compared in check mode
         # Every rank must ask for the same: compare a digest (max and min of it) first.
         digest = zlib.crc32(f"{shape}/{dtype.str}".encode())
         agree = np.array([digest, -digest], np.int64)
@@ -952,7 +963,6 @@ class Communicator:
                                   f"({self._progress.broken}); make a new Communicator")
 
     def _send(self, x, dst, tag, timeout, blocking):
-        from .transport import p2p
 
         x = as_array(x, "x")
         dst = self._check_peer(dst, "dst", blocking)
@@ -967,7 +977,6 @@ class Communicator:
         return handle.start()
 
     def _recv(self, out, src, tag, timeout, blocking):
-        from .transport import p2p
 
         if out is None:
             raise ValueError("out must be the array that receives the message; got None")
@@ -1040,8 +1049,13 @@ class Communicator:
         self._sequence = (self._sequence + 1) % self._tag_limit  # also the tag of the call's messages
         self._progress.call = self._sequence
         if self.check:
-            native = "-" if algorithm != "native" else "MPI blocking" if blocking and self._mpi_blocks(timeout) \
-                else "MPI non-blocking"
+            alone = blocking and self._mpi_blocks(timeout)
+            if algorithm == "native":
+                native = "MPI blocking" if alone else "MPI non-blocking"
+            elif algorithm == "-" or (collective, algorithm) in SHARED_MEMORY or isinstance(memory, DeviceArray):
+                native = "-"  # no tag of its own to agree on (fences, or the device executor's call tags)
+            else:
+                native = "alone (blocking)" if alone else "among calls in flight"
             kind = "-" if memory is None else memory.backend.kind if isinstance(memory, DeviceArray) else "host"
             order = "-" if op == "-" else "rank order (deterministic)" if self.deterministic else "any"
             record = check_mode.fingerprint(self._sequence, collective, algorithm, op, dtype, shape, root, native, kind,
@@ -1125,8 +1139,7 @@ class Communicator:
         code = _call_code(collective, algorithm, inp.dtype, op, self.shm_slot,
                           registered and (registration.number, registered[1]))
         signature = (self._sequence, code, inp.nbytes, root)
-        window = (self._window_for(plan.shm * inp.itemsize, timeout, signature, describe)
-                  if plan.shm or any(type(op_) is Fence for op_ in plan.ops) else None)
+        window = self._window_for(plan.shm * inp.itemsize, timeout, signature, describe) if _needs_window(plan) else None
         raw, tmp = self._workspace.take(plan.tmp, inp.dtype)
 
         def done():
@@ -1200,7 +1213,7 @@ class Communicator:
             # takes (a persistent program for a small call, the lean one, the engine),
             # so their messages meet; a size mismatch across the persistent program's
             # threshold is then still a size error, not a wait on two tags.
-            self._finish_in_flight()
+            self._finish_collectives_in_flight()
             tag = self._blocking_tag
             if _persistent_kind(collective, count, out.itemsize):
                 self._run_persistent(plan, inp, out, inplace, op, lambda: describe)
@@ -1321,8 +1334,10 @@ class Communicator:
         progress = self._progress
         flags = x.flags
         if (self.check or self.stall_warn is not None or self.timeout is not None or progress.broken is not None
-                or progress.active or type(op) is not str or not flags.c_contiguous):
+                or type(op) is not str or not flags.c_contiguous):
             return _NOT_HANDLED
+        if progress.active and not all(isinstance(h, p2p.PointHandle) for h in progress.active):
+            return _NOT_HANDLED  # collectives in flight: the general path finishes them first
         if type(root) is not int or not 0 <= root < self.size:  # False, 0.0: the general path refuses them
             return _NOT_HANDLED
         leaf = root != self.rank and collective == "reduce"  # gets no result; out is left alone
@@ -1362,7 +1377,7 @@ class Communicator:
         if entry[0] == "shm":
             if self._registrations:  # the input may be a registered buffer: its own plan then
                 entry = self._registered_entry(entry, x, out, inplace)
-            if self._window is None or entry[1].shm * x.itemsize > self._window.capacity:
+            if _needs_window(entry[1]) and (self._window is None or entry[1].shm * x.itemsize > self._window.capacity):
                 return _NOT_HANDLED  # the general path makes the window (collective)
         self._sequence = (self._sequence + 1) % self._tag_limit  # as _gate numbers every call
         progress.call = self._sequence
@@ -1402,21 +1417,26 @@ class Communicator:
         would never receive. ``entry``: the lean path's entry for the call's kind, a list
         whose last item keeps the program (the call then skips the lookup)."""
         program = entry[3] if entry is not None else None
-        if program is None or program.requests is None:
-            key = (id(plan), inp.dtype, inp.size, result.size)
-            program = self._persistent.get(key)
-        if program is None:
-            if len(self._persistent) >= 64:  # a bounded set: free the oldest
-                self._persistent.pop(next(iter(self._persistent))).free()
-            program = self._persistent[key] = lean.PersistentProgram(
-                plan, self._comm, self._blocking_tag, inp.dtype, inp.size, result.size, inplace)
-        if entry is not None:
-            entry[3] = program
-        if inp.size:
-            np.copyto(program.inp, inp)
+        key = None
         try:
+            if program is None or program.requests is None:
+                key = (id(plan), inp.dtype, inp.size, result.size)
+                program = self._persistent.get(key)
+            if program is None:
+                if len(self._persistent) >= 64:  # a bounded set: free the oldest
+                    self._persistent.pop(next(iter(self._persistent))).free()
+                program = self._persistent[key] = lean.PersistentProgram(
+                    plan, self._comm, self._blocking_tag, inp.dtype, inp.size, result.size, inplace)
+            if entry is not None:
+                entry[3] = program
+            if inp.size:
+                np.copyto(program.inp, inp)
             program.run(op, describe, lambda: self._lean_look(describe()))
         except BaseException as exc:  # as _breaking_on_failure, inline: this path is the small calls'
+            if program is not None and program.broken:
+                # MPI may still match its receives: it keeps them, and their buffers, for good.
+                self._progress._abandoned.append(program)
+                self._persistent = {k: p for k, p in self._persistent.items() if p is not program}
             if self._progress.broken is None:
                 self._progress.fail(exc if isinstance(exc, Exception) else CollectiveError(
                     f"{describe()} was interrupted ({type(exc).__name__})"))
@@ -1559,7 +1579,7 @@ class Communicator:
         inside MPI cannot do, so they are finished first; every rank started them
         before this call, so every rank can finish them.
         """
-        self._finish_in_flight()
+        self._finish_collectives_in_flight()
         try:
             self._native(collective, inp, out, inplace, op, root, counts, blocking=True)
         except MPI.Exception as exc:
@@ -1570,6 +1590,18 @@ class Communicator:
         this rank's Python cannot progress them)."""
         while self._progress.active:  # each waited for up to its own timeout
             self._progress.active[0].wait()
+
+    def _finish_collectives_in_flight(self):
+        """Finish this rank's collectives in flight, before a call that runs alone. Every
+        rank started them before this call, so every rank can finish them. Sends and
+        receives (``send_async``/``recv_async``) stay in flight: they travel on a
+        communicator of their own, each is one MPI request that MPI progresses by itself,
+        and the message a pending receive waits for may be sent only after this call."""
+        while True:
+            waiting = [h for h in self._progress.active if not isinstance(h, p2p.PointHandle)]
+            if not waiting:
+                return
+            waiting[0].wait()  # waited for up to its own timeout; the engine advances the others meanwhile
 
     def _native(self, collective, inp, out, inplace, op, root, counts, blocking=False):
         """Start MPI's own non-blocking collective (return its request), or with

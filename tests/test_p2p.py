@@ -181,3 +181,26 @@ def test_a_recv_from_a_rank_that_never_sends_times_out_naming_it():
         if time.monotonic() - start > 2.0:
             problems.append("raised more than timeout + 1 s after")
     agree(WORLD, problems)
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() < 2, reason="needs two ranks")
+def test_a_receive_in_flight_does_not_hold_up_a_blocking_collective():
+    # Rank 0 posts a receive that rank 1 answers only after the allreduce: the blocking
+    # collective runs alone after the collectives in flight, but not after the sends and
+    # receives, which would wait for ever here.
+    comm = cc.Communicator()
+    buf = np.zeros(4)
+    pending = comm.recv_async(buf, 1, tag=3) if comm.rank == 0 else None
+    strided = np.ones(8)[::2]  # not contiguous: the general path
+    results = [comm.allreduce(strided, algorithm="ring"),
+               comm.allreduce(strided[:2]),  # auto: native, MPI's blocking call
+               comm.allreduce(np.ones(4), algorithm="ring")]  # contiguous: the lean path
+    if comm.rank == 1:
+        comm.send(np.full(4, 7.0), 0, tag=3)
+    problems = [f"allreduce {k}: {got}" for k, got in enumerate(results) if not (got == comm.size).all()]
+    if pending is not None:
+        pending.wait()
+        if not np.array_equal(buf, np.full(4, 7.0)):
+            problems.append(f"the receive got {buf}")
+    agree(MPI.COMM_WORLD, problems)
+    comm.free()

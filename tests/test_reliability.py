@@ -55,7 +55,16 @@ MISMATCHES = {
                            lambda c: c.alltoall(np.ones((c.size, 3)), algorithm="pairwise"), "algorithm: bruck on"),
     "blocking and async native": (lambda c: c.allreduce(np.ones(8), algorithm="native"),
                                   lambda c: c.allreduce_async(np.ones(8), algorithm="native").wait(),
-                                  "native call: MPI blocking on"),
+                                  "how it runs: MPI blocking on"),
+    # A blocking call with no timeout runs alone on a tag of its own: it never meets an
+    # async one, whose messages carry its call number.
+    "blocking and async ring": (lambda c: c.allreduce(np.ones(8), algorithm="ring"),
+                                lambda c: c.allreduce_async(np.ones(8), algorithm="ring").wait(),
+                                "how it runs: alone (blocking) on"),
+    "blocking with and without a timeout": (lambda c: c.reduce(np.ones(8), algorithm="binomial"),
+                                            lambda c: c.reduce(np.ones(8), algorithm="binomial", timeout=60),
+                                            "how it runs: alone (blocking) on"),
+    "empty and a collective": (lambda c: c.allreduce(np.ones(8)), lambda c: c.empty(8), "collective: allreduce on"),
 }
 
 
