@@ -4,8 +4,10 @@ With ``Communicator(check=True)`` (or ``COLLECTIVES_CHECK=1``) every call first
 allgathers a fixed-size fingerprint of 19 int64s (152 bytes per rank, one MPI
 allgather, no pickling): the call's sequence number, collective, algorithm, op, dtype,
 root, shape, where the arrays live (host or device), the reduction order
-(deterministic mode or not) and, for ``native``, whether MPI's blocking or non-blocking
-collective is used (MPI never matches one with the other). Every rank gets every fingerprint, so every rank finds the same differences and
+(deterministic mode or not) and how the call runs (for ``native``, MPI's blocking or
+non-blocking collective, which MPI never matches with each other; for the library's own
+algorithms, alone on the blocking calls' tag or among the calls in flight, which never
+meet either). Every rank gets every fingerprint, so every rank finds the same differences and
 raises the same :class:`~collectives.CollectiveMismatchError`, naming the ranks, e.g.
 
     rank 3 called allreduce(float32, shape (1000,), op 'sum', algorithm 'ring')
@@ -38,21 +40,21 @@ _FIELDS = ("call number", "collective", "algorithm", "op", "dtype", "root", "how
 # library's own message-based algorithms on host arrays either runs alone (blocking,
 # no timeout or stall warning: on the tag kept for such calls) or among the others
 # (on its call number's tag).
-_NATIVE_CALLS = ("-", "MPI blocking", "MPI non-blocking", "alone (blocking)", "among calls in flight")
+_HOW_IT_RUNS = ("-", "MPI blocking", "MPI non-blocking", "alone (blocking)", "among calls in flight")
 MEMORY = ("-", "host", "cuda", "standin")  # where the arrays live
 ORDERS = ("-", "any", "rank order (deterministic)")  # how a reduction folds the ranks' contributions
 
 
-def fingerprint(call, collective, algorithm="-", op="-", dtype=None, shape=(), root=-1, native_call="-", memory="-",
+def fingerprint(call, collective, algorithm="-", op="-", dtype=None, shape=(), root=-1, how="-", memory="-",
                 order="-"):
     """The int64 record the ranks compare (``-`` / -1: not part of this collective).
-    ``native_call`` is one of ``_NATIVE_CALLS``, ``memory`` one of ``MEMORY``, ``order``
+    ``how`` is one of ``_HOW_IT_RUNS``, ``memory`` one of ``MEMORY``, ``order``
     one of ``ORDERS``."""
     shape = tuple(int(n) for n in shape)
     record = np.full(LENGTH, -1, np.int64)
     record[:10] = (call, CALLS.index(collective), ALGORITHMS.index(algorithm), OP_NAMES.index(op),
                    DTYPES.index(np.dtype(dtype).name if dtype is not None else "-"), root,
-                   _NATIVE_CALLS.index(native_call), len(shape), MEMORY.index(memory), ORDERS.index(order))
+                   _HOW_IT_RUNS.index(how), len(shape), MEMORY.index(memory), ORDERS.index(order))
     shown = shape[:SHOWN_DIMS]
     record[10 : 10 + len(shown)] = shown
     record[-1] = zlib.crc32(repr(shape).encode())
@@ -61,7 +63,7 @@ def fingerprint(call, collective, algorithm="-", op="-", dtype=None, shape=(), r
 
 def _decode(record):
     """The fields of a record as readable values (shape as far as it was stored)."""
-    call, coll, alg, op, dtype, root, native, ndim, memory, order = (int(v) for v in record[:10])
+    call, coll, alg, op, dtype, root, how, ndim, memory, order = (int(v) for v in record[:10])
     shape = tuple(int(n) for n in record[10 : 10 + min(ndim, SHOWN_DIMS)])
     shape_text = repr(shape) if ndim <= SHOWN_DIMS else f"({ndim} dims: {', '.join(map(str, shape))}, ...)"
     return {
@@ -71,7 +73,7 @@ def _decode(record):
         "op": OP_NAMES[op],
         "dtype": DTYPES[dtype],
         "root": root,
-        "how it runs": _NATIVE_CALLS[native],
+        "how it runs": _HOW_IT_RUNS[how],
         "memory": MEMORY[memory],
         "order": ORDERS[order],
         "shape": shape_text if ndim <= SHOWN_DIMS else f"{shape_text} (hash {int(record[-1])})",

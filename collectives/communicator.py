@@ -500,9 +500,12 @@ class Communicator:
         """Release the private MPI communicators (collective). The object is unusable after."""
         if self._comm != MPI.COMM_NULL:
             if self._progress.broken is None:
-                self._finish_in_flight()  # shared-memory calls read the window freed below
+                self._finish_in_flight(sends_and_receives=True)  # shared-memory calls read the window freed below
             for program in self._persistent.values():
-                program.free()
+                if program.broken:  # MPI may still match its receives: it keeps them, and their buffers
+                    self._progress._abandoned.append(program)
+                else:
+                    program.free()
             self._persistent = {}
             for ctx in self._devices.values():
                 ctx.free(self._comm.Barrier)
@@ -1051,14 +1054,14 @@ class Communicator:
         if self.check:
             alone = blocking and self._mpi_blocks(timeout)
             if algorithm == "native":
-                native = "MPI blocking" if alone else "MPI non-blocking"
+                how = "MPI blocking" if alone else "MPI non-blocking"
             elif algorithm == "-" or (collective, algorithm) in SHARED_MEMORY or isinstance(memory, DeviceArray):
-                native = "-"  # no tag of its own to agree on (fences, or the device executor's call tags)
+                how = "-"  # no tag of its own to agree on (fences, or the device executor's call tags)
             else:
-                native = "alone (blocking)" if alone else "among calls in flight"
+                how = "alone (blocking)" if alone else "among calls in flight"
             kind = "-" if memory is None else memory.backend.kind if isinstance(memory, DeviceArray) else "host"
             order = "-" if op == "-" else "rank order (deterministic)" if self.deterministic else "any"
-            record = check_mode.fingerprint(self._sequence, collective, algorithm, op, dtype, shape, root, native, kind,
+            record = check_mode.fingerprint(self._sequence, collective, algorithm, op, dtype, shape, root, how, kind,
                                             order)
             gathered = np.empty((self.size, record.size), record.dtype)
             self._request(f"the check-mode exchange before {collective}", lambda: self._comm.Iallgather(record, gathered),
@@ -1132,12 +1135,8 @@ class Communicator:
     def _start_shared(self, collective, algorithm, count, inp, out, inplace, op, root, finish, blocking, timeout,
                       describe):
         """Run a shared-memory algorithm's call (see ``transport.shm``)."""
-        segment = max(1, self.shm_slot // inp.itemsize)
-        registration, registered = self._registered(inp, out, inplace, collective) or (None, None)
-        plan = _plan(collective, algorithm, self.rank, self.size, count, root, segment, inplace, self.deterministic,
-                     registered=registered)
-        code = _call_code(collective, algorithm, inp.dtype, op, self.shm_slot,
-                          registered and (registration.number, registered[1]))
+        registration, plan, code = self._shm_plan(collective, algorithm, count, root, inplace, inp.dtype, op,
+                                                  self._registered(inp, out, inplace, collective))
         signature = (self._sequence, code, inp.nbytes, root)
         window = self._window_for(plan.shm * inp.itemsize, timeout, signature, describe) if _needs_window(plan) else None
         raw, tmp = self._workspace.take(plan.tmp, inp.dtype)
@@ -1150,25 +1149,31 @@ class Communicator:
         handle = ShmHandle(self._progress, describe, done, call, timeout, self._sequence).start()
         return handle.wait() if blocking else handle
 
+    def _shm_plan(self, collective, algorithm, count, root, inplace, dtype, op, found=None):
+        """``(registration, plan, call code)`` of a shared-memory call; ``found``: what
+        :meth:`_registered` says of its input (None: a plain one)."""
+        registration, registered = found or (None, None)
+        plan = _plan(collective, algorithm, self.rank, self.size, count, root, max(1, self.shm_slot // dtype.itemsize),
+                     inplace, self.deterministic, registered=registered)
+        code = _call_code(collective, algorithm, dtype, op, self.shm_slot,
+                          registered and (registration.number, registered[1]))
+        return registration, plan, code
+
     def _registered_entry(self, entry, x, out, inplace):
         """The lean path's shm ``entry`` for a call whose input may be a registered
-        buffer: ``entry`` itself where it is not, else the same with the registered
-        plan, call code and registration (kept per entry, registration and offset)."""
-        collective, (count, root, segment, op) = entry[4], entry[6]
+        buffer: ``entry`` itself where it is not, else one with the registered plan, call
+        code and registration (kept per kind of call, registration and offset)."""
+        name, collective, (count, root, op) = entry[2], entry[4], entry[6]
         found = self._registered(x, out, inplace, collective)
         if found is None:
             return entry
-        registration, registered = found
-        key = (id(entry), registration.number, registered)
+        key = (collective, name, x.dtype, count, root, inplace, op, found[0].number, found[1])
         made = self._registered_entries.get(key)
         if made is None:
             if len(self._registered_entries) > 256:
                 self._registered_entries.clear()
-            plan = _plan(collective, entry[2], self.rank, self.size, count, root, segment, inplace,
-                         self.deterministic, registered=registered)
-            code = _call_code(collective, entry[2], x.dtype, op, self.shm_slot, (registration.number, registered[1]))
-            made = self._registered_entries[key] = ("shm", plan, entry[2], code, collective, registration, entry[6],
-                                                    entry)  # (the last keeps id(entry) from naming another)
+            registration, plan, code = self._shm_plan(collective, name, count, root, inplace, x.dtype, op, found)
+            made = self._registered_entries[key] = ("shm", plan, name, code, collective, registration, entry[6])
         return made
 
     def _run_shared_now(self, entry, x, inp, result, op, root):
@@ -1213,7 +1218,7 @@ class Communicator:
             # takes (a persistent program for a small call, the lean one, the engine),
             # so their messages meet; a size mismatch across the persistent program's
             # threshold is then still a size error, not a wait on two tags.
-            self._finish_collectives_in_flight()
+            self._finish_in_flight()
             tag = self._blocking_tag
             if _persistent_kind(collective, count, out.itemsize):
                 self._run_persistent(plan, inp, out, inplace, op, lambda: describe)
@@ -1336,8 +1341,8 @@ class Communicator:
         if (self.check or self.stall_warn is not None or self.timeout is not None or progress.broken is not None
                 or type(op) is not str or not flags.c_contiguous):
             return _NOT_HANDLED
-        if progress.active and not all(isinstance(h, p2p.PointHandle) for h in progress.active):
-            return _NOT_HANDLED  # collectives in flight: the general path finishes them first
+        if progress.active and self._collectives_in_flight():
+            return _NOT_HANDLED  # the general path finishes them first
         if type(root) is not int or not 0 <= root < self.size:  # False, 0.0: the general path refuses them
             return _NOT_HANDLED
         leaf = root != self.rank and collective == "reduce"  # gets no result; out is left alone
@@ -1412,37 +1417,30 @@ class Communicator:
         failure the engine breaks, as on the general path.
 
         Every rank takes this path for the same calls (:func:`_persistent_kind`, a
-        blocking call with no timeout or stall warning, after the calls in flight),
+        blocking call with no timeout or stall warning, after the collectives in flight),
         since its messages travel on a tag of their own that a call on any other path
         would never receive. ``entry``: the lean path's entry for the call's kind, a list
         whose last item keeps the program (the call then skips the lookup)."""
-        program = entry[3] if entry is not None else None
-        key = None
-        try:
+
+        def run():
+            program = entry[3] if entry is not None else None
             if program is None or program.requests is None:
                 key = (id(plan), inp.dtype, inp.size, result.size)
                 program = self._persistent.get(key)
-            if program is None:
-                if len(self._persistent) >= 64:  # a bounded set: free the oldest
-                    self._persistent.pop(next(iter(self._persistent))).free()
-                program = self._persistent[key] = lean.PersistentProgram(
-                    plan, self._comm, self._blocking_tag, inp.dtype, inp.size, result.size, inplace)
-            if entry is not None:
-                entry[3] = program
+                if program is None:
+                    if len(self._persistent) >= 64:  # a bounded set: free the oldest
+                        self._persistent.pop(next(iter(self._persistent))).free()
+                    program = self._persistent[key] = lean.PersistentProgram(
+                        plan, self._comm, self._blocking_tag, inp.dtype, inp.size, result.size, inplace)
+                if entry is not None:
+                    entry[3] = program
             if inp.size:
                 np.copyto(program.inp, inp)
             program.run(op, describe, lambda: self._lean_look(describe()))
-        except BaseException as exc:  # as _breaking_on_failure, inline: this path is the small calls'
-            if program is not None and program.broken:
-                # MPI may still match its receives: it keeps them, and their buffers, for good.
-                self._progress._abandoned.append(program)
-                self._persistent = {k: p for k, p in self._persistent.items() if p is not program}
-            if self._progress.broken is None:
-                self._progress.fail(exc if isinstance(exc, Exception) else CollectiveError(
-                    f"{describe()} was interrupted ({type(exc).__name__})"))
-            raise
-        if result.size:
-            np.copyto(result, program.out)
+            if result.size:
+                np.copyto(result, program.out)
+
+        self._breaking_on_failure(run, describe)
 
     def _run_lean(self, program, buffers, op, describe, tag):
         """Run a blocking call's plan on the lean executor (``describe()`` names the
@@ -1487,12 +1485,12 @@ class Communicator:
         except (TypeError, ValueError):
             return False  # the general path raises it
         if name == "native":
-            return ("native", self._native_caller(collective, x, op, root, inplace))
+            if x.size == 0:  # _native gives an empty out an address of its own (MPI refuses the alias)
+                return ("native", lambda x, out: self._native(collective, x, out, inplace, op, root, None, blocking=True))
+            return ("native", self._native_starter(collective, op, root, None, blocking=True))
         if (collective, name) in SHARED_MEMORY:  # its own executor, run here (_run_shared_now)
-            plan = _plan(collective, name, self.rank, self.size, x.size, root, max(1, self.shm_slot // x.itemsize),
-                         inplace, self.deterministic)
-            return ("shm", plan, name, _call_code(collective, name, x.dtype, op, self.shm_slot), collective, None,
-                    (x.size, root, max(1, self.shm_slot // x.itemsize), op))
+            _, plan, code = self._shm_plan(collective, name, x.size, root, inplace, x.dtype, op)
+            return ("shm", plan, name, code, collective, None, (x.size, root, op))
         segment = self._segment(None, x.itemsize) if (collective, name) in SEGMENTED else 1
         plan = _plan(collective, name, self.rank, self.size, x.size, root, segment, inplace, self.deterministic,
                      topology=self._layout_for(collective, name))
@@ -1500,52 +1498,44 @@ class Communicator:
         program = lean.LeanProgram(plan) if persistent else lean.program(plan)
         return False if program is None else [program, name, persistent, None]  # last: its PersistentProgram
 
-    def _native_caller(self, collective, x, op, root, inplace):
-        """``(x, out) -> None``: MPI's blocking collective for the lean path's calls of one
-        kind, its arguments bound once (what ``_native`` does per call)."""
-        comm = self._comm
-        if x.size == 0:  # the general dispatch, which gives an empty out an address of its own
-            return lambda x, out: self._native(collective, x, out, inplace, op, root, None, blocking=True)
-        if collective == "allreduce":
-            allreduce, mpi_op = comm.Allreduce, _MPI_OPS[op]
-            if inplace:
-                return lambda x, out: allreduce(MPI.IN_PLACE, out, mpi_op)
-            return lambda x, out: allreduce(x, out, mpi_op)
-        if collective == "allgather":
-            return comm.Allgather
-        if collective == "broadcast":
-            bcast = comm.Bcast
-            return lambda x, out: bcast(x, root)
-        reduce, mpi_op, at_root = comm.Reduce, _MPI_OPS[op], self.rank == root
-        return lambda x, out: reduce(MPI.IN_PLACE if inplace else x, out if at_root else None, mpi_op, root)
-
-    def _native_starter(self, collective, op, root, counts):
+    def _native_starter(self, collective, op, root, counts, blocking=False):
         """``(send, receive) -> request``: MPI's non-blocking collective on whole buffers
-        (host copies of the device buffers, or the device buffers themselves)."""
+        (host copies of the device buffers, or the device buffers themselves); with
+        ``blocking``, MPI's blocking collective (returning nothing: the lean path's
+        ``native`` calls, their arguments bound once per kind)."""
         comm = self._comm
-        mpi_op = _MPI_OPS[op]
+        mpi_op = _MPI_OPS.get(op)  # None for the calls without one (allgather: "-")
+
+        def mpi(name):  # Allreduce, or Iallreduce
+            return getattr(comm, name if blocking else "I" + name[0].lower() + name[1:])
 
         def in_place(send, recv):  # one buffer for both (in place, CUDA-aware): MPI_IN_PLACE
             return MPI.IN_PLACE if send is recv else send
 
         if collective == "allreduce":
-            return lambda send, recv: comm.Iallreduce(in_place(send, recv), recv, mpi_op)
+            allreduce = mpi("Allreduce")
+            return lambda send, recv: allreduce(in_place(send, recv), recv, mpi_op)
         if collective == "reduce_scatter":
-            return lambda send, recv: comm.Ireduce_scatter(send, recv, counts, mpi_op)
+            reduce_scatter = mpi("Reduce_scatter")
+            return lambda send, recv: reduce_scatter(send, recv, counts, mpi_op)
         if collective == "allgather":
-            return lambda send, recv: comm.Iallgather(send, recv)
+            return mpi("Allgather")
         if collective == "broadcast":
-            return lambda send, recv: comm.Ibcast(send, root)
+            bcast = mpi("Bcast")
+            return lambda send, recv: bcast(send, root)
         if collective == "gather":
-            return lambda send, recv: comm.Igather(send, recv if self.rank == root else None, root)
+            gather = mpi("Gather")
+            return lambda send, recv: gather(send, recv if self.rank == root else None, root)
         if collective == "scatter":
-            return lambda send, recv: comm.Iscatter(send if self.rank == root else None, recv, root)
+            scatter = mpi("Scatter")
+            return lambda send, recv: scatter(send if self.rank == root else None, recv, root)
         if collective == "alltoall":
-            return lambda send, recv: comm.Ialltoall(send, recv)
+            return mpi("Alltoall")
         if collective == "alltoallv":
-            return lambda send, recv: comm.Ialltoallv(*_vector_messages(send, recv, counts))
-        return lambda send, recv: comm.Ireduce(in_place(send, recv), recv if self.rank == root else None, mpi_op,
-                                               root)
+            alltoallv = mpi("Alltoallv")
+            return lambda send, recv: alltoallv(*_vector_messages(send, recv, counts))
+        reduce = mpi("Reduce")
+        return lambda send, recv: reduce(in_place(send, recv), recv if self.rank == root else None, mpi_op, root)
 
     def _native_now(self, collective, x, out, shape, op="sum", root=0, counts=None):
         """The latency path (what ``auto`` picks for tiny buffers): MPI's blocking
@@ -1579,29 +1569,29 @@ class Communicator:
         inside MPI cannot do, so they are finished first; every rank started them
         before this call, so every rank can finish them.
         """
-        self._finish_collectives_in_flight()
+        self._finish_in_flight()
         try:
             self._native(collective, inp, out, inplace, op, root, counts, blocking=True)
         except MPI.Exception as exc:
             raise TransportError(f"{collective}(algorithm='native'): the MPI library failed: {exc}") from exc
 
-    def _finish_in_flight(self):
-        """Finish this rank's calls in flight (before a blocking MPI call, during which
-        this rank's Python cannot progress them)."""
-        while self._progress.active:  # each waited for up to its own timeout
-            self._progress.active[0].wait()
-
-    def _finish_collectives_in_flight(self):
-        """Finish this rank's collectives in flight, before a call that runs alone. Every
+    def _finish_in_flight(self, sends_and_receives=False):
+        """Finish this rank's collectives in flight: before a blocking MPI call, during
+        which this rank's Python cannot progress them, or a call that runs alone. Every
         rank started them before this call, so every rank can finish them. Sends and
-        receives (``send_async``/``recv_async``) stay in flight: they travel on a
-        communicator of their own, each is one MPI request that MPI progresses by itself,
-        and the message a pending receive waits for may be sent only after this call."""
+        receives (``send_async``/``recv_async``) stay in flight unless
+        ``sends_and_receives`` (``free()``): they travel on a communicator of their own,
+        each is one MPI request that MPI progresses by itself, and the message a pending
+        receive waits for may be sent only after this call."""
         while True:
-            waiting = [h for h in self._progress.active if not isinstance(h, p2p.PointHandle)]
+            waiting = self._collectives_in_flight() if not sends_and_receives else self._progress.active
             if not waiting:
                 return
             waiting[0].wait()  # waited for up to its own timeout; the engine advances the others meanwhile
+
+    def _collectives_in_flight(self):
+        """This rank's calls in flight other than sends and receives."""
+        return [h for h in self._progress.active if not isinstance(h, p2p.PointHandle)]
 
     def _native(self, collective, inp, out, inplace, op, root, counts, blocking=False):
         """Start MPI's own non-blocking collective (return its request), or with

@@ -195,6 +195,8 @@ def test_a_receive_in_flight_does_not_hold_up_a_blocking_collective():
     results = [comm.allreduce(strided, algorithm="ring"),
                comm.allreduce(strided[:2]),  # auto: native, MPI's blocking call
                comm.allreduce(np.ones(4), algorithm="ring")]  # contiguous: the lean path
+    if comm._shares_memory:  # the shared window made at the first shm call: a collective point too
+        results.append(comm.allreduce(np.ones(4), algorithm="shm"))
     if comm.rank == 1:
         comm.send(np.full(4, 7.0), 0, tag=3)
     problems = [f"allreduce {k}: {got}" for k, got in enumerate(results) if not (got == comm.size).all()]
