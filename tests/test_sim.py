@@ -981,6 +981,77 @@ def test_p_4096_with_the_algorithms_that_send_p_squared_messages():
     assert direct.messages_sent == [p - 1] * p
 
 
+ROOTED_O_P2 = [("broadcast", "direct"), ("broadcast", "scatter_allgather"), ("reduce", "direct")]
+
+
+def full_simulation(collective, algorithm, p, count, root):
+    """The simulation itself, from every rank's plan (no closed form, no symmetry)."""
+    plan_of = sim.simulate.plan_maker(collective, algorithm, p, count, root=root)
+    return sim.simulate.Costs(collective, algorithm, p, count, "float32", root, plan_of)
+
+
+def closed_form_costs(collective, algorithm, p, count, root):
+    """What ``costs`` gives above ``SIMULATED_UP_TO`` ranks, made at any p."""
+    plan_of = sim.simulate.plan_maker(collective, algorithm, p, count, root=root)
+    return sim.simulate.ClosedFormCosts(collective, algorithm, p, count, "float32", root, plan_of)
+
+
+@pytest.mark.parametrize("collective,algorithm", ROOTED_O_P2)
+def test_rooted_closed_forms_equal_the_simulation(collective, algorithm):
+    # Counters and time, at every p to 40 and some larger, roots at both ends and in
+    # the middle, α-β-γ drawn at random (γ from far below to far above a message).
+    rng = np.random.default_rng(7)
+    problems = []
+    for p in list(range(2, 41)) + [63, 64, 100]:
+        for root in sorted({0, 1 % p, p // 2, p - 1}):
+            count = p * int(rng.choice([1, 3, 16]))
+            full = full_simulation(collective, algorithm, p, count, root)
+            fast = closed_form_costs(collective, algorithm, p, count, root)
+            if counters(fast) != counters(full):
+                problems.append(f"p={p} root={root}: counters differ")
+            for _ in range(3):
+                model = dict(alpha=float(rng.choice([0.0, rng.random()])), beta=rng.random() * 1e-2,
+                             gamma=rng.random() * float(rng.choice([1e-4, 1e-2, 1.0])))
+                got, want = fast.time(**model), full.time(**model)
+                if not math.isclose(got, want, rel_tol=1e-12, abs_tol=1e-15):
+                    problems.append(f"p={p} root={root} {model}: closed form {got}, simulated {want}")
+            if fast.rounds != full.rounds:
+                problems.append(f"p={p} root={root}: rounds {fast.rounds} != {full.rounds}")
+    assert not problems, "\n".join(problems[:10])
+
+
+def test_rooted_closed_forms_leave_two_level_models_to_the_plans():
+    # Node links break the closed forms: the time under ranks_per_node is the plans'.
+    for collective, algorithm in ROOTED_O_P2:
+        full = full_simulation(collective, algorithm, 8, 16, 3)
+        fast = closed_form_costs(collective, algorithm, 8, 16, 3)
+        model = dict(alpha=A, beta=B, gamma=G, ranks_per_node=4, inter_alpha=7 * A, inter_beta=9 * B)
+        assert fast.time(**model) == full.time(**model)
+        assert len(fast.plans) == 8
+
+
+def test_costs_use_the_rooted_closed_forms_only_above_the_simulated_sizes():
+    limit = sim.closed_form.SIMULATED_UP_TO
+    assert isinstance(sim.costs("broadcast", "direct", limit + 1, limit + 1), sim.simulate.ClosedFormCosts)
+    assert not isinstance(sim.costs("broadcast", "direct", limit, limit), sim.simulate.ClosedFormCosts)
+    uneven = sim.costs("broadcast", "scatter_allgather", limit + 1, limit + 2)  # blocks of 1 and 2: simulated
+    assert not isinstance(uneven, sim.simulate.ClosedFormCosts)
+    ordered = sim.costs("reduce", "direct", limit + 1, limit + 1, ordered=True)  # a fold in rank order
+    assert not isinstance(ordered, sim.simulate.ClosedFormCosts)
+    assert not isinstance(sim.costs("broadcast", "binomial", limit + 1, limit + 1), sim.simulate.ClosedFormCosts)
+
+
+@pytest.mark.parametrize("collective,algorithm", ROOTED_O_P2)
+def test_p_4096_with_the_rooted_algorithms_that_send_p_squared_messages(collective, algorithm):
+    # Over a minute each before the closed forms (16 million messages): now at once,
+    # against this file's own formulas (counters: the cost model's; time: closed_form).
+    p, count, root = 4096, 4096 * 16, 5
+    got = sim.costs(collective, algorithm, p, count, root=root)
+    assert counters(got) == expected_counters(collective, algorithm, p, count, root=root)
+    want = closed_form(collective, algorithm, p, count * ITEM, G)
+    assert got.time(A, B, G) == want
+
+
 def test_the_projection_counts_every_rank_where_the_nodes_do_not_divide_p():
     # Costs times every rank when lcm(1, ranks per node) does not divide p; the
     # projection's estimate must say so, or it starts a simulation of millions of ops.

@@ -13,6 +13,7 @@ import math
 
 from ..algorithms import BUILDERS, SHARED_MEMORY
 from ..algorithms.hierarchical import pipeline_pieces
+from .closed_form import allreduce_time as closed_form
 from .simulate import DEFAULT_SEGMENT_SIZE as SEGMENT, costs, symmetry, timed_ranks
 
 # Projections are of clusters (p up to 4096 over links): the shared-memory algorithms,
@@ -23,24 +24,6 @@ DEFAULT_MAX_OPS = 400_000  # simulated operations per point: about 3 s here
 
 def parameter_server_name(servers):
     return f"parameter_server(S={servers})"
-
-
-def closed_form(algorithm, p, nbytes, alpha, beta, gamma):
-    """Allreduce time under the α-β-γ model for p a power of two and ``nbytes`` a
-    multiple of 4·p (equal blocks); None where there is no closed form."""
-    if p & (p - 1) or nbytes % (4 * p):
-        return None
-    b, lg = nbytes / p, int(math.log2(p))
-    c, g = alpha + b * beta, b * gamma
-    if algorithm == "ring":
-        return (p - 1) * (c + g) + (p - 1) * c
-    if algorithm == "direct":
-        return (p - 1) * c + max((p - 1) * c + g, c + (p - 1) * g)
-    if algorithm == "recursive_halving":
-        return 2 * lg * alpha + 2 * (p - 1) * b * beta + (p - 1) * b * gamma
-    if algorithm == "recursive_doubling":
-        return lg * (alpha + nbytes * beta + nbytes * gamma)
-    return None
 
 
 def estimated_ops(algorithm, p, nbytes, servers=None, ranks_per_node=None):

@@ -17,7 +17,7 @@ from ..errors import CollectiveError
 from ..schedule import Recv, Reduce, Send, compile_plan
 from ..topology import Topology
 from ..transport import local
-from . import parameter_server
+from . import closed_form, parameter_server
 from .timing import Graph, Model
 
 # Schedules that exist only in the simulator: baselines to compare with, not algorithms.
@@ -58,10 +58,12 @@ class Costs:
     rank r's counters are rank (r mod period)'s, and the time comes from them alone
     (from ranks 0 … lcm(period, k)-1 for a model of k ranks per node, where that
     divides p; from every rank where it does not). ``plans`` makes every rank's on
-    first use. ``plan_of`` may also be a list of every rank's plans.
+    first use. ``plan_of`` may also be a list of every rank's plans. ``counters``:
+    the four counters' lists, where they are known without the plans
+    (:class:`ClosedFormCosts`).
     """
 
-    def __init__(self, collective, algorithm, world_size, count, dtype, root, plan_of, period=None):
+    def __init__(self, collective, algorithm, world_size, count, dtype, root, plan_of, period=None, counters=None):
         self.collective, self.algorithm = collective, algorithm
         self.world_size, self.count, self.dtype, self.root = world_size, count, np.dtype(dtype), root
         if period is not None and (period < 1 or world_size % period):
@@ -69,6 +71,10 @@ class Costs:
         self.period = period
         self._plan_of = plan_of if callable(plan_of) else list(plan_of).__getitem__  # a list of plans too
         self._representatives = []  # the plans of ranks 0, 1, … made so far
+        self._graphs = {}
+        if counters is not None:  # every rank's, known without the plans (ClosedFormCosts)
+            self.messages_sent, self.bytes_sent, self.bytes_received, self.bytes_reduced = counters
+            return
         measured = self._reps(period) if period else self.plans
         itemsize = self.dtype.itemsize
         self.messages_sent, self.bytes_sent, self.bytes_received, self.bytes_reduced = [], [], [], []
@@ -83,7 +89,6 @@ class Costs:
         if period:  # rank r does what rank r mod period does
             for counter in (self.messages_sent, self.bytes_sent, self.bytes_received, self.bytes_reduced):
                 counter *= world_size // period
-        self._graphs = {}
 
     @property
     def symmetric(self):
@@ -135,6 +140,29 @@ class Costs:
         n = self.count * self.dtype.itemsize
         return n * self.world_size if self.collective in ("allgather", "gather", "scatter", "alltoall",
                                                           "alltoallv") else n
+
+
+class ClosedFormCosts(Costs):
+    """:class:`Costs` of a rooted call with O(p²) messages and no symmetry to use
+    (:mod:`.closed_form`), given above ``closed_form.SIMULATED_UP_TO`` ranks: the
+    counters and the one-level time come from closed forms that the tests hold equal
+    to the simulation. Every rank's plan (``plans``), and the time under a two-level
+    model, are made from the plans on first use, as for any call."""
+
+    def __init__(self, collective, algorithm, world_size, count, dtype, root, plan_of):
+        counters = closed_form.rooted_counters(collective, algorithm, world_size, count, np.dtype(dtype).itemsize, root)
+        super().__init__(collective, algorithm, world_size, count, dtype, root, plan_of, counters=counters)
+
+    @cached_property
+    def rounds(self):
+        return round(self.time(1.0, 0.0, 0.0))
+
+    def time(self, alpha, beta, gamma, ranks_per_node=None, inter_alpha=None, inter_beta=None):
+        model = Model(alpha, beta, gamma, ranks_per_node, inter_alpha, inter_beta)  # checked before any work
+        if model.ranks_per_node is not None:
+            return super().time(alpha, beta, gamma, ranks_per_node, inter_alpha, inter_beta)
+        return closed_form.rooted_time(self.collective, self.algorithm, self.world_size, self.count,
+                                       self.dtype.itemsize, alpha, beta, gamma)
 
 
 class SimResult(Costs):
@@ -327,10 +355,16 @@ def costs(collective, algorithm, world_size, count, dtype="float32", root=0, **p
     Same arguments as :func:`run`, less ``op``; the counts and times are the ones
     :func:`run` gives, since they depend only on the plans. A symmetric call
     (:func:`symmetry`) makes rank 0's plan alone, or one node's: p = 4096 takes seconds.
+    So does a rooted call with O(p²) messages and no symmetry (broadcast ``direct`` and
+    ``scatter_allgather``, reduce ``direct``, with equal blocks): above
+    ``closed_form.SIMULATED_UP_TO`` ranks it is a :class:`ClosedFormCosts`.
     """
     plan_of = plan_maker(collective, algorithm, world_size, count, dtype, root, **params)
-    return Costs(collective, algorithm, int(world_size), int(count), dtype, int(root), plan_of,
-                 symmetry(collective, algorithm, world_size, count, dtype, root, **params))
+    p, count, root = int(world_size), int(count), int(root)
+    if p > closed_form.SIMULATED_UP_TO and closed_form.applies(collective, algorithm, p, count, params.get("ordered")):
+        return ClosedFormCosts(collective, algorithm, p, count, dtype, root, plan_of)
+    return Costs(collective, algorithm, p, count, dtype, root, plan_of,
+                 symmetry(collective, algorithm, p, count, dtype, root, **params))
 
 
 def run(collective, algorithm, world_size, count, dtype="float32", op="sum", root=0, **params):
