@@ -309,9 +309,10 @@ class Communicator:
         self.topology = self._learn_topology(nodes)
         # A tuning table counts only if it matches every rank's machine: the ranks AND
         # their verdicts (one allreduce), so all of them choose alike.
+        # On several nodes it may also measure the link between them (collective).
         self._selector = Selector.from_environment(self.size, deterministic=deterministic, topology=self.topology,
                                                    agree=lambda bits: self._comm.allreduce(bits, op=MPI.BAND),
-                                                   hint=self.rank == 0)
+                                                   hint=self.rank == 0, measure_link=self._measure_link)
         tag_ub = self._comm.Get_attr(MPI.TAG_UB)
         self._tag_limit = tag_ub  # calls are numbered mod this: their messages' tags, 0 … TAG_UB - 1
         self._blocking_tag = tag_ub  # every blocking call that cannot time out: see _start
@@ -336,6 +337,10 @@ class Communicator:
 
     def __repr__(self):
         return f"<collectives.Communicator rank {self.rank} of {self.size}>"
+
+    def _measure_link(self):
+        """The node-to-node rate, bytes per second (collective; see ``topology.measure_link``)."""
+        return topology_module.measure_link(self._comm, self.topology)
 
     def _learn_topology(self, nodes):
         """The node layout: MPI's (ranks that share memory), or ``nodes``, one label per

@@ -12,10 +12,16 @@ the same way whatever order MPI placed the ranks in.
 :func:`learn` asks MPI (``Split_type(COMM_TYPE_SHARED)``: ranks that can share memory)
 and allgathers each rank's node; :meth:`Topology.from_labels` takes any per-rank
 labels, for a simulated layout or to override MPI's view (``Communicator(nodes=...)``).
+:func:`measure_link` times the network between the nodes (``auto``'s tables of several
+nodes are keyed by it, and ``python -m collectives.bench.link`` reports it).
 """
 
+import statistics
+import time
 from dataclasses import dataclass
 from functools import cached_property
+
+LINK_PROBE_BYTES = 1 << 20  # what each stream sends when auto's key is measured
 
 
 @dataclass(frozen=True)
@@ -121,3 +127,35 @@ def _shared_type():
     from mpi4py import MPI
 
     return MPI.COMM_TYPE_SHARED
+
+
+def measure_link(mpi_comm, topology, nbytes=LINK_PROBE_BYTES, repeats=3):
+    """The node-to-node rate in bytes per second (collective; the same value on every
+    rank), or None on one node.
+
+    Every node sends to the next one round a ring of the nodes and receives from the
+    previous one, at once, as a ring collective keeps every link busy: each rank of
+    local rank i sends ``nbytes`` to the rank of local rank i on the next node, where
+    every node has one (with k ranks per node, the node's link shared by k streams, as a
+    two-level collective shares it). The rate is a node's bytes over the slowest rank's
+    time, the median of ``repeats`` rounds after one that warms the connections up.
+    ``mpi_comm`` should carry no other traffic (a Communicator's own duplicate)."""
+    import numpy as np
+    from mpi4py import MPI
+
+    if topology.node_count < 2:
+        return None
+    nodes = topology.nodes
+    rank = mpi_comm.Get_rank()
+    streams = min(len(n) for n in nodes)  # local ranks present on every node
+    node, local = topology.node_of[rank], topology.local_rank[rank]
+    send, receive = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+    times = []
+    for _ in range(repeats + 1):
+        mpi_comm.Barrier()
+        start = time.perf_counter()
+        if local < streams:
+            after, before = nodes[(node + 1) % len(nodes)][local], nodes[(node - 1) % len(nodes)][local]
+            MPI.Request.Waitall([mpi_comm.Isend(send, dest=after, tag=7), mpi_comm.Irecv(receive, source=before, tag=7)])
+        times.append(mpi_comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    return streams * nbytes / statistics.median(times[1:])

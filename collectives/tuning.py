@@ -11,7 +11,13 @@ In order, the first that answers:
    fingerprint (:func:`fingerprint`: CPU model, logical CPUs, ranks per node, nodes,
    MPI library and version) equals this job's on *every* rank. The ranks agree on
    it when the :class:`~collectives.Communicator` is made (one allreduce), so a job
-   whose nodes differ falls back on all ranks together. An entry without a
+   whose nodes differ falls back on all ranks together. An entry of several nodes
+   also holds the node-to-node link ``--tune`` measured (``link_MBps``,
+   :func:`collectives.topology.measure_link`): the job measures its own link when it
+   is made (about 10 ms per MiB the probe sends, at 1 Gbit/s), only where such an entry
+   matches it otherwise, and uses the entry only where its link is within
+   ``LINK_TOLERANCE`` (1.5x either way) of it. Choices that win on a 1 Gbit/s network
+   need not win on a 100 Gbit/s one. An entry without a
    fingerprint (a file written before fingerprints) is used only from a file named
    by ``COLLECTIVES_TUNING``: the user chose it;
 3. the conservative rule (:func:`conservative_choice`): ``native`` unless the cost
@@ -71,6 +77,12 @@ RULE_ENV = "COLLECTIVES_AUTO_RULE"  # "conservative" (the default) or "cost-mode
 RULES = ("conservative", "cost-model")
 QUIET_ENV = "COLLECTIVES_QUIET"  # hides the one-line hint
 GAIN_NEEDED = 2.0  # the conservative rule leaves native only for this predicted speedup
+# A several-node entry's measured link (MB/s) in its fingerprint, and how far a job's
+# own measurement may stray from it: a run's measurements differ by a few percent
+# (113-118 MB/s in bench/results/testbed-1gbit), networks by factors of 10.
+LINK = "link_MBps"
+LINK_TOLERANCE = 1.5
+
 # A node layout as Topology.key() writes it: nodes x ranks per node, or the node sizes.
 LAYOUT_KEY = re.compile(r"[1-9][0-9]*x[1-9][0-9]*|[1-9][0-9]*(\+[1-9][0-9]*)+")
 
@@ -140,9 +152,15 @@ def fingerprint(topology=None, world_size=None):
 _this_fingerprint = fingerprint  # for Selector, whose argument of that name shadows it
 
 
-def fingerprint_for_key(key):
+def link_stamp(rate):
+    """A link rate in bytes per second as a fingerprint holds it: MB/s, 3 figures."""
+    return float(f"{rate / 1e6:.3g}")
+
+
+def fingerprint_for_key(key, link=None):
     """The fingerprint of this machine for a table key: ``"4"`` (one node of 4 ranks),
-    ``"2x4"``, ``"3+1"`` (what ``collectives-bench --tune`` stamps each entry with)."""
+    ``"2x4"``, ``"3+1"`` (what ``collectives-bench --tune`` stamps each entry with);
+    for several nodes, with ``link`` (bytes per second, measured) as ``link_MBps``."""
     key = str(key)
     if re.fullmatch(r"[1-9][0-9]*", key):
         layout = {"nodes": 1, "ranks_per_node": int(key)}
@@ -153,6 +171,8 @@ def fingerprint_for_key(key):
         layout = {"nodes": key.count("+") + 1, "ranks_per_node": key}
     else:
         raise ValueError(f"{key!r} is not a world size nor a node layout such as 2x4 or 3+1")
+    if link is not None and layout["nodes"] > 1:
+        layout[LINK] = link_stamp(link)
     return {**_machine(), **layout}
 
 
@@ -161,7 +181,8 @@ def describe_fingerprint(stamp):
     mpi = re.sub(r"\s*\bVersion:?\s*", " ", str(stamp.get("mpi", "?"))).split(",")[0].strip()
     rpn = stamp.get("ranks_per_node", "?")
     layout = f"{stamp.get('nodes', '?')}x{rpn}" if isinstance(rpn, int) else f"{stamp.get('nodes', '?')} nodes {rpn}"
-    return f"{stamp.get('cpu', '?')}, {stamp.get('cpus', '?')} CPUs, {mpi}, {layout}"
+    link = f", a {stamp[LINK]:g} MB/s link" if LINK in stamp else ""
+    return f"{stamp.get('cpu', '?')}, {stamp.get('cpus', '?')} CPUs, {mpi}, {layout}{link}"
 
 
 class TuningTable:
@@ -511,10 +532,12 @@ class Selector:
     rank's bits (1: the table is usable here, 2: the device table is) and returns
     their bitwise AND over the ranks (the :class:`~collectives.Communicator` passes an
     allreduce). ``rule`` answers where no table does: ``"conservative"`` or
-    ``"cost-model"``."""
+    ``"cost-model"``. ``measure_link`` (collective: bytes per second, the same on
+    every rank) is called where every rank's entry of several nodes holds a link
+    (see the module's docstring); ``link`` is then what it measured."""
 
     def __init__(self, world_size, table=None, overrides=None, device_table=None, deterministic=False, topology=None,
-                 *, fingerprint=None, unstamped=True, agree=None, rule="conservative"):
+                 *, fingerprint=None, unstamped=True, agree=None, rule="conservative", measure_link=None):
         if rule not in RULES:
             raise ValueError(f"{RULE_ENV} must be one of {', '.join(RULES)}; got {rule!r}")
         self.world_size = world_size
@@ -531,12 +554,21 @@ class Selector:
         self.key = topology.key() if self.several else world_size
         self.fingerprint = dict(fingerprint) if fingerprint is not None else _this_fingerprint(
             topology if self.several else None, world_size)
+        agree = agree or (lambda bits: bits)
         here = [self._usable(table, ""), self._usable(device_table, " device")]
-        bits = sum(1 << i for i, (ok, _) in enumerate(here) if ok)
-        agreed = bits if agree is None else agree(bits)
+        # Bits 0-1: usable; bits 2-3: usable if this job's link is the one measured there.
+        agreed = agree(sum(1 << i for i, (ok, _) in enumerate(here) if ok is True)
+                       + sum(4 << i for i, (ok, _) in enumerate(here) if ok == "link"))
+        self.link = None
+        if agreed & 12:  # every rank is waiting on the link: every rank measures it, together
+            self.link = measure_link() if measure_link is not None else None
+            here = [self._link_verdict((table, device_table)[i], suffix) if agreed & 4 << i else (ok, why)
+                    for i, ((ok, why), suffix) in enumerate(zip(here, ("", " device")))]
+            agreed |= agree(sum(1 << i for i in range(2) if agreed & 4 << i and here[i][0] is True))
         self.in_use = [bool(agreed & 1 << i) for i in range(2)]  # [host table, device table]
-        self._why_not = [why if ok == self.in_use[i] else "another rank's machine or layout differs from the one "
-                         f"{(table, device_table)[i].source} was measured on" for i, (ok, why) in enumerate(here)]
+        self._why_not = [why if ok is False else None if self.in_use[i] else "another rank's machine or layout "
+                         f"differs from the one {(table, device_table)[i].source} was measured on"
+                         for i, (ok, why) in enumerate(here)]
         self._cache = {}
 
     def _usable(self, table, suffix):
@@ -546,16 +578,30 @@ class Selector:
         stamp = table.stamp(f"{self.key}{suffix}")
         if stamp is None:
             return self.unstamped, f"{table.source} has no fingerprint, so only a file named by {TUNING_ENV} is used"
-        if stamp != self.fingerprint:
-            return False, f"{table.source} was measured on {describe_fingerprint(stamp)}"
+        if stamp == self.fingerprint:
+            return True, None
+        if LINK in stamp and {k: v for k, v in stamp.items() if k != LINK} == self.fingerprint:
+            return "link", None  # the same machines and layout: the link decides (_link_verdict)
+        return False, f"{table.source} was measured on {describe_fingerprint(stamp)}"
+
+    def _link_verdict(self, table, suffix):
+        """``(usable, why not)`` for ``table``, whose entry holds a link, once this job's
+        link (``self.link``) is measured."""
+        measured = table.stamp(f"{self.key}{suffix}")[LINK]
+        if self.link is None:
+            return False, f"{table.source} was measured over a {measured:g} MB/s link; this job's was not measured"
+        here = link_stamp(self.link)
+        if not measured / LINK_TOLERANCE <= here <= measured * LINK_TOLERANCE:
+            return False, f"{table.source} was measured over a {measured:g} MB/s link; this job's measures {here:g} MB/s"
         return True, None
 
     @classmethod
     def from_environment(cls, world_size, environ=None, deterministic=False, topology=None, *, fingerprint=None,
-                         agree=None, hint=False):
-        """The selector the environment asks for (see the module's docstring). ``agree``
-        and ``fingerprint`` as for :class:`Selector`; ``hint``: this process may print
-        the one-line note where no table matches (rank 0 of a communicator)."""
+                         agree=None, hint=False, measure_link=None):
+        """The selector the environment asks for (see the module's docstring). ``agree``,
+        ``fingerprint`` and ``measure_link`` as for :class:`Selector`; ``hint``: this
+        process may print the one-line note where no table matches (rank 0 of a
+        communicator)."""
         environ = os.environ if environ is None else environ
         overrides = {}
         for collective in BUILDERS:  # alltoallv too
@@ -578,7 +624,7 @@ class Selector:
         table = TuningTable.load(path) if path else None
         device_table = TuningTable.load(path, "device_tables") if path else None
         selector = cls(world_size, table, overrides, device_table, deterministic, topology, fingerprint=fingerprint,
-                       unstamped=bool(named), agree=agree, rule=rule)
+                       unstamped=bool(named), agree=agree, rule=rule, measure_link=measure_link)
         quiet = environ.get(QUIET_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
         if hint and not quiet and not environ.get(RULE_ENV, "").strip():
             global _hinted

@@ -599,6 +599,16 @@ def test_parse_bytes_rejects(text):
 
 
 @serial
+def test_the_shared_memory_contenders_run_on_one_node_only():
+    # Across nodes `shm` raises (it needs every rank to share memory): collectives-bench
+    # on a testbed of several hosts had stopped at its first case.
+    args = cli.parse_args(["-c", "allreduce"])
+    assert "shm" in cli.contenders("allreduce", args)
+    across = cli.contenders("allreduce", args, one_node=False)
+    assert "shm" not in across and "ring" in across and "hierarchical" in across
+
+
+@serial
 def test_sizes_and_defaults():
     assert cli.sizes(8, 4096, 8) == [8, 64, 512, 4096]
     assert cli.sizes(3, 100, 3) == [3, 9, 27, 81]

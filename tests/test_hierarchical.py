@@ -7,11 +7,14 @@ real links too); only the wires differ. Results are checked against the MPI libr
 own collective and NumPy, as in ``test_collectives.py``.
 """
 
+import json
+
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 import collectives as cc
+import collectives.tuning as tuning
 from collectives.topology import Topology
 
 from conftest import agree, counts_for, ops_for
@@ -164,6 +167,37 @@ def test_a_layout_table_is_used_only_for_its_layout(mpi_comm, tmp_path, monkeypa
     finally:
         several.free()
         one.free()
+
+
+def test_a_layout_table_is_used_only_over_its_link(mpi_comm, tmp_path, monkeypatch):
+    # The entry holds the link --tune measured; the job measures its own between the
+    # declared nodes (here over shared memory), every rank the same rate.
+    size = mpi_comm.Get_size()
+    if size < 2:
+        pytest.skip("needs two nodes")
+    labels = [r * 2 // size for r in range(size)]
+    topology = Topology.from_labels(labels)
+    key = topology.key()
+    path = tmp_path / f"tuning-{mpi_comm.Get_rank()}.json"
+    path.write_text(json.dumps({"format": 1, "tables": {"allreduce": {key: [[0, "ring"]]}},
+                                "measured": {key: {"fingerprint": {**tuning.fingerprint(topology), "link_MBps": 0.001}}}}))
+    monkeypatch.setenv("COLLECTIVES_TUNING", str(path))
+    problems = []
+    slow = cc.Communicator(mpi_comm, nodes=labels)
+    choice, why = slow.choose("allreduce", 1 << 20)
+    rates = mpi_comm.allgather(slow._selector.link)
+    slow.free()
+    if choice == "ring" or f"{path} was measured over a 0.001 MB/s link; this job's measures" not in why:
+        problems.append(f"a 0.001 MB/s table: {choice}, {why}")
+    if not (rates[0] > 0 and len(set(rates)) == 1):
+        problems.append(f"measured rates {rates}")
+    monkeypatch.setattr(tuning, "LINK_TOLERANCE", float("inf"))  # any link counts: the table is used
+    anything = cc.Communicator(mpi_comm, nodes=labels)
+    got = anything.choose("allreduce", 1 << 20)
+    anything.free()
+    if got != ("ring", f"measured table {path} (layout {key})"):
+        problems.append(f"any link: {got}")
+    agree(mpi_comm, problems)
 
 
 def test_nodes_must_be_one_label_per_rank_and_the_same_everywhere(mpi_comm):

@@ -206,6 +206,46 @@ def test_the_ranks_agree_on_the_table(tmp_path, clean_environment):
         cost_model_choice("allreduce", 1 << 20, 4), "cost-model rule (no measured table for device arrays)")
 
 
+@serial
+def test_a_table_of_several_nodes_is_used_only_over_the_link_it_was_measured_on(tmp_path, clean_environment):
+    """An entry of several nodes holds the link --tune measured: the job measures its
+    own (only then, and together: both agreements are the ranks' AND) and uses the
+    entry within LINK_TOLERANCE of it."""
+    layout = Topology.uniform(8, 4)
+    stamp = tuning.fingerprint_for_key("2x4", 118e6)
+    assert stamp == {**here("2x4"), "link_MBps": 118.0}
+    assert tuning.fingerprint_for_key("4", 118e6) == here("4")  # one node: no link
+    assert tuning.describe_fingerprint(stamp).endswith("2x4, a 118 MB/s link")
+    path = stamped_file(tmp_path / "t.json", tables={"allreduce": {"2x4": [[0, "ring"]]}}, stamps={"2x4": stamp})
+    environ = {tuning.TUNING_ENV: str(path)}
+    for rate, used in ((113e6, True), (118e6 * 1.49, True), (118e6 / 1.49, True), (1.18e9, False), (50e6, False)):
+        measured, agreements = [], []
+        selector = Selector.from_environment(
+            8, environ, topology=layout, agree=lambda bits: agreements.append(bits) or bits,
+            measure_link=lambda: measured.append(rate) or rate)
+        assert measured == [rate] and agreements == [4, 1 if used else 0] and selector.link == rate
+        choice, why = selector.explain("allreduce", 1 << 20)
+        if used:
+            assert (choice, why) == ("ring", f"measured table {path} (layout 2x4)")
+        else:
+            assert f"{path} was measured over a 118 MB/s link; this job's measures {tuning.link_stamp(rate):g} MB/s" in why
+    # another rank's entry holds no link (or none of its own): nobody measures, nobody uses it
+    measured = []
+    outvoted = Selector.from_environment(8, environ, topology=layout, agree=lambda bits: bits & ~4,
+                                         measure_link=lambda: measured.append(1) or 118e6)
+    assert measured == [] and outvoted.in_use == [False, False]
+    assert "another rank's machine or layout differs" in outvoted.explain("allreduce", 1 << 20)[1]
+    # nothing to measure with: not used
+    blind = Selector.from_environment(8, environ, topology=layout)
+    assert blind.in_use == [False, False] and "this job's was not measured" in blind.explain("allreduce", 1 << 20)[1]
+    # an entry of several nodes from before link stamps counts as it did; no measurement
+    old = stamped_file(tmp_path / "old.json", tables={"allreduce": {"2x4": [[0, "ring"]]}}, stamps={"2x4": here("2x4")})
+    measured = []
+    selector = Selector.from_environment(8, {tuning.TUNING_ENV: str(old)}, topology=layout,
+                                         measure_link=lambda: measured.append(1) or 1.0)
+    assert measured == [] and selector.in_use[0]
+
+
 def test_a_rank_that_does_not_match_makes_every_rank_fall_back(mpi_comm, tmp_path, clean_environment, monkeypatch):
     """Under mpiexec: the table is stamped with this machine's fingerprint, so every
     rank can use it; then the last rank sees another machine, and every rank falls
@@ -471,11 +511,11 @@ def test_tune_write_stamps_every_entry(tmp_path):
     path = tmp_path / "t.json"
     rows = [row("native", 8, 1.0, world_size=2), row("ring", 8, 2.0, world_size=2)]
     layout_rows = [{**r, "world_size": 8, "layout": "2x4"} for r in rows]
-    tune.write(path, rows + layout_rows, {"dtype": "float32"})
+    tune.write(path, rows + layout_rows, {"dtype": "float32"}, link=117.4e6)
     tune.write(path, rows, {"dtype": "float32"}, key="device_tables")
     measured = json.loads(path.read_text())["measured"]
-    assert measured["2"]["fingerprint"] == here("2")
-    assert measured["2x4"]["fingerprint"] == here("2x4") and here("2x4")["nodes"] == 2
+    assert measured["2"]["fingerprint"] == here("2")  # one node: no link in its key
+    assert measured["2x4"]["fingerprint"] == {**here("2x4"), "link_MBps": 117.0} and here("2x4")["nodes"] == 2
     assert measured["2 device"]["fingerprint"] == here("2")
     # and auto uses what it wrote, here
     selector = Selector.from_environment(2, {tuning.TUNING_ENV: str(path)})

@@ -134,15 +134,16 @@ def parse_args(argv):
     return args
 
 
-def contenders(collective, args):
-    """The names to run for ``collective``, in table order (native first)."""
+def contenders(collective, args, one_node=True):
+    """The names to run for ``collective``, in table order (native first);
+    ``one_node``: every rank shares memory, as the shared-memory algorithms need."""
     ours = [a for a in algorithms(collective) if a not in ("native", "auto")]
     if args.algorithms is None:
         wanted = ours + ([] if args.tune else ["auto"])  # auto is what is being tuned
     else:
         wanted = args.algorithms
     names = ["native"] + [a for a in wanted if a in algorithms(collective) and a != "native"
-                          and not (args.device != "host" and (collective, a) in SHARED_MEMORY)]  # host arrays only
+                          and not ((args.device != "host" or not one_node) and (collective, a) in SHARED_MEMORY)]
     if "gloo" in args.peers and collective in ("allreduce", "broadcast", "allgather") and args.op != "avg":
         names.append("gloo")
     if args.deterministic and collective in ORDERED:
@@ -294,6 +295,10 @@ def sweep(args, world, comm, device=None, ordered_comm=None):
         bandwidth = membound.probe(world)
         say(f"# memory: {bandwidth / 1e9:.1f} GB/s read + written per rank, all ranks at once (np.add); "
             "bound = time / the memory-traffic bound (collectives.bench.membound)")
+    link = None
+    if args.tune and comm.topology.node_count > 1:  # a table of several nodes is keyed by their link too
+        link = comm._measure_link()
+        say(f"# link: {link / 1e6:.1f} MB/s node to node (collectives.topology.measure_link), in the tuning key")
     rows = []
     pool = None
     if args.registered and device is None and comm._shares_memory:  # the buffers of every shm_registered case
@@ -301,7 +306,8 @@ def sweep(args, world, comm, device=None, ordered_comm=None):
     elif args.registered and rank0:
         say("# --registered: left out (it needs host buffers on ranks that share memory)")
     for collective in args.collectives:
-        names = [n for n in contenders(collective, args) if n != "shm_registered" or pool is not None]
+        names = [n for n in contenders(collective, args, comm._shares_memory)
+                 if n != "shm_registered" or pool is not None]
         say(report.header(collective, meta))
         for nbytes in size_list:
             case = Case(collective, nbytes, world, args.dtype, args.op, args.inplace, device=device)
@@ -328,7 +334,7 @@ def sweep(args, world, comm, device=None, ordered_comm=None):
         if args.tune:
             settings = {"dtype": args.dtype, "op": args.op, "inplace": args.inplace, "budget_s": args.budget,
                         "device": args.device}
-            new = tune.write(args.tune, rows, settings, "tables" if device is None else "device_tables")
+            new = tune.write(args.tune, rows, settings, "tables" if device is None else "device_tables", link)
             print(f"\n# tuning for world size {world.Get_size()} merged into {args.tune}:")
             for collective, by_size in new.items():
                 for world_size, entries in by_size.items():

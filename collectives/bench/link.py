@@ -20,37 +20,18 @@ of the library over ``native``: the figures issue 16 asks for, each from one run
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 MIB = 1 << 20
 
 
 def measure(comm, nbytes, repeats):
-    """The node-to-node rate in bytes per second, each node sending to the next and
-    receiving from the previous at once (call on every rank), or None on one node."""
-    import numpy as np
-    from mpi4py import MPI
+    """The node-to-node rate in bytes per second over ``comm`` (a Communicator; call
+    on every rank), or None on one node: :func:`collectives.topology.measure_link` on
+    the library's own duplicate, where no user traffic can match its messages."""
+    from ..topology import measure_link
 
-    topology = comm.topology
-    if topology.node_count < 2:
-        return None
-    nodes = topology.nodes
-    streams = min(len(n) for n in nodes)  # local ranks present on every node
-    node, local = topology.node_of[comm.rank], topology.local_rank[comm.rank]
-    active = local < streams
-    mpi = comm._comm  # the library's own duplicate: no user traffic to match
-    send, receive = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
-    times = []
-    for _ in range(repeats + 1):  # the first round warms the connections up
-        mpi.Barrier()
-        start = time.perf_counter()
-        if active:
-            after, before = nodes[(node + 1) % len(nodes)][local], nodes[(node - 1) % len(nodes)][local]
-            MPI.Request.Waitall([mpi.Isend(send, dest=after, tag=7), mpi.Irecv(receive, source=before, tag=7)])
-        times.append(mpi.allreduce(time.perf_counter() - start, op=MPI.MAX))
-    return streams * nbytes / statistics.median(times[1:])
+    return measure_link(comm._comm, comm.topology, nbytes, repeats)
 
 
 def run(argv):

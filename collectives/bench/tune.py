@@ -19,8 +19,9 @@ except that:
 
 A switch between two measured sizes takes effect at their geometric mean. Every
 entry of ``measured`` is stamped with the :func:`collectives.tuning.fingerprint` of
-the machine and layout it was measured on (``auto`` uses the entry only where that
-fingerprint is the job's).
+the machine and layout it was measured on, and for several nodes the link between
+them (``auto`` uses the entry only where that fingerprint is the job's, the link within
+``tuning.LINK_TOLERANCE``).
 
 With the defaults (``--budget 0.05`` s per contender, size and run, ``--rounds 3``,
 8 B to 64 MiB by 2: 24 sizes, 35 contenders) a ``--tune`` run is about 1-2 minutes
@@ -126,10 +127,12 @@ def describe_machine():
     }
 
 
-def write(path, rows, settings, key="tables"):
+def write(path, rows, settings, key="tables", link=None):
     """Merge the tables measured in ``rows`` into the tuning file at ``path`` (created if
     missing; world sizes measured before and not now are kept). ``key`` is
-    ``"device_tables"`` for measurements on device arrays."""
+    ``"device_tables"`` for measurements on device arrays. ``link``: the node-to-node
+    rate measured in the same job (bytes per second), which the fingerprint of a
+    layout of several nodes holds."""
     path = Path(path)
     data = {"format": FORMAT, "measured": {}, "tables": {}}
     if path.exists():
@@ -144,7 +147,7 @@ def write(path, rows, settings, key="tables"):
         data[key].setdefault(collective, {}).update(by_size)
         for world_size in by_size:
             data["measured"][world_size + where] = {**settings, **describe_machine(),
-                                                    "fingerprint": fingerprint_for_key(world_size),
+                                                    "fingerprint": fingerprint_for_key(world_size, link),
                                                     "date": datetime.date.today().isoformat()}
     TuningTable(data[key], source=path)  # what auto will load must be valid
     path.parent.mkdir(parents=True, exist_ok=True)
