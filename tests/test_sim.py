@@ -502,6 +502,39 @@ def test_two_level_topology():
     assert cost.time(A, B, 0.0, ranks_per_node=8, inter_alpha=10 * A, inter_beta=10 * B) == flat
 
 
+def test_two_level_model_takes_one_node_label_per_rank():
+    # The layouts the plans take with nodes=: node by node, uneven, interleaved.
+    p, count = 4, 4 * 100
+    b = count * ITEM // p
+    net = dict(inter_alpha=10 * A, inter_beta=10 * B)
+    step = 10 * A + 10 * B * b  # one message between nodes
+    ring = sim.costs("allreduce", "ring", p, count)
+    # node by node, as ranks_per_node=2 (which times rank 0 alone): one message each way
+    # on each node's link per step
+    assert ring.time(A, B, 0.0, ranks_per_node=["a", "a", "b", "b"], **net) == 2 * (p - 1) * step
+    assert ring.time(A, B, 0.0, ranks_per_node=2, **net) == 2 * (p - 1) * step
+    # 3 + 1: ranks 2 -> 3 and 3 -> 0 cross, each on its own node's link
+    assert ring.time(A, B, 0.0, ranks_per_node=[0, 0, 0, 1], **net) == 2 * (p - 1) * step
+    # interleaved: every hop crosses, two messages take turns on each node's link
+    assert ring.time(A, B, 0.0, ranks_per_node=[0, 1, 0, 1], **net) == 2 * 2 * (p - 1) * step
+    # one node holding every rank is the flat model
+    assert ring.time(A, B, 0.0, ranks_per_node=[7] * p, **net) == ring.time(A, B, 0.0)
+    # the two-level algorithms on the layout their plans were made for: slower when the
+    # network is; never faster than flat with the node's α and β (a node's ranks only
+    # add turns on its link)
+    for labels in ([0, 0, 0, 1], [0, 1, 1, 1, 1, 2], [1, 0, 0, 1, 1, 0, 2, 2]):
+        q = len(labels)
+        for collective, algorithm in TWO_LEVEL:
+            result = sim.costs(collective, algorithm, q, 6 * q, nodes=labels)
+            flat = result.time(A, B, G)
+            assert result.time(A, B, G, ranks_per_node=labels, **net) > flat, (collective, algorithm, labels)
+            assert result.time(A, B, G, ranks_per_node=labels, inter_alpha=A, inter_beta=B) >= flat
+    with pytest.raises(ValueError, match="ranks_per_node has 3 node labels for 4 ranks"):
+        ring.time(A, B, 0.0, ranks_per_node=[0, 0, 1])
+    with pytest.raises(ValueError, match="one node label per rank"):
+        ring.time(A, B, 0.0, ranks_per_node=[[0, 1], [2, 3]])
+
+
 # ---------------------------------------------------------------- two-level algorithms
 
 TWO_LEVEL = sorted(ca for ca in ALGORITHMS if ca[1].startswith("hierarchical"))

@@ -13,7 +13,8 @@ The timing model (:mod:`collectives.sim.timing`): a message of m bytes costs α 
 a rank sends one message and receives one at a time; a reduction of m bytes costs m·γ
 on its rank's processor; everything starts as soon as the schedule's dependencies
 allow, and the predicted time is the critical path through them. Optionally two
-levels: ranks per node, with inter-node α and β on a link each node shares.
+levels: ranks per node (or one node label per rank), with inter-node α and β on a
+link each node shares.
 
 ``python -m collectives.sim`` projects time and bus bandwidth to thousands of ranks
 (see :mod:`collectives.sim.project`).

@@ -119,9 +119,10 @@ class Costs:
 
     def time(self, alpha, beta, gamma, ranks_per_node=None, inter_alpha=None, inter_beta=None):
         """Predicted completion time in seconds: α per message, β seconds per byte per
-        link, γ seconds per byte reduced; with ``ranks_per_node``, messages between
-        nodes cost ``inter_alpha``/``inter_beta`` (default: α and β) and share each
-        node's link. See :mod:`collectives.sim.timing` for the whole model."""
+        link, γ seconds per byte reduced; with ``ranks_per_node`` (k ranks per node,
+        node by node, or one node label per rank as ``nodes=`` takes them), messages
+        between nodes cost ``inter_alpha``/``inter_beta`` (default: α and β) and share
+        each node's link. See :mod:`collectives.sim.timing` for the whole model."""
         model = Model(alpha, beta, gamma, ranks_per_node, inter_alpha, inter_beta)  # checked before any work
         return self._graph(model.ranks_per_node).time(model)
 
@@ -343,7 +344,7 @@ def timed_ranks(world_size, period, ranks_per_node=None):
     """How many ranks' plans the timing of a call symmetric under a shift by ``period``
     (None: not symmetric) needs: s = lcm(period, k) for a model of k ranks per node
     (period alone without nodes), where s divides p; else every rank."""
-    if not period:
+    if not period or isinstance(ranks_per_node, (list, tuple)):  # node labels: every rank
         return world_size
     shift = math.lcm(period, ranks_per_node) if ranks_per_node else period
     return shift if world_size % shift == 0 else world_size

@@ -8,7 +8,9 @@ The model (also in the package docstring and docs/algorithms.md):
   the order the plans list them) and as soon as s's send port and d's receive port are
   free: a rank sends one message and receives one at a time, both at once.
 - With a two-level topology (``ranks_per_node``), ranks ``k·r … k·r + k - 1`` share a
-  node. A message between nodes costs ``inter_alpha + m·inter_beta`` and also holds
+  node; or, with one node label per rank (``ranks_per_node=[0, 0, 0, 1]``, as the
+  plans' ``nodes=`` takes), the ranks of equal labels do: uneven and interleaved
+  layouts. A message between nodes costs ``inter_alpha + m·inter_beta`` and also holds
   the sending node's outgoing link and the receiving node's incoming link, so the
   ranks of a node take turns on the network.
 - A reduction of m bytes takes ``m·γ`` on its rank's processor, one at a time, while
@@ -43,7 +45,7 @@ class Model:
     alpha: float
     beta: float
     gamma: float
-    ranks_per_node: int = None
+    ranks_per_node: object = None  # an int, or one node label per rank (a tuple)
     inter_alpha: float = None
     inter_beta: float = None
 
@@ -55,8 +57,13 @@ class Model:
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0 (seconds); got {value!r}")
         rpn = self.ranks_per_node
-        if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, numbers.Integral) or rpn < 1):
-            raise ValueError(f"ranks_per_node must be a positive integer or None; got {rpn!r}")
+        if isinstance(rpn, (list, tuple)):
+            if not rpn or any(isinstance(label, (list, tuple, dict, set)) for label in rpn):
+                raise ValueError(f"ranks_per_node as a list needs one node label per rank; got {rpn!r}")
+            object.__setattr__(self, "ranks_per_node", tuple(rpn))  # frozen, and hashable
+        elif rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, numbers.Integral) or rpn < 1):
+            raise ValueError(f"ranks_per_node must be a positive integer, one node label per rank, or None; "
+                             f"got {rpn!r}")
         if rpn is None and (self.inter_alpha is not None or self.inter_beta is not None):
             raise ValueError("inter_alpha and inter_beta need ranks_per_node (how many ranks share a node)")
 
@@ -138,17 +145,35 @@ class Graph:
         return _simulate(self, model)
 
 
+def _node_of(ranks_per_node, world_size, timed):
+    """Every rank's node, numbered 0, 1, … in the order of their lowest ranks (None
+    for one level), checked against the world size and the ``timed`` ranks that
+    stand for it."""
+    if not ranks_per_node:
+        return None
+    if isinstance(ranks_per_node, tuple):
+        if len(ranks_per_node) != world_size:
+            raise ValueError(f"ranks_per_node has {len(ranks_per_node)} node labels for {world_size} ranks")
+        if timed < world_size:
+            raise ValueError("node labels need every rank timed (a symmetric call's representatives stand for "
+                             "equal nodes of ranks_per_node ranks)")
+        number = {}
+        return [number.setdefault(label, len(number)) for label in ranks_per_node]
+    k = int(ranks_per_node)
+    if timed < world_size and timed % k:
+        raise ValueError(f"{timed} representatives of {world_size} ranks cannot model {k} ranks per node")
+    return [r // k for r in range(world_size)]
+
+
 def _simulate(graph, model):
     plans, kinds, nbytes, peers, match = graph.plans, graph.kinds, graph.nbytes, graph.peers, graph.match
     real_peers = graph.real_peers
     size = len(plans)  # ranks, or their representatives (whose node links stand for every node's)
-    rpn = int(model.ranks_per_node) if model.ranks_per_node else None
-    if rpn and size < graph.world_size and size % rpn:
-        raise ValueError(f"{size} representatives of {graph.world_size} ranks cannot model {rpn} ranks per node")
+    node_of = _node_of(model.ranks_per_node, graph.world_size, size)  # of every rank; None: one level
     inter_alpha = model.alpha if model.inter_alpha is None else model.inter_alpha
     inter_beta = model.beta if model.inter_beta is None else model.inter_beta
     gamma = model.gamma
-    nodes = (size + rpn - 1) // rpn if rpn else 0
+    nodes = max(node_of[:size]) + 1 if node_of else 0  # the timed ranks' nodes (links numbered by node)
 
     pending = [plan.initial_pending() for plan in plans]
     remaining = [len(plan.ops) for plan in plans]
@@ -169,8 +194,8 @@ def _simulate(graph, model):
     def post_message(now, src, i, dst, j):
         key = (now, i, src, dst, j)  # ready first, then the sender's earlier operation, then the lower rank
         held = [src, size + dst]
-        if rpn and src // rpn != real_peers[src][i] // rpn:
-            held += [2 * size + src // rpn, 2 * size + nodes + dst // rpn]
+        if node_of and node_of[src] != node_of[real_peers[src][i]]:
+            held += [2 * size + node_of[src], 2 * size + nodes + node_of[dst]]
         needs[key] = held
         for port in held:
             bisect.insort(waiting.setdefault(port, []), key)
