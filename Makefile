@@ -114,7 +114,7 @@ test-multihost: install
 	    --counters $(RESULTS)/latest-multihost-$$l.json -- $(PYTHON) -m pytest -q --with-mpi -m "not serial" \
 	    $(MULTIHOST_SUITE) $(MULTIHOST_TESTS) || exit 1; \
 	done; \
-	echo "== testbed faults (serial, 2x2)"; \
+	echo "== testbed faults (serial, at each of 2x2 4x1 2x4)"; \
 	COLLECTIVES_TESTBED_FAULTS=1 timeout $(MULTIHOST_TIMEOUT) $(PYTHON) -m pytest -q -rs -s -m serial $(MULTIHOST_TESTS)
 
 bench-multihost: install

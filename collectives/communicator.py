@@ -28,6 +28,7 @@ from .device import DeviceArray, is_device
 from .schedule import Fence, Schedule, compile_plan, fuse_reductions, split_schedule
 from .transport import lean, p2p
 from .transport.buffers import Buffers
+from .transport import liveness as liveness_module
 from .transport.liveness import Liveness
 from .transport.mpi import PlanHandle, Progress, RequestHandle, check_timeout
 from .transport.shm import NodeWindow, Registration, ShmCall, ShmHandle
@@ -330,6 +331,12 @@ class Communicator:
         # ``nodes`` says); the window is made at the first such call (see transport.shm).
         self._node_comm = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self._shares_memory = self._node_comm.Get_size() == self.size
+        if not self._shares_memory and self.size <= liveness_module.CONNECT_UP_TO:
+            # Every rank on another node, connected now (see Liveness.connect): a timed-out
+            # rank's probes must not wait on a TCP connect to a host that is gone.
+            here = set(self._node_comm.Get_group().Translate_ranks(list(range(self._node_comm.Get_size())),
+                                                                    self._comm.Get_group()))
+            self._progress.liveness.connect([r for r in range(self.size) if r not in here])
         self.shm_slot = _slot_bytes()
         self._window = None
         self._registrations = []  # what empty() and zeros() made, in the order every rank made them

@@ -11,6 +11,7 @@ runs them, as root). Elsewhere every test here skips, saying why.
   stall) and a link throttled to 10 Mbit/s (stall warnings, then correct results).
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -82,8 +83,7 @@ def test_allreduce_across_hosts_equals_mpi(comm, mpi_comm, algorithm, count):
 
 
 # -- faults, driven from outside the job -----------------------------------------------------
-FAULT_LAYOUT = "2x2"
-CUT_HOST = 1           # the last host of FAULT_LAYOUT
+FAULT_LAYOUTS = ("2x2", "4x1", "2x4")  # make test-multihost's; the last host of each is cut off
 TIMEOUT = 2.0          # the library's timeout in the cut test
 STALL = 5.0            # how long plain MPI is watched after the cut
 
@@ -92,12 +92,40 @@ faults = pytest.mark.skipif(
     reason="fault tests drive a testbed that is up, as root (make test-multihost sets COLLECTIVES_TESTBED_FAULTS=1)")
 
 
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """A layout and the host whose link a test cuts or throttles: the last one."""
+
+    layout: str
+
+    @property
+    def host(self):
+        return int(self.layout.split("x")[0]) - 1
+
+    @property
+    def size(self):
+        hosts, ranks = (int(n) for n in self.layout.split("x"))
+        return hosts * ranks
+
+    @property
+    def cut(self):
+        """The ranks on the host (block placement: host h holds ranks h·k … h·k + k - 1)."""
+        ranks = int(self.layout.split("x")[1])
+        return list(range(self.host * ranks, (self.host + 1) * ranks))
+
+
+@pytest.fixture(params=FAULT_LAYOUTS)
+def fault(request):
+    return Fault(request.param)
+
+
 @pytest.fixture
-def testbed():
+def testbed(fault):
     from collectives import testbed
     present = testbed.net.hosts_present()
-    assert {0, CUT_HOST} <= set(present), f"COLLECTIVES_TESTBED_FAULTS=1 but the testbed has hosts {present}"
-    rate = testbed.net.read_state().get("rates", [10**9] * (CUT_HOST + 1))[CUT_HOST]
+    assert set(range(fault.host + 1)) <= set(present), \
+        f"COLLECTIVES_TESTBED_FAULTS=1 but the testbed has hosts {present}, not the {fault.layout} layout's"
+    rate = testbed.net.read_state().get("rates", [10**9] * (fault.host + 1))[fault.host]
 
     def interrupted(signum, frame):  # a SIGTERM (make's timeout) unwinds too: the jobs get killed
         raise KeyboardInterrupt(f"signal {signum}")
@@ -107,12 +135,12 @@ def testbed():
         yield testbed
     finally:  # the link as it was, whatever the test did to it
         signal.signal(signal.SIGTERM, previous)
-        testbed.set_link(CUT_HOST, True)
-        testbed.set_rate(CUT_HOST, rate)
+        testbed.set_link(fault.host, True)
+        testbed.set_rate(fault.host, rate)
 
 
-def launch(testbed, tmp_path, mode, seconds):
-    job = testbed.start(FAULT_LAYOUT, [sys.executable, os.path.join(HERE, "multihost_fault_job.py"), mode,
+def launch(testbed, fault, tmp_path, mode, seconds):
+    job = testbed.start(fault.layout, [sys.executable, os.path.join(HERE, "multihost_fault_job.py"), mode,
                                        str(tmp_path), str(seconds)])
     deadline = time.monotonic() + 60
     while not (tmp_path / "ready").exists():
@@ -127,21 +155,16 @@ def reports(tmp_path, ranks):
             if (tmp_path / f"rank-{r}.json").exists()}
 
 
-def cut_ranks():
-    hosts, ranks = (int(n) for n in FAULT_LAYOUT.split("x"))
-    return list(range(CUT_HOST * ranks, (CUT_HOST + 1) * ranks)), hosts * ranks
-
-
 @faults
 @pytest.mark.serial
-def test_a_cut_link_raises_timeout_naming_the_cut_off_ranks(testbed, tmp_path):
+def test_a_cut_link_raises_timeout_naming_the_cut_off_ranks(testbed, fault, tmp_path):
     from collectives.transport.liveness import ranks as name_ranks
-    cut, size = cut_ranks()
+    cut, size = fault.cut, fault.size
     others = [r for r in range(size) if r not in cut]
-    job = launch(testbed, tmp_path, "cut", TIMEOUT)
+    job = launch(testbed, fault, tmp_path, "cut", TIMEOUT)
     try:
         time.sleep(0.3)  # some calls done: the cut falls in the middle of one
-        testbed.set_link(CUT_HOST, False)
+        testbed.set_link(fault.host, False)
         cut_at = time.time()
         deadline = time.monotonic() + TIMEOUT + 10
         while len(reports(tmp_path, others)) < len(others) and time.monotonic() < deadline:
@@ -156,20 +179,20 @@ def test_a_cut_link_raises_timeout_naming_the_cut_off_ranks(testbed, tmp_path):
         assert report["calls"] > 0, f"rank {r} raised in its first call: the cut was not mid-run"
         assert f"no answer within 0.5 s from {name_ranks(cut)}" in report["message"], report["message"]
         assert report["seconds"] <= TIMEOUT + 1.0, report
-        print(f"rank {r}: raised {report['seconds']:.2f} s after its call began, "
+        print(f"{fault.layout} rank {r}: raised {report['seconds']:.2f} s after its call began, "
               f"{report['at'] - cut_at:.2f} s after the cut (timeout {TIMEOUT:g} s)")
 
 
 @faults
 @pytest.mark.serial
-def test_a_cut_link_stalls_plain_mpi_without_an_error(testbed, tmp_path):
+def test_a_cut_link_stalls_plain_mpi_without_an_error(testbed, fault, tmp_path):
     """What the library's timeout is for: MPI's own Allreduce neither finishes nor
     raises once a host is cut off (TCP backs off); watched for STALL seconds."""
-    cut, size = cut_ranks()
-    job = launch(testbed, tmp_path, "mpi", 0)
+    size = fault.size
+    job = launch(testbed, fault, tmp_path, "mpi", 0)
     try:
         time.sleep(0.3)
-        testbed.set_link(CUT_HOST, False)
+        testbed.set_link(fault.host, False)
         cut_at = time.time()
         time.sleep(STALL)
         got = reports(tmp_path, range(size))
@@ -182,21 +205,21 @@ def test_a_cut_link_stalls_plain_mpi_without_an_error(testbed, tmp_path):
         assert got[r]["completed"], f"rank {r} completed no Allreduce before the cut"
         late = [t - cut_at for t in got[r]["completed"] if t > cut_at + 0.5]
         assert not late, f"rank {r} completed Allreduces {late} s after the cut"
-        print(f"rank {r}: last Allreduce done {got[r]['completed'][-1] - cut_at:+.2f} s from the cut; "
+        print(f"{fault.layout} rank {r}: last Allreduce done {got[r]['completed'][-1] - cut_at:+.2f} s from the cut; "
               f"nothing since, no error, for {STALL:g} s")
 
 
 @faults
 @pytest.mark.serial
-def test_a_throttled_link_warns_naming_slow_peers_and_ends_correct(testbed, tmp_path):
+def test_a_throttled_link_warns_naming_slow_peers_and_ends_correct(testbed, fault, tmp_path):
     from collectives.transport.liveness import ranks as name_ranks
-    slow, size = cut_ranks()
-    job = launch(testbed, tmp_path, "slow", 0.5)
+    slow, size = fault.cut, fault.size
+    job = launch(testbed, fault, tmp_path, "slow", 0.5)
     try:
         time.sleep(0.2)
-        testbed.set_rate(CUT_HOST, "10mbit")
+        testbed.set_rate(fault.host, "10mbit")
         time.sleep(3.0)
-        testbed.set_rate(CUT_HOST, "1gbit")
+        testbed.set_rate(fault.host, "1gbit")
         (tmp_path / "restored").touch()
         code = job.wait(60)
     finally:
@@ -210,4 +233,22 @@ def test_a_throttled_link_warns_naming_slow_peers_and_ends_correct(testbed, tmp_
     named = [w for w in warnings if any(f"from {name_ranks([r])}" in w or f"for {name_ranks([r])} to" in w
                                         for r in slow)]
     assert named, f"no stall warning names a rank of the throttled host {slow}: {warnings[:5]}"
-    print(f"{len(warnings)} stall warnings, {len(named)} naming ranks {slow}; e.g. {named[0]}")
+    print(f"{fault.layout}: {len(warnings)} stall warnings, {len(named)} naming ranks {slow}; e.g. {named[0]}")
+
+
+@faults
+@pytest.mark.serial
+def test_a_job_whose_messages_do_not_cross_the_links_fails_naming_the_hosts():
+    # The check every testbed job passes: a job on two hosts that sends nothing between
+    # them (as MPICH does when it carries "inter-host" messages over shared memory).
+    import re
+    import subprocess
+
+    from collectives import testbed
+
+    result = testbed.run("2x1", [sys.executable, "-c", "pass"], timeout=60)
+    assert result.returncode == 0 and re.match(r"the job ran on 2 hosts but host 0 \(cctb-h0\) sent \d+ B", result.link_error), \
+        vars(result)
+    command = subprocess.run([sys.executable, "-m", "collectives.testbed", "run", "--layout", "2x1", "--", sys.executable,
+                              "-c", "pass"], capture_output=True, text=True, timeout=120)
+    assert command.returncode != 0 and "testbed: FAILED: the job ran on 2 hosts" in command.stderr, command

@@ -319,3 +319,22 @@ def test_broadcast_object_that_cannot_be_pickled_raises_everywhere(comm):
     with pytest.raises(TypeError, match="broadcast_object: .*cannot be pickled"):
         comm.broadcast_object(unpicklable, root=0)
     assert comm.broadcast_object("fine" if comm.rank == 0 else None) == "fine"
+
+
+def test_liveness_connect_meets_every_peer_and_leaves_no_message_behind(mpi_comm):
+    # What a communicator across nodes does when it is made, so that a timed-out rank's
+    # probes never wait on a TCP connect to a host that is gone (test_multihost's cut
+    # link at 2x4 hung there before).
+    from collectives.transport.liveness import Liveness
+
+    live = Liveness(mpi_comm.Dup())
+    try:
+        rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        live.connect([r for r in range(size) if r != rank])
+        live.connect([(rank + 1) % size, (rank - 1) % size] if size > 2 else [])  # ring neighbours: symmetric too
+        live._comm.Barrier()
+        problems = ["a message is left unreceived"] if live._comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG) else []
+        live._comm.Barrier()
+    finally:
+        live.free()
+    agree(mpi_comm, problems)

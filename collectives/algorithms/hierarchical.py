@@ -40,6 +40,12 @@ the leaders work on a copy in node order (one more copy on each leader).
 
 Every step is a flat algorithm of this package run on a group of ranks (ring helpers,
 or :func:`collectives.schedule.embed` of a whole schedule): nothing is written twice.
+The node's steps are messages, which MPI carries over the node's shared memory. They
+do not use the ``shm`` executor (one window per node, fences): measured on one node of
+this machine from 1 MiB (bench/results/xeon-2vcpu-mpich5/issue17), plain ``shm``
+allgather took 1.15-1.64x the best message algorithm's time at 2 ranks and, from 8
+MiB, 1.16-1.35x at 4; only its registered form, on buffers the caller registers, is
+faster, and a step's pieces are the library's own workspace.
 The builders take the communicator's :class:`collectives.topology.Topology`; with
 one node or one rank per node they reduce to the flat algorithm they are made of.
 """

@@ -25,8 +25,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-PROBE, REPLY, BROKEN = 1, 2, 3
+PROBE, REPLY, BROKEN, CONNECT = 1, 2, 3, 4
 DEFAULT_GRACE = 0.5  # seconds the timed-out rank listens for answers
+# Up to this many ranks, a communicator that spans nodes connects every pair across
+# nodes when it is made (connect): one small message each way per pair.
+CONNECT_UP_TO = 256
 
 
 class Liveness:
@@ -36,6 +39,19 @@ class Liveness:
         self.size = comm.Get_size()
         self.heard = {}  # rank -> (call it was in, "waiting" or "timed out") when it probed or replied
         self._sent = []  # requests (and the buffers they hold) of replies and probes sent
+
+    def connect(self, peers):
+        """Exchange one small message with each of ``peers`` (every one of them must call
+        this with this rank among its own peers), so that the MPI library has a
+        connection to each before anything can fail. Over TCP, a probe to a rank this
+        process never messaged opens a connection first, and where that rank's host has
+        dropped off the network, MPICH's send blocks while TCP retries its connect (tens
+        of seconds): the timed-out rank would hang in :meth:`check`, not raise."""
+        token = np.zeros(1, np.int64)
+        inbox = np.empty(len(peers), np.int64)
+        requests = [self._comm.Irecv([inbox[i:i + 1], MPI.BYTE], r, CONNECT) for i, r in enumerate(peers)]
+        requests += [self._comm.Isend([token, MPI.BYTE], r, CONNECT) for r in peers]
+        MPI.Request.Waitall(requests)
 
     def answer(self, call):
         """Reply to every probe that has arrived: "this rank is waiting in ``call``".
