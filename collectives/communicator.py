@@ -307,6 +307,11 @@ class Communicator:
         self._comm = mpi_comm.Dup()
         self.rank = self._comm.Get_rank()
         self.size = self._comm.Get_size()
+        # The ranks that share memory with this one, asked of MPI once: the topology's
+        # nodes (unless ``nodes`` says otherwise) and the shared-memory algorithms' group.
+        # Made here: a blocking collective at a call's start could wait forever on an
+        # absent rank, with no timeout to stop it.
+        self._node_comm = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.topology = self._learn_topology(nodes)
         # A tuning table counts only if it matches every rank's machine: the ranks AND
         # their verdicts (one allreduce), so all of them choose alike.
@@ -325,11 +330,8 @@ class Communicator:
         self._devices = {}  # backend -> DeviceContext, made at the first call on that device
         self._fast_entries = {}  # what the lean path knows of a kind of call: see _fast_call
         self._persistent = {}  # small blocking calls' PersistentPrograms, by plan, dtype and sizes: see _run_persistent
-        # The ranks that share memory with this one (made here: a blocking collective at
-        # a call's start could wait forever on an absent rank, with no timeout to stop it).
-        # The shared-memory algorithms need all of them on it (MPI's view, whatever
+        # The shared-memory algorithms need every rank on this node (MPI's view, whatever
         # ``nodes`` says); the window is made at the first such call (see transport.shm).
-        self._node_comm = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self._shares_memory = self._node_comm.Get_size() == self.size
         if not self._shares_memory and self.size <= liveness_module.CONNECT_UP_TO:
             # Every rank on another node, connected now (see Liveness.connect): a timed-out
@@ -353,7 +355,7 @@ class Communicator:
         """The node layout: MPI's (ranks that share memory), or ``nodes``, one label per
         rank, checked to be the same list on every rank (collective either way)."""
         if nodes is None:
-            return topology_module.learn(self._comm)
+            return topology_module.learn(self._comm, self._node_comm)
         try:
             labels = list(nodes)
             problem = None if len(labels) == self.size else f"has {len(labels)} labels for {self.size} ranks"

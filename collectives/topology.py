@@ -111,15 +111,20 @@ class Topology:
         return f"{len(sizes)}x{sizes[0]}" if len(set(sizes)) == 1 else "+".join(map(str, sizes))
 
 
-def learn(mpi_comm):
+def learn(mpi_comm, node_comm=None):
     """The topology of ``mpi_comm`` as MPI sees it (collective): ranks that can share
-    memory are one node."""
-    node_comm = mpi_comm.Split_type(_shared_type(), key=mpi_comm.Get_rank())
+    memory are one node. ``node_comm``: those ranks of ``mpi_comm`` as the caller
+    already has them (``Split_type(COMM_TYPE_SHARED, key=rank)``), else made and freed
+    here."""
+    own = node_comm is None
+    if own:
+        node_comm = mpi_comm.Split_type(_shared_type(), key=mpi_comm.Get_rank())
     try:
         # the node's label: the lowest communicator rank on it (the node's rank 0, by key)
         leader = node_comm.bcast(mpi_comm.Get_rank(), root=0)
     finally:
-        node_comm.Free()
+        if own:
+            node_comm.Free()
     return Topology.from_labels(mpi_comm.allgather(leader))
 
 
