@@ -831,8 +831,13 @@ def two_level_rows(params, layouts=((2, 2), (2, 4), (4, 1))):
     """Rows measured (here: made by the model) across nodes, ``layout`` as the benchmark
     writes it."""
     rows = []
-    for nodes, k in layouts:
-        p = nodes * k
+    for layout in layouts:
+        if isinstance(layout, str):  # uneven node sizes, "3+1": one node label per rank
+            sizes = [int(n) for n in layout.split("+")]
+            nodes, k, p = len(sizes), [j for j, n in enumerate(sizes) for _ in range(n)], sum(sizes)
+        else:
+            nodes, k = layout
+            p, layout = nodes * k, f"{nodes}x{k}"
         for algorithm in BUILDERS["allreduce"]:
             if algorithm == "shm" and nodes > 1:  # one node only
                 continue
@@ -841,7 +846,7 @@ def two_level_rows(params, layouts=((2, 2), (2, 4), (4, 1))):
                 count = nbytes // 4
                 t = sim.costs("allreduce", algorithm, p, count, **extra).time(*params[:3], k, *params[3:])
                 rows.append(dict(collective="allreduce", algorithm=algorithm, bytes=nbytes, count=count, world_size=p,
-                                 layout=f"{nodes}x{k}", dtype="float32", time_us=t * 1e6))
+                                 layout=layout, dtype="float32", time_us=t * 1e6))
     return rows
 
 
@@ -852,10 +857,11 @@ def test_two_level_fit_recovers_the_network_and_the_node():
     rows = calibrate.load_rows_from(two_level_rows(truth, layouts=((2, 2), (4, 1))))
     fitted = calibrate.fit(rows)
     assert fitted == pytest.approx(truth, rel=1e-6)
-    held_out = calibrate.load_rows_from(two_level_rows(truth, layouts=((2, 4),)))
-    assert max(abs(e) for *_, e in calibrate.compare(held_out, fitted)) < 1e-6
-    with pytest.raises(ValueError, match="nodes of equal size placed node by node"):
-        calibrate.fit([dict(rows[0], layout="3+1")])
+    held_out = calibrate.load_rows_from(two_level_rows(truth, layouts=((2, 4), "3+1", "2+3+1")))
+    assert max(abs(e) for *_, e in calibrate.compare(held_out, fitted)) < 1e-6  # uneven nodes predicted too
+    assert "3+1 " in calibrate.report(calibrate.compare(held_out, fitted))
+    with pytest.raises(ValueError, match=r"layout '3\+2': expected nodes x ranks per node \(2x4\) or node sizes"):
+        calibrate.fit([dict(rows[0], layout="3+2")])
 
 
 def test_the_command_line_fits_two_levels_and_compares_held_out_runs(tmp_path, capsys):

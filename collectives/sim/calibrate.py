@@ -33,12 +33,19 @@ NAMES = ("alpha", "beta", "gamma", "inter_alpha", "inter_beta")
 
 
 def nodes_of(row):
-    """``(nodes, ranks per node)`` of a row's layout (one node where it has none)."""
-    layout = row.get("layout") or f"1x{row['world_size']}"
-    match = re.fullmatch(r"([0-9]+)x([0-9]+)", str(layout))
-    if not match:
-        raise ValueError(f"layout {layout!r}: the model times nodes of equal size placed node by node (NxK) only")
-    return int(match[1]), int(match[2])
+    """``(nodes, ranks per node)`` of a row's layout (one node where it has none): the
+    ranks per node an int for NxK, else (``"3+1"``, uneven nodes) one node label per
+    rank, the nodes placed node by node in that order."""
+    layout = str(row.get("layout") or f"1x{row['world_size']}")
+    match = re.fullmatch(r"([0-9]+)x([0-9]+)", layout)
+    if match:
+        return int(match[1]), int(match[2])
+    if re.fullmatch(r"[1-9][0-9]*(\+[1-9][0-9]*)+", layout):
+        sizes = [int(n) for n in layout.split("+")]
+        if sum(sizes) == int(row["world_size"]):
+            return len(sizes), [node for node, size in enumerate(sizes) for _ in range(size)]
+    raise ValueError(f"layout {layout!r}: expected nodes x ranks per node (2x4) or node sizes adding up to the "
+                     f"world size {row['world_size']} (3+1)")
 
 
 def parameter_count(rows):
@@ -176,7 +183,7 @@ def report(comparison):
 
 def _layout(row):
     nodes, per_node = nodes_of(row)
-    return f"{nodes}x{per_node}"
+    return f"{nodes}x{per_node}" if isinstance(per_node, int) else str(row["layout"])
 
 
 def summary(comparison, by=_layout):
