@@ -252,3 +252,26 @@ def test_a_job_whose_messages_do_not_cross_the_links_fails_naming_the_hosts():
     command = subprocess.run([sys.executable, "-m", "collectives.testbed", "run", "--layout", "2x1", "--", sys.executable,
                               "-c", "pass"], capture_output=True, text=True, timeout=120)
     assert command.returncode != 0 and "testbed: FAILED: the job ran on 2 hosts" in command.stderr, command
+
+
+@faults
+@pytest.mark.serial
+def test_up_again_keeps_the_testbed_and_a_job_ends_only_its_own_processes(monkeypatch):
+    import subprocess
+
+    from collectives import testbed
+
+    state = testbed.net.read_state()
+    hosts = testbed.net.hosts_present()
+    assert len(set(state["rates"])) == 1, state  # make test-multihost's: one rate for every host
+    monkeypatch.setattr(testbed.net, "_build", lambda *args: pytest.fail("up rebuilt the testbed that was up"))
+    again = testbed.net.up(len(hosts), rate=state["rates"][0])  # idempotent: nothing rebuilt
+    assert testbed.net.hosts_present() == hosts and again["addresses"] == state["addresses"]
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # not the job's
+    try:
+        result = testbed.run("2x1", [sys.executable, "-c", "import time; time.sleep(0.2)"], timeout=60,
+                             min_link_bytes=0)
+        assert result.returncode == 0 and bystander.poll() is None, "the job's end took a process it did not start"
+    finally:
+        bystander.kill()
+        bystander.wait()
