@@ -6,7 +6,8 @@ algorithms and to ``auto``.
 
 A :class:`Topology` is the list of nodes, each the ascending list of its ranks. A
 rank's *local rank* is its index on its node; the node's *leader* is its local rank 0
-(its lowest rank). Nodes are numbered by their lowest rank, so every rank numbers them
+(its lowest rank). The cross-node groups (``across``) are the ranks of one local rank,
+one per node. Nodes are numbered by their lowest rank, so every rank numbers them
 the same way whatever order MPI placed the ranks in.
 
 :func:`learn` asks MPI (``Split_type(COMM_TYPE_SHARED)``: ranks that can share memory)
@@ -87,6 +88,14 @@ class Topology:
             for i, r in enumerate(node):
                 table[r] = i
         return tuple(table)
+
+    @cached_property
+    def across(self):
+        """The cross-node groups: ``across[l]`` holds the rank of local rank l on every
+        node, in node order, for each local rank every node has (``across[0]``: the
+        leaders). A two-level schedule's network step runs within these groups, over
+        the communicator's own messages (no MPI communicator is made for them)."""
+        return tuple(tuple(node[local] for node in self.nodes) for local in range(min(self.ranks_per_node)))
 
     @property
     def ranks_per_node(self):

@@ -228,3 +228,12 @@ def test_topology_helpers():
         Topology(((0, 1), (1, 2)))
     with pytest.raises(ValueError, match="ranks_per_node must be a positive integer"):
         Topology.uniform(4, 0)
+
+
+@pytest.mark.serial
+def test_the_cross_node_groups_hold_one_rank_of_each_local_rank_per_node():
+    shuffled = Topology.from_labels([1, 0, 0, 1, 1, 0, 2, 2])  # nodes (0, 3, 4), (1, 2, 5), (6, 7)
+    assert shuffled.nodes == ((0, 3, 4), (1, 2, 5), (6, 7))
+    assert shuffled.across == ((0, 1, 6), (3, 2, 7))  # local ranks 0 and 1; local rank 2 is not on every node
+    assert Topology.uniform(8, 4).across == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert Topology.single(3).across == ((0,), (1,), (2,))

@@ -69,7 +69,7 @@ class _Place:
         self.node_index = topology.node_of[rank]
         self.node = topology.nodes[self.node_index]
         self.local = topology.local_rank[rank]
-        self.leaders = [node[0] for node in topology.nodes]
+        self.leaders = list(topology.across[0])
 
 
 def allreduce(rank, size, count, *, topology=None, **_):
@@ -91,7 +91,7 @@ def allreduce(rank, size, count, *, topology=None, **_):
         s.reduce(whole_out, sl(source, 0, count), sl("tmp", 0, count))
         source = "out"
     core = node[:m]
-    across = [n[local] for n in place.topology.nodes]
+    across = list(place.topology.across[local])
     pieces = pipeline_pieces(count) if m > 1 and len(across) > 1 else [(0, count)]
     bounds = [[lo + b for b in block_bounds(hi - lo, m)] for lo, hi in pieces]
     # The node's steps receive into tmp from 0, the network's after them: a piece's
