@@ -329,6 +329,7 @@ class Communicator:
         self._workspace = _Workspace()
         self._devices = {}  # backend -> DeviceContext, made at the first call on that device
         self._fast_entries = {}  # what the lean path knows of a kind of call: see _fast_call
+        self._native_starters = {}  # _native's MPI calls, made once per kind of call
         self._persistent = {}  # small blocking calls' PersistentPrograms, by plan, dtype and sizes: see _run_persistent
         # The shared-memory algorithms need every rank on this node (MPI's view, whatever
         # ``nodes`` says); the window is made at the first such call (see transport.shm).
@@ -336,8 +337,10 @@ class Communicator:
         if not self._shares_memory and self.size <= liveness_module.CONNECT_UP_TO:
             # Every rank on another node, connected now (see Liveness.connect): a timed-out
             # rank's probes must not wait on a TCP connect to a host that is gone.
-            here = set(self._node_comm.Get_group().Translate_ranks(list(range(self._node_comm.Get_size())),
-                                                                    self._comm.Get_group()))
+            node_group, group = self._node_comm.Get_group(), self._comm.Get_group()
+            here = set(node_group.Translate_ranks(list(range(node_group.Get_size())), group))
+            node_group.Free()
+            group.Free()
             self._progress.liveness.connect([r for r in range(self.size) if r not in here])
         self.shm_slot = _slot_bytes()
         self._window = None
@@ -1181,7 +1184,8 @@ class Communicator:
         found = self._registered(x, out, inplace, collective)
         if found is None:
             return entry
-        key = (collective, name, x.dtype, count, root, inplace, op, found[0].number, found[1])
+        key = (collective, name, x.dtype, count, root, inplace, op, self.shm_slot, self.deterministic,
+               found[0].number, found[1])
         made = self._registered_entries.get(key)
         if made is None:
             if len(self._registered_entries) > 256:
@@ -1609,33 +1613,25 @@ class Communicator:
 
     def _native(self, collective, inp, out, inplace, op, root, counts, blocking=False):
         """Start MPI's own non-blocking collective (return its request), or with
-        ``blocking`` run the blocking one. Arrays go to mpi4py as they are: it maps the
-        dtype to MPI's predefined type."""
-        comm = self._comm
-        send = MPI.IN_PLACE if inplace else inp
+        ``blocking`` run the blocking one: :meth:`_native_starter`'s call, kept per kind
+        of call. Arrays go to mpi4py as they are: it maps the dtype to MPI's predefined
+        type."""
         if out is not None and out.size == 0 and not inplace:
             # An empty result (a reduce_scatter block of 0 elements) may sit at x's own
             # address: NumPy says they share nothing, MPI refuses the alias all the same.
             out = np.empty(0, out.dtype)
-        if collective == "allreduce":
-            return (comm.Allreduce if blocking else comm.Iallreduce)(send, out, _MPI_OPS[op])
-        if collective == "reduce_scatter":
-            return (comm.Reduce_scatter if blocking else comm.Ireduce_scatter)(inp, out, counts, _MPI_OPS[op])
-        if collective == "allgather":
-            return (comm.Allgather if blocking else comm.Iallgather)(inp, out)
-        if collective == "broadcast":
-            return (comm.Bcast if blocking else comm.Ibcast)(out, root)
-        if collective == "gather":
-            return (comm.Gather if blocking else comm.Igather)(inp, out if self.rank == root else None, root)
-        if collective == "scatter":
-            return (comm.Scatter if blocking else comm.Iscatter)(inp if self.rank == root else None, out, root)
-        if collective == "alltoall":
-            return (comm.Alltoall if blocking else comm.Ialltoall)(inp, out)
-        if collective == "alltoallv":
-            return (comm.Alltoallv if blocking else comm.Ialltoallv)(*_vector_messages(inp, out, counts))
-        recv = out if self.rank == root else None
-        return (comm.Reduce if blocking else comm.Ireduce)(send, recv, _MPI_OPS[op], root)
-
+        if counts is None:
+            key = (collective, op, root, blocking)
+            start = self._native_starters.get(key)
+            if start is None:
+                if len(self._native_starters) > 256:
+                    self._native_starters.clear()
+                start = self._native_starters[key] = self._native_starter(collective, op, root, None, blocking)
+        else:  # per call: the counts are its own
+            start = self._native_starter(collective, op, root, counts, blocking)
+        # The starter reads one buffer for both as MPI_IN_PLACE; broadcast's is out.
+        send = out if collective == "broadcast" or (inplace and collective in ("allreduce", "reduce")) else inp
+        return start(send, out)
 
 def _nothing():
     return None

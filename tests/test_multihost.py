@@ -264,7 +264,9 @@ def test_up_again_keeps_the_testbed_and_a_job_ends_only_its_own_processes(monkey
     state = testbed.net.read_state()
     hosts = testbed.net.hosts_present()
     assert len(set(state["rates"])) == 1, state  # make test-multihost's: one rate for every host
-    monkeypatch.setattr(testbed.net, "_build", lambda *args: pytest.fail("up rebuilt the testbed that was up"))
+    for name in ("down", "_build"):  # up rebuilds by tearing down first: fail before anything is torn down
+        monkeypatch.setattr(testbed.net, name, lambda *args, name=name: pytest.fail(f"up called {name}: it rebuilt "
+                                                                                   "the testbed that was up"))
     again = testbed.net.up(len(hosts), rate=state["rates"][0])  # idempotent: nothing rebuilt
     assert testbed.net.hosts_present() == hosts and again["addresses"] == state["addresses"]
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # not the job's

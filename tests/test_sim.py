@@ -857,8 +857,10 @@ def test_two_level_fit_recovers_the_network_and_the_node():
     rows = calibrate.load_rows_from(two_level_rows(truth, layouts=((2, 2), (4, 1))))
     fitted = calibrate.fit(rows)
     assert fitted == pytest.approx(truth, rel=1e-6)
+    # uneven nodes predicted too: this checks that their rows reach the model as node
+    # labels (the labels' times themselves: test_two_level_model_takes_one_node_label_per_rank)
     held_out = calibrate.load_rows_from(two_level_rows(truth, layouts=((2, 4), "3+1", "2+3+1")))
-    assert max(abs(e) for *_, e in calibrate.compare(held_out, fitted)) < 1e-6  # uneven nodes predicted too
+    assert max(abs(e) for *_, e in calibrate.compare(held_out, fitted)) < 1e-6
     assert "3+1 " in calibrate.report(calibrate.compare(held_out, fitted))
     with pytest.raises(ValueError, match=r"layout '3\+2': expected nodes x ranks per node \(2x4\) or node sizes"):
         calibrate.fit([dict(rows[0], layout="3+2")])
@@ -1023,9 +1025,9 @@ def test_p_4096_with_the_algorithms_that_send_p_squared_messages():
 ROOTED_O_P2 = [("broadcast", "direct"), ("broadcast", "scatter_allgather"), ("reduce", "direct")]
 
 
-def full_simulation(collective, algorithm, p, count, root):
+def full_simulation(collective, algorithm, p, count, root, inplace=False):
     """The simulation itself, from every rank's plan (no closed form, no symmetry)."""
-    plan_of = sim.simulate.plan_maker(collective, algorithm, p, count, root=root)
+    plan_of = sim.simulate.plan_maker(collective, algorithm, p, count, root=root, inplace=inplace)
     return sim.simulate.Costs(collective, algorithm, p, count, "float32", root, plan_of)
 
 
@@ -1044,7 +1046,7 @@ def test_rooted_closed_forms_equal_the_simulation(collective, algorithm):
     for p in list(range(2, 41)) + [63, 64, 100]:
         for root in sorted({0, 1 % p, p // 2, p - 1}):
             count = p * int(rng.choice([1, 3, 16]))
-            full = full_simulation(collective, algorithm, p, count, root)
+            full = full_simulation(collective, algorithm, p, count, root, inplace=bool(rng.integers(2)))
             fast = closed_form_costs(collective, algorithm, p, count, root)
             if counters(fast) != counters(full):
                 problems.append(f"p={p} root={root}: counters differ")
@@ -1078,6 +1080,9 @@ def test_costs_use_the_rooted_closed_forms_only_above_the_simulated_sizes():
     ordered = sim.costs("reduce", "direct", limit + 1, limit + 1, ordered=True)  # a fold in rank order
     assert not isinstance(ordered, sim.simulate.ClosedFormCosts)
     assert not isinstance(sim.costs("broadcast", "binomial", limit + 1, limit + 1), sim.simulate.ClosedFormCosts)
+    empty = sim.costs("broadcast", "direct", limit + 1, 0)  # nothing to send: the plans send nothing
+    assert not isinstance(empty, sim.simulate.ClosedFormCosts) and empty.messages_sent == [0] * (limit + 1)
+    assert empty.time(A, B, G) == 0
 
 
 @pytest.mark.parametrize("collective,algorithm", ROOTED_O_P2)

@@ -107,8 +107,10 @@ def main(argv=None):
         if len(fitted) == 5:  # project with the network too, at the fitted runs' ranks per node unless given
             args.inter_alpha, args.inter_beta = fitted[3], fitted[4]
             if args.ranks_per_node is None:
-                args.ranks_per_node = max(len(per_node) // nodes if isinstance(per_node, list) else per_node
-                                          for nodes, per_node in map(calibrate.nodes_of, rows) if nodes > 1)
+                # (uneven nodes, one label per rank: their largest node's size)
+                args.ranks_per_node = max(max(map(per_node.count, set(per_node))) if isinstance(per_node, list)
+                                          else per_node for nodes, per_node in map(calibrate.nodes_of, rows)
+                                          if nodes > 1)
     for name in ("alpha", "beta", "gamma"):
         if getattr(args, name) is not None:
             params[name] = getattr(args, name)

@@ -13,8 +13,9 @@ messages, and building every rank's plan alone would take minutes:
 
 For these, with equal blocks (p divides count) and folds in any order, this module
 gives every rank's counters and the call's time in closed form. The counters are
-each rank's, exact. ``tests/test_sim.py`` holds both equal to the simulation, at every p
-up to 64 and at larger ones, with several roots and random α, β and γ. ``costs`` uses
+each rank's, exact. ``tests/test_sim.py`` holds both equal to the simulation at every p
+from 2 to 40 and at 63, 64 and 100, with four roots, in place and not, and random α, β
+and γ. ``costs`` uses
 them above ``SIMULATED_UP_TO`` ranks. Beyond that size a two-level model (``ranks_per_node``)
 still needs every rank's plan, since node links break the closed forms.
 
@@ -32,13 +33,15 @@ With c = α + b·β for a block of b bytes and g = b·γ:
 import math
 
 ROOTED = (("broadcast", "direct"), ("broadcast", "scatter_allgather"), ("reduce", "direct"))
-SIMULATED_UP_TO = 128  # ranks: simulated below this size, about a second here
+SIMULATED_UP_TO = 128  # ranks: simulated up to this size (about a second here), closed forms above
 
 
 def applies(collective, algorithm, world_size, count, ordered=False):
     """Whether :func:`rooted_counters` and :func:`rooted_time` give this call: one of
     ``ROOTED``, with equal blocks and its reduction in any order."""
-    return (collective, algorithm) in ROOTED and world_size > 1 and count % world_size == 0 and not ordered
+    # count > 0: a plan drops its operations on zero elements, which the forms count.
+    return (collective, algorithm) in ROOTED and world_size > 1 and count > 0 and count % world_size == 0 \
+        and not ordered
 
 
 def rooted_counters(collective, algorithm, world_size, count, itemsize, root):
