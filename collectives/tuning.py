@@ -532,8 +532,8 @@ class Selector:
     rank's bits (1: the table is usable here, 2: the device table is; 4 and 8: each is,
     if this job's link is the one its entry holds) and returns their bitwise AND over
     the ranks (the :class:`~collectives.Communicator` passes an allreduce); where 4 or
-    8 survives, every rank measures the link and agrees once more on bits 1 and 2. ``rule`` answers where no table does: ``"conservative"`` or
-    ``"cost-model"``. ``measure_link`` (collective: bytes per second, the same on
+    8 survives, every rank measures the link and agrees once more on bits 1 and 2.
+    ``rule`` answers where no table does: ``"conservative"`` or ``"cost-model"``. ``measure_link`` (collective: bytes per second, the same on
     every rank) is called where every rank's entry of several nodes holds a link
     (see the module's docstring); ``link`` is then what it measured."""
 

@@ -23,6 +23,7 @@ import pytest
 from mpi4py import MPI
 
 import collectives as cc
+from collectives.testbed import parse_layout
 
 from conftest import agree, rank_input, same
 
@@ -100,17 +101,17 @@ class Fault:
 
     @property
     def host(self):
-        return int(self.layout.split("x")[0]) - 1
+        return parse_layout(self.layout)[0] - 1
 
     @property
     def size(self):
-        hosts, ranks = (int(n) for n in self.layout.split("x"))
+        hosts, ranks = parse_layout(self.layout)
         return hosts * ranks
 
     @property
     def cut(self):
         """The ranks on the host (block placement: host h holds ranks h·k … h·k + k - 1)."""
-        ranks = int(self.layout.split("x")[1])
+        ranks = parse_layout(self.layout)[1]
         return list(range(self.host * ranks, (self.host + 1) * ranks))
 
 

@@ -34,6 +34,7 @@ import numbers
 from dataclasses import dataclass
 
 from ..schedule import Copy, Fence, Recv, Reduce, Send
+from ..topology import Topology
 
 _SEND, _RECV, _REDUCE, _COPY, _FENCE = 0, 1, 2, 3, 4
 
@@ -157,8 +158,7 @@ def _node_of(ranks_per_node, world_size, timed):
         if timed < world_size:
             raise ValueError("node labels need every rank timed (a symmetric call's representatives stand for "
                              "equal nodes of ranks_per_node ranks)")
-        number = {}
-        return [number.setdefault(label, len(number)) for label in ranks_per_node]
+        return list(Topology.from_labels(ranks_per_node).node_of)
     k = int(ranks_per_node)
     if timed < world_size and timed % k:
         raise ValueError(f"{timed} representatives of {world_size} ranks cannot model {k} ranks per node")
