@@ -23,10 +23,10 @@ RESULTS       ?= bench/results
 # make tune: world sizes measured into the tuning file auto reads.
 TUNE_SIZES    ?= 2 3 4
 TUNING        ?= collectives-tuning.json
-# make project: extra options for python -m collectives.sim (e.g. --fit results.json).
+# make project: extra options for python -m collectives.tools.sim (e.g. --fit results.json).
 SIM_ARGS      ?=
 # make test-multihost (root): the MPI suite across a testbed of network namespaces joined
-# by shaped links (collectives.testbed), at each layout HOSTSxRANKS. MULTIHOST_SUITE is
+# by shaped links (collectives.tools.testbed), at each layout HOSTSxRANKS. MULTIHOST_SUITE is
 # the part of the ordinary suite run there (chosen for time); MULTIHOST_TESTS, the tests
 # written for the testbed (add files here), run whole at every layout, then serially
 # for the faults they drive from outside the job.
@@ -47,9 +47,9 @@ MULTIHOST_TRAINING_ARGS ?= --framework torch --bucket-mib 5 --compression none,f
 # make examples: ranks of the distributed runs (each is compared with a serial run).
 EXAMPLE_RANKS ?= 4
 EXAMPLE_ARGS  ?=
-# make bench-training: options for python -m collectives.bench.training.
+# make bench-training: options for python -m collectives.tools.bench.training.
 TRAINING_ARGS ?= --bucket-mib 25,5 --compression none,fp16
-# make bench-ddp: options for python -m collectives.bench.training --ddp (DDP on "collectives" vs gloo).
+# make bench-ddp: options for python -m collectives.tools.bench.training --ddp (DDP on "collectives" vs gloo).
 DDP_ARGS      ?= --bucket-mib 1,5,25 --compression none,fp16
 
 # make examples-ps: the parameter-server example at PS_RANKS ranks, sync (same accuracy as a
@@ -105,12 +105,12 @@ test-long: install
 # messages did not cross the links fails.
 test-multihost: install
 	@hosts=$$(for l in $(MULTIHOST_LAYOUTS); do echo $${l%%x*}; done | sort -n | tail -1); \
-	trap '$(PYTHON) -m collectives.testbed down' EXIT; trap 'exit 143' INT TERM HUP; \
-	$(PYTHON) -m collectives.testbed up --hosts $$hosts --rate $(MULTIHOST_RATE) || exit 1; \
+	trap '$(PYTHON) -m collectives.tools.testbed down' EXIT; trap 'exit 143' INT TERM HUP; \
+	$(PYTHON) -m collectives.tools.testbed up --hosts $$hosts --rate $(MULTIHOST_RATE) || exit 1; \
 	mkdir -p $(RESULTS); \
 	for l in $(MULTIHOST_LAYOUTS); do \
 	  echo "== testbed $$l: $(MULTIHOST_SUITE) $(MULTIHOST_TESTS)"; \
-	  $(PYTHON) -m collectives.testbed run --layout $$l --timeout $(MULTIHOST_TIMEOUT) \
+	  $(PYTHON) -m collectives.tools.testbed run --layout $$l --timeout $(MULTIHOST_TIMEOUT) \
 	    --counters $(RESULTS)/latest-multihost-$$l.json -- $(PYTHON) -m pytest -q --with-mpi -m "not serial" \
 	    $(MULTIHOST_SUITE) $(MULTIHOST_TESTS) || exit 1; \
 	done; \
@@ -119,22 +119,22 @@ test-multihost: install
 
 bench-multihost: install
 	@hosts=$$(for l in $(MULTIHOST_LAYOUTS); do echo $${l%%x*}; done | sort -n | tail -1); \
-	trap '$(PYTHON) -m collectives.testbed down' EXIT; trap 'exit 143' INT TERM HUP; \
-	$(PYTHON) -m collectives.testbed up --hosts $$hosts --rate $(MULTIHOST_RATE) || exit 1; \
+	trap '$(PYTHON) -m collectives.tools.testbed down' EXIT; trap 'exit 143' INT TERM HUP; \
+	$(PYTHON) -m collectives.tools.testbed up --hosts $$hosts --rate $(MULTIHOST_RATE) || exit 1; \
 	mkdir -p $(MULTIHOST_RESULTS); \
 	for l in $(MULTIHOST_LAYOUTS); do \
 	  echo "== testbed $$l: link rate, then collectives-bench $(MULTIHOST_BENCH_ARGS)"; \
-	  $(PYTHON) -m collectives.testbed run --layout $$l --timeout $(RUN_TIMEOUT) -- \
-	    $(PYTHON) -m collectives.bench.link --json $(MULTIHOST_RESULTS)/link-$$l.json || exit 1; \
-	  $(PYTHON) -m collectives.testbed run --layout $$l --timeout $(RUN_TIMEOUT) -- \
+	  $(PYTHON) -m collectives.tools.testbed run --layout $$l --timeout $(RUN_TIMEOUT) -- \
+	    $(PYTHON) -m collectives.tools.bench.link --json $(MULTIHOST_RESULTS)/link-$$l.json || exit 1; \
+	  $(PYTHON) -m collectives.tools.testbed run --layout $$l --timeout $(RUN_TIMEOUT) -- \
 	    $(VENV)/bin/collectives-bench $(MULTIHOST_BENCH_ARGS) --check --no-bound --no-memory --no-progress \
 	    --json $(MULTIHOST_RESULTS)/bench-$$l.json --plot $(MULTIHOST_RESULTS)/bench-$$l.png || exit 1; \
 	done; \
 	echo "== testbed $(MULTIHOST_TRAINING_LAYOUT): training"; \
-	$(PYTHON) -m collectives.testbed run --layout $(MULTIHOST_TRAINING_LAYOUT) --timeout $(RUN_TIMEOUT) -- \
-	  $(PYTHON) -m collectives.bench.training $(MULTIHOST_TRAINING_ARGS) \
+	$(PYTHON) -m collectives.tools.testbed run --layout $(MULTIHOST_TRAINING_LAYOUT) --timeout $(RUN_TIMEOUT) -- \
+	  $(PYTHON) -m collectives.tools.bench.training $(MULTIHOST_TRAINING_ARGS) \
 	  --json $(MULTIHOST_RESULTS)/training-$(MULTIHOST_TRAINING_LAYOUT).json || exit 1; \
-	$(PYTHON) -m collectives.bench.link --summary $(MULTIHOST_RESULTS)/link-*.json $(MULTIHOST_RESULTS)/bench-*.json \
+	$(PYTHON) -m collectives.tools.bench.link --summary $(MULTIHOST_RESULTS)/link-*.json $(MULTIHOST_RESULTS)/bench-*.json \
 	  | tee $(MULTIHOST_RESULTS)/summary.txt
 
 # The GPU suite, on a machine with a CUDA GPU and CuPy (pip install -e ".[test,cuda12]", or
@@ -162,13 +162,13 @@ GPU_BENCH_RANKS ?= 2
 GPU_RESULTS   ?= $(RESULTS)/$(shell $(PYTHON) -c "import cupy; print(cupy.cuda.runtime.getDeviceProperties(0)['name'].decode().replace(' ', '-'))" 2>/dev/null || echo no-gpu)
 bench-gpu:
 	mkdir -p $(GPU_RESULTS)
-	$(MPIEXEC) $(MPIEXEC_FLAGS) -n $(GPU_BENCH_RANKS) $(PYTHON) -m mpi4py -m collectives.bench.gpu --json $(GPU_RESULTS)/gpu-n$(GPU_BENCH_RANKS).json
-	$(MPIEXEC) $(MPIEXEC_FLAGS) -n $(GPU_BENCH_RANKS) $(PYTHON) -m mpi4py -m collectives.bench --device cuda -c allreduce,allgather,broadcast \
+	$(MPIEXEC) $(MPIEXEC_FLAGS) -n $(GPU_BENCH_RANKS) $(PYTHON) -m mpi4py -m collectives.tools.bench.gpu --json $(GPU_RESULTS)/gpu-n$(GPU_BENCH_RANKS).json
+	$(MPIEXEC) $(MPIEXEC_FLAGS) -n $(GPU_BENCH_RANKS) $(PYTHON) -m mpi4py -m collectives.tools.bench --device cuda -c allreduce,allgather,broadcast \
 	  -b 64K -e 256M -f 4 --check --no-progress --json $(GPU_RESULTS)/bench-n$(GPU_BENCH_RANKS).json \
 	  --plot $(GPU_RESULTS)/bench-n$(GPU_BENCH_RANKS).png
 
 demo: install
-	$(MPIEXEC) $(MPIEXEC_FLAGS) -n 4 $(PYTHON) -m collectives.demo
+	$(MPIEXEC) $(MPIEXEC_FLAGS) -n 4 $(PYTHON) -m collectives.tools.demo
 
 # The default sweep (every collective and algorithm, 8 B .. 64 MiB, checked against
 # native MPI): prints the table, writes JSON and the busbw plot.
@@ -195,31 +195,31 @@ examples: install
 # backward against the same after backward (a 20 MiB NumPy MLP at BENCH_RANKS ranks).
 bench-training: install
 	mkdir -p $(RESULTS)
-	timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $(BENCH_RANKS) $(PYTHON) -m collectives.bench.training $(TRAINING_ARGS) \
+	timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $(BENCH_RANKS) $(PYTHON) -m collectives.tools.bench.training $(TRAINING_ARGS) \
 	  --json $(RESULTS)/latest-training-n$(BENCH_RANKS).json
 
 # torch DDP's step on the torch.distributed backend "collectives" against gloo, same run
 # (the same 20 MiB MLP at BENCH_RANKS ranks; every variant's gradients checked first).
 bench-ddp: install
 	mkdir -p $(RESULTS)
-	timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $(BENCH_RANKS) $(PYTHON) -m collectives.bench.training --ddp $(DDP_ARGS) \
+	timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $(BENCH_RANKS) $(PYTHON) -m collectives.tools.bench.training --ddp $(DDP_ARGS) \
 	  --json $(RESULTS)/latest-ddp-n$(BENCH_RANKS).json
 
 # What check mode and timeouts cost: allreduce with each against the plain call and
 # MPI_Allreduce, same run (BENCH_RANKS ranks).
 bench-reliability: install
 	mkdir -p $(RESULTS)
-	timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $(BENCH_RANKS) $(PYTHON) -m collectives.bench.reliability \
+	timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $(BENCH_RANKS) $(PYTHON) -m collectives.tools.bench.reliability \
 	  --json $(RESULTS)/latest-reliability-n$(BENCH_RANKS).json
 
 # 20 000 mixed collectives (random sizes, algorithms, async in flight together), every
 # result checked; fails on a wrong result, a leaked request or RSS growth over the bound.
 # The glibc setting returns large arrays to the system when freed, so RSS measures what
-# is alive, not the allocator's high-water mark (see collectives/soak.py).
+# is alive, not the allocator's high-water mark (see collectives/tools/soak.py).
 soak: install
 	mkdir -p $(RESULTS)
 	MALLOC_MMAP_THRESHOLD_=131072 timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $(SOAK_RANKS) \
-	  $(PYTHON) -m collectives.soak --calls $(SOAK_CALLS) \
+	  $(PYTHON) -m collectives.tools.soak --calls $(SOAK_CALLS) \
 	  --no-progress $(SOAK_ARGS) --json $(RESULTS)/latest-soak-n$(SOAK_RANKS).json
 
 examples-ps: install
@@ -236,7 +236,7 @@ bench-ps: install
 	mkdir -p $(RESULTS)
 	rm -f $(RESULTS)/latest-ps.json
 	@for n in $(PS_SIZES); do \
-	  timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m collectives.bench.ps $(PS_ARGS) \
+	  timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m collectives.tools.bench.ps $(PS_ARGS) \
 	    --json $(RESULTS)/latest-ps.json || exit 1; \
 	done
 
@@ -253,7 +253,7 @@ tune: install
 # The simulator's projection to 4096 ranks: table on stdout, plot and rows in RESULTS.
 project: install
 	mkdir -p $(RESULTS)
-	$(PYTHON) -m collectives.sim --no-progress --plot $(RESULTS)/latest-projection.png \
+	$(PYTHON) -m collectives.tools.sim --no-progress --plot $(RESULTS)/latest-projection.png \
 	  --json $(RESULTS)/latest-projection.json $(SIM_ARGS)
 
 # The documentation site (mkdocs.yml, docs/; the API reference from the docstrings)

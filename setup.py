@@ -14,8 +14,11 @@ setup(
     python_requires=">=3.10",
     # kernels/ (the CUDA sources) ships inside the package as collectives.kernels, so no
     # generic top-level module called `kernels` is installed.
-    packages=["collectives", "collectives.algorithms", "collectives.bench", "collectives.device", "collectives.horovod",
-              "collectives.sim", "collectives.testbed", "collectives.transport", "collectives.kernels"],
+    # The core library (collectives, .algorithms, .transport, .device), the simulator
+    # (.sim), the framework adapters (.adapters) and the tools (.tools).
+    packages=["collectives", "collectives.algorithms", "collectives.transport", "collectives.device", "collectives.sim",
+              "collectives.adapters", "collectives.adapters.horovod", "collectives.tools", "collectives.tools.bench",
+              "collectives.tools.testbed", "collectives.kernels"],
     package_dir={"collectives": "collectives", "collectives.kernels": "kernels"},
     package_data={"collectives": ["data/*.json"], "collectives.kernels": ["*.cu", "*.cuh", "README.md"]},
     install_requires=["mpi4py>=3.1", "numpy>=1.23"],
@@ -45,7 +48,7 @@ setup(
         # validation; mkdocstrings-python 2 (griffe 2) for docs/_ext/sphinx_roles.py.
         "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=1.0", "mkdocstrings-python>=2.0"],
     },
-    entry_points={"console_scripts": ["collectives-bench=collectives.bench.cli:main"]},
+    entry_points={"console_scripts": ["collectives-bench=collectives.tools.bench.cli:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: System :: Distributed Computing",

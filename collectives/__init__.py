@@ -4,22 +4,45 @@ and alltoall(v) built on MPI point-to-point messages, each in several algorithms
     import collectives as cc
     comm = cc.Communicator()                 # MPI.COMM_WORLD
     total = comm.allreduce(x, op="sum", algorithm="ring")
+
+``import collectives`` loads the core library only. The simulator (``cc.sim``), the
+framework adapters (``cc.training``, ``cc.ps``, ``collectives.torch``,
+``collectives.horovod.torch``; they live in :mod:`collectives.adapters`) and the tools
+(:mod:`collectives.tools`) load when first used.
 """
 
+import importlib
+
+from . import _aliases, device
 from .algorithms import COLLECTIVES, algorithms
-from .arrays import SUPPORTED_DTYPES
+from .dtypes import SUPPORTED_DTYPES
 from .communicator import Communicator
 from .errors import (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, MessageSizeError,
                      TransportError)
 from .ops import OPS, ops_for
 from .topology import Topology
 from .transport.mpi import Handle
-from . import device  # noqa: E402 (device arrays: cc.device.bfloat16, the stand-in GPU)
-from . import sim  # noqa: E402 (the simulator: cc.sim.run)
-from . import training  # noqa: E402 (data-parallel training: cc.training.GradientReducer)
-from . import ps  # noqa: E402 (parameter server: cc.ps.ParameterServer)
 
 __version__ = "0.1.0"
+
+_aliases.install()  # collectives.torch, collectives.horovod.torch, ...: the adapters by their short names
+
+# Loaded at first use: cc.sim.run(...), cc.training.GradientReducer, cc.ps.ParameterServer.
+_ON_FIRST_USE = {"sim": "collectives.sim", "training": "collectives.adapters.training",
+                 "ps": "collectives.adapters.ps"}
+
+
+def __getattr__(name):
+    if name in _ON_FIRST_USE:
+        module = importlib.import_module(_ON_FIRST_USE[name])
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'collectives' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_ON_FIRST_USE))
+
 
 __all__ = [
     "COLLECTIVES",
@@ -34,9 +57,9 @@ __all__ = [
     "Topology",
     "TransportError",
     "algorithms",
-    "ops_for",
     "device",
-    "sim",
+    "ops_for",
     "ps",
+    "sim",
     "training",
 ]

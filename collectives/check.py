@@ -22,7 +22,7 @@ import zlib
 import numpy as np
 
 from .algorithms import BUILDERS, COLLECTIVES, VARIABLE
-from .arrays import EXTRA_DTYPES, SUPPORTED_DTYPES
+from .dtypes import EXTRA_DTYPES, SUPPORTED_DTYPES
 from .errors import CollectiveMismatchError
 from .ops import OPS
 from .transport.liveness import ranks

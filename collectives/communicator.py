@@ -23,7 +23,8 @@ from .algorithms import (ORDERED, SEGMENTED, SHARED_MEMORY, TOPOLOGICAL, VARIABL
                          check_ordered, cost_model_choice)
 from .algorithms.shm import DEFAULT_SLOT_BYTES, REGISTERED
 from .errors import CollectiveError, CollectiveMismatchError, TransportError
-from .arrays import as_array, check_dtype, check_out, flat_input, flat_view, is_extra, overlaps, same_memory
+from .arrays import as_array, check_out, flat_input, flat_view, overlaps, same_memory
+from .dtypes import check_dtype, is_extra
 from .device import DeviceArray, is_device
 from .schedule import Fence, Schedule, compile_plan, fuse_reductions, split_schedule
 from .transport import lean, p2p

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from .arrays import EXTRA_DTYPES, is_complex, is_floating, is_integer
+from .dtypes import EXTRA_DTYPES, is_complex, is_floating, is_integer
 
 _UFUNCS = {
     "sum": np.add,

@@ -14,7 +14,7 @@ the same way whatever order MPI placed the ranks in.
 and allgathers each rank's node; :meth:`Topology.from_labels` takes any per-rank
 labels, for a simulated layout or to override MPI's view (``Communicator(nodes=...)``).
 :func:`measure_link` times the network between the nodes (``auto``'s tables of several
-nodes are keyed by it, and ``python -m collectives.bench.link`` reports it).
+nodes are keyed by it, and ``python -m collectives.tools.bench.link`` reports it).
 """
 
 import statistics

@@ -6,6 +6,8 @@ own collective and ours must then agree bit for bit.
 """
 
 import functools
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +15,11 @@ from mpi4py import MPI
 
 import collectives as cc
 from collectives.algorithms import SHARED_MEMORY
+
+# Job scripts and harness sources live in tests/harness/, apart from the test files; the
+# tests import its helper modules (device_under_test, torch_reference) by name.
+HARNESS = Path(__file__).resolve().parent / "harness"
+sys.path.insert(0, str(HARNESS))
 
 ALL_DTYPES = [d.name for d in cc.SUPPORTED_DTYPES]
 FLOAT_DTYPES = [d for d in ALL_DTYPES if d.startswith(("float", "complex"))]

@@ -1,4 +1,4 @@
-"""The benchmark harness (``collectives.bench``) and what ``algorithm="auto"`` picks
+"""The benchmark harness (``collectives.tools.bench``) and what ``algorithm="auto"`` picks
 (``collectives.tuning``): tuning tables, the environment overrides, the tuning file
 the harness writes, the statistics and the command line end to end.
 
@@ -22,8 +22,8 @@ import collectives as cc
 import collectives.communicator as communicator_module
 import collectives.tuning as tuning
 from collectives.algorithms import SHARED_MEMORY, cost_model_choice
-from collectives.bench import cli, timing, tune
-from collectives.bench.cases import Case, bus_factor, element_count
+from collectives.tools.bench import cli, timing, tune
+from collectives.tools.bench.cases import Case, bus_factor, element_count
 from collectives.tuning import Selector, TuningTable
 from conftest import agree, expected_result, rank_input, reference
 
@@ -880,9 +880,9 @@ def test_main_on_the_stand_in_device(mpi_comm, tmp_path, monkeypatch, no_default
 
 
 def test_gpu_benchmark_runs_on_the_stand_in(mpi_comm, tmp_path):
-    """python -m collectives.bench.gpu --quick on the stand-in: kernels against the copy,
+    """python -m collectives.tools.bench.gpu --quick on the stand-in: kernels against the copy,
     pipelined against whole messages, IPC against staging, written as JSON."""
-    from collectives.bench import gpu
+    from collectives.tools.bench import gpu
 
     path = tmp_path / "gpu.json"
     problems = []
@@ -1006,8 +1006,8 @@ def test_auto_keeps_float16_reductions_off_native_from_64_kib(comm):
 
 @serial
 def test_the_memory_traffic_bounds():
-    """Bytes the ranks read and write at the least, per rank (collectives.bench.membound)."""
-    from collectives.bench import membound
+    """Bytes the ranks read and write at the least, per rank (collectives.tools.bench.membound)."""
+    from collectives.tools.bench import membound
 
     n = 1 << 20
     assert membound.traffic("allreduce", n, 2) == 2.5 * n  # its half of both inputs, its half out, the other half in
@@ -1020,14 +1020,14 @@ def test_the_memory_traffic_bounds():
     assert membound.bound_us("allreduce", n, 2, None) is None
 
 
-# -- the node-to-node link benchmark (collectives.bench.link) ------------------------------------------
+# -- the node-to-node link benchmark (collectives.tools.bench.link) ------------------------------------------
 def test_link_rate_every_node_to_the_next_and_the_summary(tmp_path):
     """With the ranks declared as nodes (uneven ones too), every node sends to the next
     at once; the rate is positive and finite, agreed by every rank, and the summary sets
     a benchmark row against it. On one node there is no rate."""
     from mpi4py import MPI
 
-    from collectives.bench import link
+    from collectives.tools.bench import link
 
     world = MPI.COMM_WORLD
     size = world.Get_size()

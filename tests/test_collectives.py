@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 import collectives as cc
 
-from collectives.demo import native_result, run_one
+from collectives.tools.demo import native_result, run_one
 from conftest import ALL_DTYPES, agree, counts_for, expected_result, ops_for, rank_input, reference, runs_here, same
 
 # shm needs ranks that share memory: skipped in jobs across hosts, where it refuses (test_multihost.py)

@@ -1,5 +1,5 @@
 """A rank that dies never hangs the job: survivors raise CollectiveTimeoutError naming
-it within timeout + 1 s, and the job exits non-zero (tests/dead_rank_job.py).
+it within timeout + 1 s, and the job exits non-zero (tests/harness/dead_rank_job.py).
 
 Runs once, serially: it launches its own ``mpiexec -n 4``. MPICH's launcher (hydra)
 tears the whole job down the moment a rank dies, before anyone could time out; the
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.serial
 
 TIMEOUT = 3.0
 RANKS = 4
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness")
 
 
 def mpiexec():

@@ -27,8 +27,8 @@ pytestmark = pytest.mark.serial
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
-HERE = Path(__file__).parent
-KERNELS = HERE.parent / "kernels"
+HERE = Path(__file__).parent / "harness"
+KERNELS = HERE.parent.parent / "kernels"
 DTYPES = [np.dtype(n) for n in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
                                 "float32", "float64", "complex64", "complex128")] + [BF16]
 UFUNC = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum,

@@ -1,13 +1,13 @@
-"""Tests that need the multi-host testbed (collectives.testbed; `make test-multihost`
+"""Tests that need the multi-host testbed (collectives.tools.testbed; `make test-multihost`
 runs them, as root). Elsewhere every test here skips, saying why.
 
-- Under MPI, in a testbed job (``python -m collectives.testbed run --layout HxR --
+- Under MPI, in a testbed job (``python -m collectives.tools.testbed run --layout HxR --
   python -m pytest --with-mpi -m "not serial" tests/test_multihost.py``): MPI sees the
   layout, and every allreduce algorithm across real, shaped links equals MPI's own
   Allreduce. The testbed's run checks that the bytes crossed the links.
 - Serially, from the root namespace, with the testbed up and
   ``COLLECTIVES_TESTBED_FAULTS=1``: faults on a link in the middle of a job
-  (tests/multihost_fault_job.py): a link cut (the library's timeout against MPI's
+  (tests/harness/multihost_fault_job.py): a link cut (the library's timeout against MPI's
   stall) and a link throttled to 10 Mbit/s (stall warnings, then correct results).
 """
 
@@ -23,15 +23,15 @@ import pytest
 from mpi4py import MPI
 
 import collectives as cc
-from collectives.testbed import parse_layout
+from collectives.tools.testbed import parse_layout
 
 from conftest import agree, rank_input, same
 
 LAYOUT = os.environ.get("COLLECTIVES_TESTBED_LAYOUT")
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness")
 
 in_a_testbed_job = pytest.mark.skipif(
-    not LAYOUT, reason="runs inside a testbed job only (make test-multihost; collectives.testbed run sets "
+    not LAYOUT, reason="runs inside a testbed job only (make test-multihost; collectives.tools.testbed run sets "
                        "COLLECTIVES_TESTBED_LAYOUT)")
 
 
@@ -122,7 +122,7 @@ def fault(request):
 
 @pytest.fixture
 def testbed(fault):
-    from collectives import testbed
+    from collectives.tools import testbed
     present = testbed.net.hosts_present()
     assert set(range(fault.host + 1)) <= set(present), \
         f"COLLECTIVES_TESTBED_FAULTS=1 but the testbed has hosts {present}, not the {fault.layout} layout's"
@@ -245,12 +245,12 @@ def test_a_job_whose_messages_do_not_cross_the_links_fails_naming_the_hosts():
     import re
     import subprocess
 
-    from collectives import testbed
+    from collectives.tools import testbed
 
     result = testbed.run("2x1", [sys.executable, "-c", "pass"], timeout=60)
     assert result.returncode == 0 and re.match(r"the job ran on 2 hosts but host 0 \(cctb-h0\) sent \d+ B", result.link_error), \
         vars(result)
-    command = subprocess.run([sys.executable, "-m", "collectives.testbed", "run", "--layout", "2x1", "--", sys.executable,
+    command = subprocess.run([sys.executable, "-m", "collectives.tools.testbed", "run", "--layout", "2x1", "--", sys.executable,
                               "-c", "pass"], capture_output=True, text=True, timeout=120)
     assert command.returncode != 0 and "testbed: FAILED: the job ran on 2 hosts" in command.stderr, command
 
@@ -260,7 +260,7 @@ def test_a_job_whose_messages_do_not_cross_the_links_fails_naming_the_hosts():
 def test_up_again_keeps_the_testbed_and_a_job_ends_only_its_own_processes(monkeypatch):
     import subprocess
 
-    from collectives import testbed
+    from collectives.tools import testbed
 
     state = testbed.net.read_state()
     hosts = testbed.net.hosts_present()

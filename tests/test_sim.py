@@ -869,7 +869,7 @@ def test_two_level_fit_recovers_the_network_and_the_node():
 def test_the_command_line_fits_two_levels_and_compares_held_out_runs(tmp_path, capsys):
     import json
 
-    from collectives.sim.__main__ import main
+    from collectives.tools.sim import main
 
     truth = (9e-6, 2e-10, 3e-10, 40e-6, 8e-9)
     fit_file, held_out = tmp_path / "fit.json", tmp_path / "held.json"
@@ -898,7 +898,7 @@ def test_fit_recovers_the_parameters_that_made_the_times():
 def test_the_command_line_fits_projects_and_plots(tmp_path, capsys):
     import json
 
-    from collectives.sim.__main__ import main
+    from collectives.tools.sim import main
 
     bench = tmp_path / "n.json"
     bench.write_text(json.dumps(synthetic_rows((5e-6, 1e-10, 2e-10))))
@@ -927,7 +927,7 @@ def test_the_command_line_fits_projects_and_plots(tmp_path, capsys):
     ],
 )
 def test_the_command_line_rejects_bad_options(argv, message, capsys):
-    from collectives.sim.__main__ import main
+    from collectives.tools.sim import main
 
     with pytest.raises(SystemExit):
         main(argv)

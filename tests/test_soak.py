@@ -1,4 +1,4 @@
-"""A short soak (``collectives.soak``): a few hundred mixed collectives, sync and async
+"""A short soak (``collectives.tools.soak``): a few hundred mixed collectives, sync and async
 in flight together, every result checked, no request left behind. ``make soak`` runs
 the long one (20 000 calls) and also bounds the memory growth, which a short run
 cannot measure meaningfully.
@@ -12,7 +12,7 @@ import pytest
 from mpi4py import MPI
 
 import collectives as cc
-from collectives import soak
+from collectives.tools import soak
 from conftest import agree
 
 # Runs in `make test` serially and at 2-4 ranks, in `make test-long` at 5-8.

@@ -1,4 +1,4 @@
-"""collectives.testbed's parts that need neither root nor a network: parsing rates,
+"""collectives.tools.testbed's parts that need neither root nor a network: parsing rates,
 layouts, host names and ssh-style arguments, and the one-line messages for a machine
 that lacks root or iproute2. (The testbed itself: tests/test_multihost.py under
 `make test-multihost`.)"""
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from collectives.testbed import job, names, net, ssh
+from collectives.tools.testbed import job, names, net, ssh
 
 pytestmark = pytest.mark.serial
 
@@ -70,18 +70,18 @@ def test_the_ssh_stand_in_refuses_a_host_outside_the_testbed():
 
 def test_without_root_or_iproute2_one_line_says_what_is_missing(tmp_path):
     env = dict(os.environ, PATH=str(tmp_path))  # no ip, no tc
-    done = subprocess.run([sys.executable, "-m", "collectives.testbed", "down"], capture_output=True, text=True, env=env)
+    done = subprocess.run([sys.executable, "-m", "collectives.tools.testbed", "down"], capture_output=True, text=True, env=env)
     assert done.returncode == 2
-    assert done.stderr.strip() == "collectives.testbed needs iproute2: ip and tc not found on PATH"
+    assert done.stderr.strip() == "collectives.tools.testbed needs iproute2: ip and tc not found on PATH"
 
 
 def test_without_root_it_says_so(monkeypatch):
     monkeypatch.setattr(net.os, "geteuid", lambda: 1000)
-    assert net.missing() == "collectives.testbed needs root (it creates network namespaces); run it as root"
+    assert net.missing() == "collectives.tools.testbed needs root (it creates network namespaces); run it as root"
     with pytest.raises(net.TestbedError, match="needs root"):
         net.up(2)
 
 
 def test_the_core_does_not_import_the_testbed():
-    code = "import sys, collectives; sys.exit('collectives.testbed' in sys.modules)"
+    code = "import sys, collectives; sys.exit('collectives.tools.testbed' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -5,7 +5,7 @@ The reference for every call is gloo in the same job: a gloo group over the same
 (``new_group(backend="gloo")``) runs the same torch.distributed program on the same
 integer-valued inputs, and the results must be identical. Where gloo refuses (a
 non-contiguous tensor) the reference is NumPy. Training with DDP and FSDP must equal
-single-process training on the global batch (tests/torch_reference.py), within the
+single-process training on the global batch (tests/harness/torch_reference.py), within the
 tolerances of the adapter's tests.
 """
 
@@ -440,7 +440,7 @@ def test_mismatched_dtypes_are_refused_not_cast(gloo):
 
 
 def test_bfloat16_reductions_without_ml_dtypes_are_refused(gloo, monkeypatch):
-    monkeypatch.setattr(collectives.torch, "_BFLOAT16", None)
+    monkeypatch.setattr(collectives.torch_backend, "BFLOAT16", None)
     with pytest.raises(NotImplementedError, match="ml_dtypes"):
         dist.all_reduce(torch.ones(4, dtype=torch.bfloat16))
     x = torch.full((4,), float(dist.get_rank()), dtype=torch.bfloat16)

@@ -21,7 +21,7 @@ from mpi4py import MPI
 import collectives as cc
 import collectives.tuning as tuning
 from collectives.algorithms import cost_model_choice
-from collectives.bench import timing, tune
+from collectives.tools.bench import timing, tune
 from collectives.topology import Topology
 from collectives.tuning import Selector, TuningTable
 from conftest import agree

@@ -18,8 +18,9 @@ import numpy as np
 import cupy
 from cupy.cuda import runtime
 
-from ..arrays import EXTRA_DTYPES
-from . import DeviceArray, kernels
+from ..dtypes import EXTRA_DTYPES
+from . import kernels
+from .array import DeviceArray
 
 _BFLOAT16 = next((d for d in EXTRA_DTYPES if d.name == "bfloat16"), None)
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)

@@ -45,7 +45,7 @@ from collections import deque
 import numpy as np
 
 from .. import ops as ops_layer
-from ..arrays import EXTRA_DTYPES
+from ..dtypes import EXTRA_DTYPES
 
 GARBAGE = 0xA5
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()

@@ -16,7 +16,7 @@ allow, and the predicted time is the critical path through them. Optionally two
 levels: ranks per node (or one node label per rank), with inter-node α and β on a
 link each node shares.
 
-``python -m collectives.sim`` projects time and bus bandwidth to thousands of ranks
+``python -m collectives.tools.sim`` projects time and bus bandwidth to thousands of ranks
 (see :mod:`collectives.sim.project`).
 """
 

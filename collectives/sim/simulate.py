@@ -11,7 +11,7 @@ from ..algorithms import (BUILDERS, NODE_SYMMETRIC, SEGMENTED, SHARED_MEMORY, SY
                           block_bounds, build, check_ordered)
 from ..algorithms.shm import DEFAULT_SLOT_BYTES, REGISTERED
 from ..algorithms.hierarchical import pipeline_pieces
-from ..arrays import check_dtype
+from ..dtypes import check_dtype
 from ..communicator import DEFAULT_SEGMENT_SIZE, _check_segment_size  # segments as the Communicator cuts them
 from ..errors import CollectiveError
 from ..schedule import Recv, Reduce, Send, compile_plan

@@ -1,0 +1,173 @@
+"""Run every collective with every algorithm, check each against native MPI, and print
+a table.
+
+    mpiexec -n 4 python -m collectives.tools.demo [--count N] [--dtype float32]
+
+Each algorithm is checked over several element counts (0, 1, p+1, a prime and
+``--count``) and every op valid for the dtype: its result must equal, bit for bit, the
+one the MPI library's own collective gives on the same input (integer-valued, so the
+order of the additions does not matter). The time column is the median of a few calls
+at ``--count`` elements, and "vs native" is native's time divided by it (above 1 is
+faster than MPI's own), measured in the same run. The exit status is non-zero if any
+result was wrong.
+"""
+
+import argparse
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import collectives as cc
+
+MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN, "avg": MPI.SUM,
+           "band": MPI.BAND, "bor": MPI.BOR, "bxor": MPI.BXOR}
+
+
+def make_input(rank, count, dtype, op):
+    index = np.arange(count)
+    if op == "prod":
+        values = np.where((index + rank) % 5 == 0, 2, 1)
+    else:
+        values = (index * 5 + rank * 3) % 7
+    return values.astype(dtype)
+
+
+def collective_input(rank, size, collective, count, dtype, op):
+    """Rank ``rank``'s input of ``count`` elements, for scatter and alltoall ``size`` rows
+    of them."""
+    if collective in ("scatter", "alltoall"):
+        return make_input(rank, size * count, dtype, op).reshape(size, count)
+    return make_input(rank, count, dtype, op)
+
+
+def native_result(mpi, collective, x, op="sum", root=0):
+    """What MPI's own collective gives for ``x``, through mpi4py directly (the reference
+    the demo and the tests compare with), shaped as the Communicator shapes results."""
+    size = mpi.Get_size()
+    x = np.ascontiguousarray(x)
+    if collective == "allgather":
+        out = np.empty((size,) + x.shape, x.dtype)
+        mpi.Allgather(x, out)
+        return out
+    if collective == "broadcast":
+        out = x.copy()
+        mpi.Bcast(out, root)
+        return out
+    if collective == "gather":
+        out = np.empty((size,) + x.shape, x.dtype) if mpi.rank == root else None
+        mpi.Gather(x, out, root)
+        return out
+    if collective == "scatter":  # x: (size, *s) everywhere, the root's rows are sent
+        out = np.empty(x.shape[1:], x.dtype)
+        mpi.Scatter(x if mpi.rank == root else None, out, root)
+        return out
+    if collective == "alltoall":
+        out = np.empty_like(x)
+        mpi.Alltoall(x, out)
+        return out
+    out = np.empty_like(x)
+    if collective == "reduce":
+        mpi.Reduce(x, out if mpi.rank == root else None, MPI_OPS[op], root)
+        if mpi.rank != root:
+            return None
+    else:
+        mpi.Allreduce(x, out, MPI_OPS[op])
+    if op == "avg":
+        out = (out / size).astype(x.dtype)
+    if collective == "reduce_scatter":
+        return np.array_split(out.ravel(), size)[mpi.rank]
+    return out
+
+
+def run_one(comm, collective, algorithm, x, op, root):
+    if collective == "allreduce":
+        return comm.allreduce(x, op=op, algorithm=algorithm)
+    if collective == "reduce_scatter":
+        return comm.reduce_scatter(x, op=op, algorithm=algorithm)
+    if collective == "allgather":
+        return comm.allgather(x, algorithm=algorithm)
+    if collective == "gather":
+        return comm.gather(x, root=root, algorithm=algorithm)
+    if collective == "scatter":
+        return comm.scatter(x, root=root, algorithm=algorithm)
+    if collective == "alltoall":
+        return comm.alltoall(x, algorithm=algorithm)
+    if collective == "broadcast":
+        return comm.broadcast(x.copy(), root=root, algorithm=algorithm)
+    return comm.reduce(x, root=root, op=op, algorithm=algorithm)
+
+
+def ops_for(collective, dtype):
+    if collective not in ("allreduce", "reduce_scatter", "reduce"):
+        return ["sum"]
+    return [op for op in cc.ops_for(dtype) if op != "avg" or np.dtype(dtype).kind == "f"]
+
+
+def verify(comm, mpi, collective, algorithm, counts, dtype):
+    """Number of wrong elements on this rank over every count and op."""
+    wrong = 0
+    root = comm.size - 1
+    for count in counts:
+        for op in ops_for(collective, dtype):
+            x = collective_input(comm.rank, comm.size, collective, count, dtype, op)
+            got = run_one(comm, collective, algorithm, x, op, root)
+            want = native_result(mpi, collective, x, op, root)
+            if want is None:
+                wrong += got is not None
+            elif got is None or got.shape != want.shape:
+                wrong += max(want.size, 1)
+            else:
+                wrong += int(np.count_nonzero(got != want))
+    return wrong
+
+
+def median_time(comm, mpi, collective, algorithm, count, dtype, repeats):
+    x = collective_input(comm.rank, comm.size, collective, count, dtype, "sum")
+    times = []
+    for _ in range(repeats + 1):
+        mpi.Barrier()
+        start = time.perf_counter()
+        run_one(comm, collective, algorithm, x, "sum", 0)
+        times.append(time.perf_counter() - start)
+    # The slowest rank decides when a collective is done.
+    slowest = mpi.allreduce(float(np.median(times[1:])), op=MPI.MAX)
+    return slowest
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m collectives.tools.demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--count", type=int, default=1 << 18, help="elements for the timing (default 262144)")
+    parser.add_argument("--dtype", default="float32", help="element type (default float32)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per algorithm (default 5)")
+    args = parser.parse_args(argv)
+
+    mpi = MPI.COMM_WORLD
+    comm = cc.Communicator()
+    counts = sorted({0, 1, comm.size + 1, 10_007, args.count})
+    rows = []
+    for collective in cc.COLLECTIVES:
+        native_time = median_time(comm, mpi, collective, "native", args.count, args.dtype, args.repeats)
+        for algorithm in cc.algorithms(collective):
+            wrong = mpi.allreduce(verify(comm, mpi, collective, algorithm, counts, args.dtype))
+            seconds = median_time(comm, mpi, collective, algorithm, args.count, args.dtype, args.repeats)
+            rows.append((collective, algorithm, wrong, seconds, native_time / seconds))
+
+    if comm.rank == 0:
+        nbytes = args.count * np.dtype(args.dtype).itemsize
+        print(f"collectives demo: {comm.size} ranks, {args.dtype}, checked against native MPI at counts "
+              f"{', '.join(map(str, counts))}; timed at {args.count} elements ({nbytes / 2**20:.2f} MiB) per rank, "
+              f"per row for scatter and alltoall")
+        print(f"{'collective':<15} {'algorithm':<19} {'check':<10} {'#wrong':>7} {'time (us)':>11} {'vs native':>10}")
+        for collective, algorithm, wrong, seconds, ratio in rows:
+            status = "verified" if wrong == 0 else "WRONG"
+            print(f"{collective:<15} {algorithm:<19} {status:<10} {wrong:>7} {seconds * 1e6:>11.1f} {ratio:>9.2f}x")
+        total_wrong = sum(row[2] for row in rows)
+        print(f"{len(rows)} collective/algorithm pairs, {total_wrong} wrong elements")
+    comm.free()
+    return 1 if any(row[2] for row in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""The job test_dead_rank.py launches: the last rank kills itself (SIGKILL) in the
+middle of an allreduce of COUNT float32s (ALGORITHM: ring, whose messages go through
+MPI, or shm, whose ranks wait on each other's counters in shared memory); every
+survivor must raise, naming it, within timeout + 1 s, and the job must end with a
+non-zero exit.
+
+    mpiexec -disable-auto-cleanup -n 4 python -m mpi4py tests/harness/dead_rank_job.py OUTDIR TIMEOUT COUNT [ALGORITHM]
+
+Run under ``python -m mpi4py`` as users should: an uncaught exception then aborts the
+job (MPI_Abort) instead of leaving it waiting in MPI_Finalize. Each survivor writes
+what it raised and when to OUTDIR/rank-R.json, and re-raises only once every
+survivor has had time to time out by itself (the first MPI_Abort ends the whole job).
+Under MPICH's launcher a survivor's output may not reach the terminal once a rank has
+died, hence the files.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import collectives as cc
+
+outdir, timeout, count = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+algorithm = sys.argv[4] if len(sys.argv) > 4 else "ring"
+from mpi4py import MPI  # noqa: E402
+
+# Each rank's stderr to a file: once a rank has died the launcher may stop forwarding it.
+_stderr = open(os.path.join(outdir, f"stderr-{MPI.COMM_WORLD.Get_rank()}.txt"), "w")
+os.dup2(_stderr.fileno(), 2)
+comm = cc.Communicator(timeout=timeout)
+doomed = comm.size - 1
+x = np.ones(count, np.float32)
+comm.allreduce(x, algorithm=algorithm)  # everyone alive: a warm-up that must succeed
+comm.barrier()
+
+if comm.rank == doomed:
+    handle = comm.allreduce_async(x, algorithm=algorithm)  # its first sends go out
+    handle.test()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+start = time.monotonic()
+try:
+    comm.allreduce(x, algorithm=algorithm)
+    # A survivor may get its whole result before the doomed rank died (its test() can
+    # take the call several steps on). It then waits here, inside the library, where it
+    # answers the others' probes and times out itself, instead of sleeping below
+    # (outside the library, where the others would count it as unresponsive too).
+    comm.barrier()
+    report = {"raised": None}
+except cc.CollectiveError as exc:
+    report = {"raised": type(exc).__name__, "message": str(exc)}
+    raise
+finally:
+    report.update(rank=comm.rank, doomed=doomed, seconds=time.monotonic() - start)
+    with open(os.path.join(outdir, f"rank-{comm.rank}.json"), "w") as f:
+        json.dump(report, f)
+    time.sleep(max(0.0, start + timeout + 1.5 - time.monotonic()))  # let the other survivors raise too

@@ -1,0 +1,181 @@
+"""The package's shape, checked from its source: no import circles, no module reaching
+into another module's private attributes, and ``import collectives`` loading the core
+library alone (the simulator, the framework adapters and the tools load on first use).
+
+Serial: nothing here sends a message.
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.serial
+
+PACKAGE = Path(__file__).resolve().parent.parent / "collectives"
+PACKAGE_NAME = "collectives"
+
+
+def _modules():
+    """``{module name: (path, is package)}`` of every module in the package."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts = parts[:-1]
+        found[".".join(parts)] = (path, is_package)
+    return found
+
+
+MODULES = _modules()
+
+
+def _resolve(module, is_package, node):
+    """The modules of the package that an import statement ``node`` in ``module`` names."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        if node.level:
+            base = module.split(".")
+            if not is_package:
+                base = base[:-1]
+            base = base[: len(base) - node.level + 1]
+            origin = ".".join(base + ([node.module] if node.module else []))
+        else:
+            origin = node.module or ""
+        # "from a import b": b is a module of its own when a.b is one, else a name in a
+        names = [f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in MODULES else origin for alias in node.names]
+    found = set()
+    for name in names:
+        while name and name not in MODULES:  # import a.b.c where only a.b is ours (an attribute)
+            name = name.rpartition(".")[0]
+        if name:
+            found.add(name)
+    return found
+
+
+def _graph():
+    """``{module: modules it imports}``, counting imports anywhere in it (inside
+    functions too: an import put off until first use is still a dependency)."""
+    graph = {}
+    for module, (path, is_package) in MODULES.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        edges = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                edges |= _resolve(module, is_package, node)
+        edges.discard(module)
+        graph[module] = edges
+    return graph
+
+
+def _cycles(graph):
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return components
+
+
+def test_no_import_circles():
+    """Every import between the package's modules points one way. A package's
+    ``__init__`` counts as the module it is: ``from . import x`` in it is an edge to x,
+    and x importing a name from the package is an edge back."""
+    assert _cycles(_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def _defined_names(tree):
+    """Private attribute and method names a module defines: ``self._x = ...``,
+    ``def _x`` inside a class, class-level ``_x = ...`` and ``__slots__`` entries."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names.add(item.name)
+                elif isinstance(item, ast.Assign):
+                    for target in item.targets:
+                        if isinstance(target, ast.Name):
+                            names.add(target.id)
+                            if target.id == "__slots__" and isinstance(item.value, (ast.Tuple, ast.List)):
+                                names |= {e.value for e in item.value.elts if isinstance(e, ast.Constant)}
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _private_reach_ins():
+    """``(module, line, attribute, the module that defines it)`` for every access
+    ``obj._name`` in one module of the package to a private attribute that only other
+    modules of the package define (``self`` and ``cls`` aside)."""
+    trees = {module: ast.parse(path.read_text(encoding="utf-8")) for module, (path, _) in MODULES.items()}
+    defined = {module: _defined_names(tree) for module, tree in trees.items()}
+    found = []
+    for module, tree in trees.items():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if node.attr in defined[module]:
+                continue
+            owners = sorted(m for m, names in defined.items() if node.attr in names)
+            if owners:
+                found.append((module, node.lineno, node.attr, owners[0]))
+    return found
+
+
+def test_no_module_reaches_into_another_modules_private_attributes():
+    assert _private_reach_ins() == []
+
+
+def test_import_collectives_loads_the_core_only():
+    code = ("import sys, collectives; "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('collectives'))))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    outside = [m for m in loaded if m.startswith(("collectives.sim", "collectives.adapters", "collectives.tools"))]
+    assert outside == []
+    assert "collectives.communicator" in loaded
+
+
+def test_the_public_names_load_on_first_use():
+    code = ("import collectives as cc, collectives.horovod.torch as hvd, collectives.adapters.horovod.torch as real; "
+            "import collectives.torch, collectives.training; "
+            "assert hvd is real; assert cc.training is collectives.training; "
+            "assert cc.sim.run and cc.ps.ParameterServer and cc.training.GradientReducer; "
+            "assert collectives.torch.__name__ == 'collectives.adapters.torch'")
+    pytest.importorskip("torch")
+    subprocess.run([sys.executable, "-c", code], check=True)
