@@ -21,7 +21,7 @@ from .errors import (CollectiveError, CollectiveMismatchError, CollectiveTimeout
                      TransportError)
 from .ops import OPS, ops_for
 from .topology import Topology
-from .transport.mpi import Handle
+from .transport.progress import Handle
 
 __version__ = "0.1.0"
 

@@ -209,7 +209,7 @@ WORLD_SHARES_MEMORY = _world_shares_memory()  # False in a testbed job across ho
 def runs_here(comm, collective, algorithm):
     """Whether ``comm`` runs ``algorithm``: the shared-memory ones (``shm``) need ranks
     that share memory; across hosts they raise, which test_multihost.py checks."""
-    return (collective, algorithm) not in SHARED_MEMORY or comm._shares_memory
+    return (collective, algorithm) not in SHARED_MEMORY or comm.shares_memory
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import collectives as cc
-import collectives.communicator as communicator_module
+import collectives.routes.base as routes_base
 import collectives.tuning as tuning
 from collectives.algorithms import SHARED_MEMORY, cost_model_choice
 from collectives.tools.bench import cli, timing, tune
@@ -83,13 +83,13 @@ def no_default_table(monkeypatch, tmp_path):
 def plans_used(monkeypatch):
     """Records (collective, algorithm) of every plan the Communicator runs."""
     used = []
-    real = communicator_module._plan
+    real = routes_base.compiled_plan
 
     def spy(collective, algorithm, *args, **kwargs):
         used.append((collective, algorithm))
         return real(collective, algorithm, *args, **kwargs)
 
-    monkeypatch.setattr(communicator_module, "_plan", spy)
+    monkeypatch.setattr(routes_base, "compiled_plan", spy)
     return used
 
 
@@ -981,25 +981,25 @@ def test_auto_keeps_float16_reductions_off_native_from_64_kib(comm):
     """MPI reduces float16 in software loops (20x slower than ours here): where the table
     says native, auto hands MPI a float16 reduction only below FLOAT16_NATIVE_UP_TO bytes,
     and choose(dtype=) says so; an override to native is obeyed."""
-    from collectives.communicator import FLOAT16_NATIVE_UP_TO
+    from collectives.calls import FLOAT16_NATIVE_UP_TO, resolve
     from collectives.tuning import Selector
 
     always_native = comm.dup()
     try:
-        always_native._selector = Selector(comm.size, overrides={})
-        always_native._selector.explain = lambda collective, nbytes, device=False: ("native", "stub table")
-        always_native._selector.choose = lambda collective, nbytes, device=False: "native"
+        always_native._ctx.selector = Selector(comm.size, overrides={})
+        always_native._ctx.selector.explain = lambda collective, nbytes, device=False: ("native", "stub table")
+        always_native._ctx.selector.choose = lambda collective, nbytes, device=False: "native"
         big, f16 = FLOAT16_NATIVE_UP_TO, np.dtype("float16")
         for collective in ("allreduce", "reduce", "reduce_scatter"):
             chosen, why = always_native.choose(collective, big, dtype="float16")
             assert chosen != "native" and "float16" in why
-            assert always_native._resolve(collective, "auto", big, f16) == chosen
-            assert always_native._resolve(collective, "auto", big - 2, f16) == "native"  # small: MPI's latency wins
+            assert resolve(always_native._ctx, collective, "auto", big, f16) == chosen
+            assert resolve(always_native._ctx, collective, "auto", big - 2, f16) == "native"  # small: MPI's latency wins
             assert always_native.choose(collective, big, dtype="float32")[0] == "native"
-            assert always_native._resolve(collective, "native", big, f16) == "native"  # asked for: given
+            assert resolve(always_native._ctx, collective, "native", big, f16) == "native"  # asked for: given
         assert always_native.choose("broadcast", big, dtype="float16")[0] == "native"  # no reduction
-        always_native._selector.overrides = {"allreduce": "native"}  # COLLECTIVES_ALLREDUCE_ALGORITHM=native
-        assert always_native._resolve("allreduce", "auto", big, f16) == "native"
+        always_native._ctx.selector.overrides = {"allreduce": "native"}  # COLLECTIVES_ALLREDUCE_ALGORITHM=native
+        assert resolve(always_native._ctx, "allreduce", "auto", big, f16) == "native"
     finally:
         always_native.free()
 

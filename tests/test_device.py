@@ -71,7 +71,7 @@ def _communicator_for(path):
     if path not in _COMMS:
         comm = _COMMS[path] = device_communicator(path)
         expected = "ipc" if path.startswith("ipc") else path
-        ctx = next(iter(comm._devices.values()))
+        ctx = next(iter(comm._ctx.devices.values()))
         assert all(p == expected for peer, p in ctx.paths.items() if peer != comm.rank), ctx.paths
     return _COMMS[path]
 

@@ -185,7 +185,7 @@ def test_a_layout_table_is_used_only_over_its_link(mpi_comm, tmp_path, monkeypat
     problems = []
     slow = cc.Communicator(mpi_comm, nodes=labels)
     choice, why = slow.choose("allreduce", 1 << 20)
-    rates = mpi_comm.allgather(slow._selector.link)
+    rates = mpi_comm.allgather(slow._ctx.selector.link)
     slow.free()
     if choice == "ring" or f"{path} was measured over a 0.001 MB/s link; this job's measures" not in why:
         problems.append(f"a 0.001 MB/s table: {choice}, {why}")

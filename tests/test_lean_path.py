@@ -14,6 +14,8 @@ import pytest
 from mpi4py import MPI
 
 import collectives as cc
+from collectives.routes import LeanEntry
+from collectives.specs import SPECS
 from collectives.transport import lean
 from conftest import agree, expected_result, rank_input
 
@@ -77,13 +79,13 @@ def test_lean_path_gives_the_general_paths_bits(comm, collective, algorithm, cou
             want = expected_result(collective, comm.rank, comm.size, [x.ravel() for x in xs], op, root)
             if want is not None and not np.array_equal(lean_result.ravel(), np.asarray(want).ravel()):
                 problems.append(f"{label}: lean {lean_result.ravel()[:6]} != NumPy {np.asarray(want).ravel()[:6]}")
-    agree(comm._comm, problems)
+    agree(comm.mpi_comm, problems)
 
 
 def test_lean_path_takes_repeated_calls_and_learns_each_kind_once(comm, monkeypatch):
     """The second call of a kind is served from what the first learnt: native for a tiny
     auto allreduce (here auto's choice), for the library's own a persistent program
-    (small calls) or a LeanProgram (larger ones)."""
+    (small calls) or the lean executor (larger ones)."""
     x = np.arange(4, dtype=np.float32)
     big = np.ones((lean.PERSISTENT_BYTES // 4) + 1, np.float32)
     ring = comm.allreduce(x, algorithm="ring")
@@ -110,11 +112,11 @@ def test_lean_path_takes_repeated_calls_and_learns_each_kind_once(comm, monkeypa
         problems.append("the large ring call gave a wrong result")
     if not np.array_equal(ring, again) or not np.array_equal(again, x * comm.size):
         problems.append(f"ring gave {again}, want {x * comm.size}")
-    entry = comm._fast_entries.get(("allreduce", "ring", x.dtype, x.nbytes, "sum", 0, False, comm.segment_size,
-                                    comm.deterministic, comm.shm_slot))
-    if not (isinstance(entry, list) and entry[1] == "ring"):
+    entry = comm._ctx.lean_entries.get((SPECS["allreduce"], "ring", x.dtype, x.nbytes, "sum", 0, False,
+                                        comm.segment_size, comm.deterministic, comm.shm_slot))
+    if not (isinstance(entry, LeanEntry) and entry.algorithm == "ring"):
         problems.append(f"no lean entry for the ring call: {entry!r}")
-    agree(comm._comm, problems)
+    agree(comm.mpi_comm, problems)
 
 
 def test_calls_the_lean_path_refuses_take_the_general_path(comm):
@@ -133,10 +135,10 @@ def test_calls_the_lean_path_refuses_take_the_general_path(comm):
     checked = cc.Communicator(check=True)
     if not np.array_equal(checked.allreduce(np.ones(3), algorithm="direct"), np.full(3, comm.size)):
         problems.append("check mode gave a wrong result")
-    if checked._fast_entries:
-        problems.append(f"check mode learnt lean entries: {list(checked._fast_entries)}")
+    if checked._ctx.lean_entries:
+        problems.append(f"check mode learnt lean entries: {list(checked._ctx.lean_entries)}")
     checked.free()
-    agree(comm._comm, problems)
+    agree(comm.mpi_comm, problems)
 
 
 def test_bad_arguments_still_raise_the_general_paths_errors(comm):
@@ -155,7 +157,7 @@ def test_bad_arguments_still_raise_the_general_paths_errors(comm):
     for bad_root in (False, 0.0, np.array(0)):  # equal to 0, or unhashable: refused all the same
         with pytest.raises(ValueError, match="root must be a rank"):
             comm.broadcast(x, root=bad_root)
-    agree(comm._comm, [])
+    agree(comm.mpi_comm, [])
 
 
 @pytest.mark.skipif(WORLD.Get_size() < 2, reason="needs two ranks")
@@ -233,7 +235,7 @@ def test_small_calls_allocate_nothing_per_call(comm):
         peaks[count] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     problems = [] if peaks[8192] < peaks[16] + 4096 else [f"traced peak by count: {peaks}"]
-    agree(comm._comm, problems)
+    agree(comm.mpi_comm, problems)
 
 
 @pytest.mark.skipif(WORLD.Get_size() < 2, reason="needs two ranks")
@@ -262,4 +264,4 @@ def test_a_blocking_call_finishes_the_calls_in_flight_first(comm):
             problems.append(f"async call {k} not finished by the blocking call")
         if not np.array_equal(handle.wait(), np.full(1000, k * p + p * (p - 1) // 2)):
             problems.append(f"async call {k}: wrong result")
-    agree(comm._comm, problems)
+    agree(comm.mpi_comm, problems)

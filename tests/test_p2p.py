@@ -71,7 +71,7 @@ def test_messages_never_match_a_collective_in_flight(comm):
     problems = []
     to, frm = neighbours(comm)
     total = comm.allreduce_async(np.full(1000, 1.0), algorithm="ring")
-    tag = comm._sequence  # the tag of the allreduce's own messages
+    tag = comm._ctx.sequence  # the tag of the allreduce's own messages
     sending = comm.send_async(np.full(1000, -5.0), to, tag=tag)
     got = comm.recv_async(np.empty(1000), frm, tag=tag).wait()
     sending.wait()
@@ -195,7 +195,7 @@ def test_a_receive_in_flight_does_not_hold_up_a_blocking_collective():
     results = [comm.allreduce(strided, algorithm="ring"),
                comm.allreduce(strided[:2]),  # auto: native, MPI's blocking call
                comm.allreduce(np.ones(4), algorithm="ring")]  # contiguous: the lean path
-    if comm._shares_memory:  # the shared window made at the first shm call: a collective point too
+    if comm.shares_memory:  # the shared window made at the first shm call: a collective point too
         results.append(comm.allreduce(np.ones(4), algorithm="shm"))
     if comm.rank == 1:
         comm.send(np.full(4, 7.0), 0, tag=3)

@@ -33,7 +33,7 @@ def registered_call(comm, collective, x, op="sum", root=0):
 
 def window_data(comm):
     """Bytes of the shared window's data area (0 before the first shm call)."""
-    return comm._window.capacity if comm._window is not None else 0
+    return comm._ctx.window.capacity if comm._ctx.window is not None else 0
 
 
 @pytest.mark.long  # make test: at 1-4 ranks; make test-long: at 5-8

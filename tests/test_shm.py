@@ -81,7 +81,7 @@ def test_the_window_grows_and_is_reused():
         got = comm.allreduce(x, algorithm="shm")
         if not np.array_equal(got, np.full(count, comm.size * (comm.size + 1) // 2, np.float32)):
             problems.append(f"count {count}: wrong result")
-        sizes.append(comm._window.capacity if comm._window is not None else 0)
+        sizes.append(comm._ctx.window.capacity if comm._ctx.window is not None else 0)
     if comm.size > 1:
         if not (sizes[0] < sizes[1] < sizes[3] and sizes[1] == sizes[2] and sizes[3] == sizes[4]):
             problems.append(f"window sizes {sizes}: not grown on demand and kept")
@@ -170,9 +170,9 @@ def test_deterministic_mode_allows_them():
 def test_refused_for_device_arrays_and_across_nodes():
     comm = cc.Communicator()
     with pytest.raises(ValueError, match="every rank on one node"):
-        comm._shares_memory = False  # as on a communicator that spans several hosts
+        comm._ctx.shares_memory = False  # as on a communicator that spans several hosts
         comm.allreduce(np.ones(4), algorithm="shm")
-    comm._shares_memory = True
+    comm._ctx.shares_memory = True
     from collectives.device import standin
 
     x = standin.asarray(np.ones(4, np.float32))
@@ -232,9 +232,9 @@ def test_ranks_with_different_slots_are_an_error_on_every_rank():
 
 def test_auto_and_overrides_where_memory_is_not_shared(monkeypatch):
     comm = cc.Communicator()
-    comm._shares_memory = False  # as on a communicator that spans hosts
-    monkeypatch.setattr(comm._selector, "explain", lambda collective, nbytes, device: ("shm", "a stub table"))
-    monkeypatch.setattr(comm._selector, "choose", lambda collective, nbytes, device: "shm")
+    comm._ctx.shares_memory = False  # as on a communicator that spans hosts
+    monkeypatch.setattr(comm._ctx.selector, "explain", lambda collective, nbytes, device: ("shm", "a stub table"))
+    monkeypatch.setattr(comm._ctx.selector, "choose", lambda collective, nbytes, device: "shm")
     choice, why = comm.choose("allreduce", 1 << 20)
     problems = [] if choice != "shm" and "host arrays of ranks that share memory" in why else [f"choose: {choice}, {why}"]
     # bfloat16 (ml_dtypes): MPI has no type for it, so the fallback must not be native either
@@ -242,7 +242,7 @@ def test_auto_and_overrides_where_memory_is_not_shared(monkeypatch):
     got = comm.allreduce(np.ones(8, dtype=ml_dtypes.bfloat16))
     if not np.array_equal(got.astype(np.float64), np.full(8, float(comm.size))):
         problems.append(f"auto's fallback gave {got}")
-    comm._selector.overrides["allreduce"] = "shm"  # COLLECTIVES_ALLREDUCE_ALGORITHM=shm names it
+    comm._ctx.selector.overrides["allreduce"] = "shm"  # COLLECTIVES_ALLREDUCE_ALGORITHM=shm names it
     try:
         comm.allreduce(np.ones(8))
         problems.append("an override naming shm ran where memory is not shared")
@@ -250,7 +250,7 @@ def test_auto_and_overrides_where_memory_is_not_shared(monkeypatch):
         if "every rank on one node" not in str(exc):
             problems.append(str(exc))
     finally:
-        del comm._selector.overrides["allreduce"]
+        del comm._ctx.selector.overrides["allreduce"]
     agree(WORLD, problems)
 
 

@@ -65,7 +65,7 @@ def test_short_soak_every_result_right_and_nothing_left_in_flight():
     problems = problems_in(report, comm, CALLS)
     if not same_on_every_rank(report):
         problems.append("the report differs between ranks")
-    if comm._progress.active or comm._progress._abandoned:
+    if comm.progress.active or comm.progress.leftovers():
         problems.append("the engine holds handles or abandoned requests")
     comm.free()
     agree(MPI.COMM_WORLD, problems)

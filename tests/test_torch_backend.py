@@ -459,7 +459,7 @@ def test_groups_free_their_communicators_when_destroyed(gloo):
             dist.all_reduce(x, group=group)
             assert torch.equal(x, torch.full((2,), float(len(members))))
             dist.destroy_process_group(group)
-            assert group.comm._comm == MPI.COMM_NULL
+            assert group.comm.mpi_comm == MPI.COMM_NULL
 
 
 # -- training: DDP and FSDP unchanged --------------------------------------------------------------

@@ -41,14 +41,15 @@ import numpy as np
 from mpi4py import MPI
 
 from ..algorithms import block_bounds
-from ..communicator import Communicator, _env_seconds
+from ..communicator import Communicator
 from ..errors import CollectiveTimeoutError
 from .. import device
 from ..device import DeviceArray
 from ..device import ops as device_ops
 from .training import _host_copy, named_arrays
 from ..transport.liveness import ranks as rank_list
-from ..transport.mpi import _yield_cpu, check_timeout
+from ..options import check_timeout, env_seconds
+from ..transport.progress import yield_cpu
 
 MODES = ("sync", "async")
 TAG_PUSH = 1  # worker -> server: a gradient shard, or an empty message for "finished"
@@ -135,7 +136,7 @@ class ParameterServer:
         rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.mode = _check_mode(mode)
         self.max_staleness = _check_staleness(max_staleness, self.mode)
-        self.timeout = _env_seconds("COLLECTIVES_TIMEOUT") if timeout is None else check_timeout(timeout)
+        self.timeout = env_seconds("COLLECTIVES_TIMEOUT") if timeout is None else check_timeout(timeout)
         self.update = SGD(lr) if update is None else update
         if not callable(self.update):
             raise TypeError(f"update must be a callable update(param, grad); got {type(update).__name__}")
@@ -497,7 +498,7 @@ def wait_all(requests, peers, timeout, what, kind, receives=0):
     first ``receives`` requests are receives, cancelled then."""
     deadline = time.monotonic() + timeout if timeout is not None else math.inf
     while not MPI.Request.Testall(requests):
-        _yield_cpu()
+        yield_cpu()
         if time.monotonic() > deadline:
             _time_out(requests, peers, timeout, what, kind, requests[:receives])
 
@@ -510,7 +511,7 @@ def wait_any(requests, peers, status, timeout, what, kind):
         index, done = MPI.Request.Testany(requests, status)
         if done:
             return index
-        _yield_cpu()
+        yield_cpu()
         if time.monotonic() > deadline:
             _time_out(requests, peers, timeout, what, kind, requests)  # all receives
 
@@ -532,7 +533,7 @@ def _mpi_comm(comm):
     if comm is None:
         return MPI.COMM_WORLD
     if isinstance(comm, Communicator):
-        return comm._comm  # the library's private duplicate; duplicated again below
+        return comm.mpi_comm  # the library's private duplicate; duplicated again below
     if isinstance(comm, MPI.Intracomm) and comm != MPI.COMM_NULL:
         return comm
     raise TypeError(f"comm must be a collectives.Communicator, an mpi4py intracommunicator or None; "

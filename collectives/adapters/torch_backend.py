@@ -313,7 +313,7 @@ class ProcessGroup(dist.ProcessGroup):
         """The group's progress thread (started at the first pending future), or None
         where ``progress_thread`` is off or MPI's thread level rules it out."""
         if self._progress is None and self.progress_thread \
-                and MPI.Query_thread() >= MPI.THREAD_SERIALIZED and self.comm._comm != MPI.COMM_NULL:
+                and MPI.Query_thread() >= MPI.THREAD_SERIALIZED and self.comm.mpi_comm != MPI.COMM_NULL:
             self._progress = _Progress(self)
         return self._progress
 
@@ -326,7 +326,7 @@ class ProcessGroup(dist.ProcessGroup):
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
-        if self.comm._comm != MPI.COMM_NULL:
+        if self.comm.mpi_comm != MPI.COMM_NULL:
             self.comm.free()
             if self._owned is not None:
                 self._owned.Free()

@@ -47,7 +47,8 @@ from .. import device
 from .. import ops as ops_layer
 from ..algorithms import check_algorithm, check_ordered
 from ..dtypes import EXTRA_DTYPES, is_extra
-from ..communicator import Communicator, _check_nbytes, _check_root
+from ..communicator import Communicator
+from ..options import check_nbytes, check_root
 from ..device import DeviceArray
 from ..device import ops as device_ops
 
@@ -260,7 +261,7 @@ def broadcast_parameters(params, root=0, comm=None, bucket_bytes=BUCKET_BYTES):
     :class:`TrainingError` everywhere). Returns ``params``.
     """
     comm = _communicator(comm)
-    root = _check_root(root, comm.size)
+    root = check_root(root, comm.size)
     named = named_arrays(params)
     for name, array in named:
         if isinstance(array, np.ndarray) and not array.flags.writeable:
@@ -268,7 +269,7 @@ def broadcast_parameters(params, root=0, comm=None, bucket_bytes=BUCKET_BYTES):
         if array.dtype.hasobject:
             raise TypeError(f"params[{name!r}] holds Python objects (dtype {array.dtype}): only arrays of numbers "
                             "and other plain data can be broadcast")
-    _check_nbytes(bucket_bytes, "bucket_bytes")
+    check_nbytes(bucket_bytes, "bucket_bytes")
     check_same_layout(named, comm)
     if named and isinstance(named[0][1], DeviceArray):  # in place on the device, one call per array
         for _, array in named:
@@ -351,8 +352,8 @@ class GradientReducer:
             if array.dtype.kind not in "fc" and array.dtype not in EXTRA_DTYPES:
                 raise TypeError(f"params[{name!r}] has dtype {array.dtype.name}: gradients are averaged, so "
                                 "parameters must be floating or complex (leave integer state out of params)")
-        _check_nbytes(first_bucket_bytes, "first_bucket_bytes")
-        _check_nbytes(bucket_bytes, "bucket_bytes")
+        check_nbytes(first_bucket_bytes, "first_bucket_bytes")
+        check_nbytes(bucket_bytes, "bucket_bytes")
         k = backward_passes_per_step
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"backward_passes_per_step must be a positive integer; got {k!r}")

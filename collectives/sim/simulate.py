@@ -12,7 +12,7 @@ from ..algorithms import (BUILDERS, NODE_SYMMETRIC, SEGMENTED, SHARED_MEMORY, SY
 from ..algorithms.shm import DEFAULT_SLOT_BYTES, REGISTERED
 from ..algorithms.hierarchical import pipeline_pieces
 from ..dtypes import check_dtype
-from ..communicator import DEFAULT_SEGMENT_SIZE, _check_segment_size  # segments as the Communicator cuts them
+from ..options import DEFAULT_SEGMENT_SIZE, check_segment_size  # segments as the Communicator cuts them
 from ..errors import CollectiveError
 from ..schedule import Recv, Reduce, Send, compile_plan
 from ..topology import Topology
@@ -203,7 +203,7 @@ def _check_args(collective, algorithm, world_size, count, dtype, op, root, param
     unknown = set(params) - set(PARAMS)
     if unknown:
         raise TypeError(f"unknown parameter(s) {', '.join(sorted(unknown))}; the simulator takes {', '.join(PARAMS)}")
-    _check_segment_size(params.get("segment_size", DEFAULT_SEGMENT_SIZE))
+    check_segment_size(params.get("segment_size", DEFAULT_SEGMENT_SIZE))
     if (collective, algorithm) in BASELINES:
         servers = params.get("servers", 1)
         if not _is_int(servers) or not 1 <= servers < world_size:

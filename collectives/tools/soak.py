@@ -208,8 +208,7 @@ def rss_bytes():
 
 def kept_workspace(comm):
     """Bytes of scratch buffers the communicator keeps between calls (its largest few)."""
-    workspace = getattr(comm, "_workspace", None)
-    return sum(b.nbytes for b in getattr(workspace, "_free", ()))
+    return comm.scratch_bytes
 
 
 def settled_rss(comm):
@@ -222,19 +221,7 @@ def settled_rss(comm):
 
 def leaks(comm):
     """What the communicator's progress engine still holds after every call finished."""
-    progress = comm._progress
-    found = []
-    if progress.active:
-        found.append(f"{len(progress.active)} handles still active: "
-                     + ", ".join(h._describe for h in progress.active[:3]))
-    live = sum(1 for request in progress._requests if request != MPI.REQUEST_NULL)
-    if live:
-        found.append(f"{live} live requests in the engine's list")
-    if progress._abandoned:
-        found.append(f"{len(progress._abandoned)} abandoned requests")
-    if progress.broken is not None:
-        found.append(f"the engine is broken: {progress.broken}")
-    return found
+    return comm.progress.leftovers()
 
 
 def run(comm, calls, seed=0, progress=False, *, max_growth_mib=None, warmup=None):
@@ -320,8 +307,8 @@ def run(comm, calls, seed=0, progress=False, *, max_growth_mib=None, warmup=None
     trace.append((calls, round(rss_end / _MIB, 1)))
     objects = len(gc.get_objects()) - objects_start
     local = {"objects": objects, "trace": trace, "workspace": workspace, "rss_raw": rss_raw, "wrong": len(wrong), "wrong_first": wrong[:5], "leaks": leaks(comm), "rss_start": rss_start,
-             "rss_end": rss_end, "elapsed": elapsed, "engine_entries": len(comm._progress._requests)}
-    everyone = comm._comm.allgather(local)  # nothing is in flight: MPI's own allgather is safe here
+             "rss_end": rss_end, "elapsed": elapsed, "engine_entries": comm.progress.entries}
+    everyone = comm.mpi_comm.allgather(local)  # nothing is in flight: MPI's own allgather is safe here
     growth = [(r["rss_end"] - r["rss_start"]) / _MIB for r in everyone]
     elapsed = max(r["elapsed"] for r in everyone)
     total_wrong = sum(r["wrong"] for r in everyone)

@@ -43,7 +43,8 @@ from mpi4py import MPI
 
 from ..errors import MessageSizeError, TransportError
 from ..schedule import Copy, Reduce, ReduceMany, Send
-from .mpi import Handle, PlanHandle, _at
+from .mpi import PlanHandle
+from .progress import Handle, at
 
 _CONTROL_WORDS = 20  # int64s of an IPC control message: slot, bytes, capacity, -, 8 + 8 of handles
 _HANDLE_BYTES = 64  # a CUDA IPC memory or event handle
@@ -175,7 +176,7 @@ class DeviceContext:
         self._slots = []  # this rank's IPC send slots
         self._free_slots = []
         self._opened = {}  # (peer, slot index) -> (array, event) of a peer's slot
-        self._last_end = None  # the event after the latest finished call's work
+        self.last_end = None  # the event after the latest finished call's work
 
     # -- calls --------------------------------------------------------------------------------
     def begin(self, user_stream):
@@ -187,9 +188,9 @@ class DeviceContext:
         self.backend.record(started, user_stream)
         for stream in self.streams:
             self.backend.wait(stream, started)
-            if self._last_end is not None:
-                self.backend.wait(stream, self._last_end)
-        if self._last_end is None:
+            if self.last_end is not None:
+                self.backend.wait(stream, self.last_end)
+        if self.last_end is None:
             return started
         ready = self.backend.event()  # after the user's work and the previous calls'
         self.backend.record(ready, self.compute)
@@ -217,7 +218,7 @@ class DeviceContext:
         done = self.backend.event()
         self.backend.record(done, self.compute)
         self.backend.wait(user_stream, done)
-        self._last_end = done
+        self.last_end = done
 
     def release_memory(self):
         """Drop the pooled pinned and device buffers (new ones are made when needed),
@@ -373,7 +374,7 @@ class DevicePlanHandle(PlanHandle):
     # -- device work ordered after what it depends on --------------------------------------------
     def _after_predecessors(self, i, stream):
         """Make ``stream`` wait for the device work of every operation ``i`` depends on."""
-        for p in self._execution.plan.predecessors[i]:
+        for p in self._plan.predecessors[i]:
             queued = self._done_on[p]
             if queued is not None and queued[0] is not stream:
                 self._backend.wait(stream, queued[1])
@@ -385,7 +386,7 @@ class DevicePlanHandle(PlanHandle):
         return event
 
     def _run_local(self, i):
-        op = self._execution.plan.ops[i]
+        op = self._plan.ops[i]
         stream = self._ctx.compute
         self._after_predecessors(i, stream)
         view = self._buffers.view
@@ -418,7 +419,7 @@ class DevicePlanHandle(PlanHandle):
             queue.pop(0)[1]()
 
     def _post(self, i):
-        op = self._execution.plan.ops[i]
+        op = self._plan.ops[i]
         path = self._ctx.paths[op.peer]
         view = self._buffers.view(op.src if isinstance(op, Send) else op.dst)
         self._in_flight[i] = view.nbytes
@@ -428,7 +429,7 @@ class DevicePlanHandle(PlanHandle):
         kind = "send" if isinstance(op, Send) else "recv"
         self._enlist(kind, op.peer, i)
         if path == "cuda-aware":  # MPI touches the device memory: first the work it depends on
-            events = [self._done_on[p][1] for p in self._execution.plan.predecessors[i]
+            events = [self._done_on[p][1] for p in self._plan.predecessors[i]
                       if self._done_on[p] is not None]
             if self._inputs_ready is not None:  # and the user's work, the packing, earlier calls
                 if self._backend.query(self._inputs_ready):
@@ -463,7 +464,7 @@ class DevicePlanHandle(PlanHandle):
         self._mpi(getattr(comm, method), buffer, peer, token)
 
     def _post_device_memory(self, i):
-        op = self._execution.plan.ops[i]
+        op = self._plan.ops[i]
         if isinstance(op, Send):
             self._mpi(self._comm.Isend, self._backend.mpi_buffer(self._buffers.view(op.src)), op.peer, ("send", i))
         else:
@@ -514,7 +515,7 @@ class DevicePlanHandle(PlanHandle):
         one reduction alone reads this receive's data, it reads the peer's slot itself
         (no copy); else the segment is copied out of it. Either way the slot is
         acknowledged once the device has read it."""
-        op = self._execution.plan.ops[i]
+        op = self._plan.ops[i]
         control = self._messages.pop(("control", i))
         got, expected = status.Get_count(MPI.BYTE), self._in_flight[i]
         if got != control.nbytes:
@@ -546,7 +547,7 @@ class DevicePlanHandle(PlanHandle):
     def _direct_reader(self, i, op):
         """The reduction that alone reads receive ``i``'s data, as one whole operand, in
         workspace; else None."""
-        plan = self._execution.plan
+        plan = self._plan
         readers = plan.readers[i] if plan.readers else ()
         if op.dst.buf != "tmp" or len(readers) != 1:
             return None
@@ -569,7 +570,7 @@ class DevicePlanHandle(PlanHandle):
         return view
 
     def _ipc_acknowledge(self, i, index):
-        op = self._execution.plan.ops[i]
+        op = self._plan.ops[i]
         ack = self._messages[("sent ack", i)] = np.array([index], np.int64)
         self._ready("ack", op.peer, i, lambda: self._mpi(self._ctx.ack_comm.Isend, ack, op.peer, ("ack-sent", i)))
 
@@ -587,7 +588,7 @@ class DevicePlanHandle(PlanHandle):
                 self._ctx.pinned.give(self._pinned.pop(i))
             self._complete(i)
         elif kind == "recv":
-            op = self._execution.plan.ops[i]
+            op = self._plan.ops[i]
             got, expected = status.Get_count(MPI.BYTE), self._in_flight[i]
             if got != expected:
                 raise self._size_error(i, op, got, f"{expected} B")
@@ -608,7 +609,7 @@ class DevicePlanHandle(PlanHandle):
             self._ipc_part_done(i)
         elif kind == "ipc-ack":  # the receiver has read the slot: it is free again
             ack = self._messages.pop(("ack", i))
-            op = self._execution.plan.ops[i]
+            op = self._plan.ops[i]
             if status.Get_count(MPI.BYTE) != ack.nbytes or int(ack[0]) not in self._op_of_slot:
                 raise self._size_error(i, op, status.Get_count(MPI.BYTE), "an acknowledgement of an IPC slot in use")
             slot = self._slot_of.pop(self._op_of_slot.pop(int(ack[0])))
@@ -620,7 +621,7 @@ class DevicePlanHandle(PlanHandle):
 
     def _on_device_done(self, token):
         kind, i = token[0], token[1]
-        op = self._execution.plan.ops[i]
+        op = self._plan.ops[i]
         if kind == "staged":  # the segment is in pinned memory: send it (in order)
             buffer = self._pinned[i][: self._in_flight[i]]
             self._ready("send", op.peer, i, lambda: self._mpi(self._comm.Isend, buffer, op.peer, ("send", i)))
@@ -641,18 +642,15 @@ class DevicePlanHandle(PlanHandle):
 
     def _complete(self, i):
         self._bytes_done += self._in_flight.pop(i, 0)
-        try:
-            self._execution.complete(i)
-        except MPI.Exception as exc:
-            raise TransportError(f"{self._describe}: MPI failed to post a message: {exc}") from exc
+        super()._complete(i)
 
     def _size_error(self, i, op, got, expected):
-        return _at(MessageSizeError(f"{self._describe}: step {self._step(i)}: received {got} B from rank {op.peer} "
+        return at(MessageSizeError(f"{self._describe}: step {self._step(i)}: received {got} B from rank {op.peer} "
                                     f"where the schedule expects {expected}; the ranks called it with buffers of "
                                     "different sizes, or some with host and some with device arrays"), op.peer, i + 1)
 
     def _is_done(self):
-        return self._execution.done and self._aux == 0
+        return self._scheduler.done and self._aux == 0
 
     def _cancel(self, request, token):
         if token[0] in ("recv", "ipc-recv", "ipc-ack"):
@@ -660,7 +658,7 @@ class DevicePlanHandle(PlanHandle):
 
     def _outstanding(self):
         text = super()._outstanding()
-        device = sum(1 for entry in self._progress._device if entry[0] is self)
+        device = self._progress.device_work(self)
         if device:
             text += f"; {device} device operation(s) the host waits for"
         return text

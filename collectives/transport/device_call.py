@@ -86,6 +86,10 @@ class DeviceCall:
         self._after.append(("unpack", out.data, buffer))
         return buffer, inplace, out.original
 
+    def unpack_at_end(self, data, buffer):
+        """Write ``buffer`` back into the non-contiguous ``data`` once the call is over."""
+        self._after.append(("unpack", data, buffer))
+
     def divide_at_end(self, buffer, divisor):
         self._after.append(("divide", buffer, divisor))
 
@@ -144,7 +148,7 @@ def start_native(progress, describe, finish, call, start_mpi, dev_in, dev_out, o
     def finish_then_release():
         result = finish()
         for raw in call.pinned:  # the last copy out of it runs on the device: free once that has
-            ctx.pinned.give(raw, after=ctx._last_end)
+            ctx.pinned.give(raw, after=ctx.last_end)
         return result
 
     handle = DeviceNativeHandle(progress, describe, finish_then_release, ctx, start_mpi, host_in, host_out, dev_in,

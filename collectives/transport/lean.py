@@ -8,7 +8,8 @@ bytes. A blocking call that has none of that to do (no timeout, no stall warning
 other call of this communicator in flight) runs here instead: the same plan, the same
 order of posting (every operation as soon as what it waits for has finished, ready
 ones in program order), the same message checks, in one loop over precomputed
-tables (:class:`LeanProgram`, made once per plan).
+tables (:class:`~.scheduler.Program`, made once per plan), by the scheduling rule
+every executor shares (:mod:`.scheduler`).
 
 Waiting polls ``Testsome``; after ``SPIN`` seconds without progress it yields the CPU
 between polls, as the engine does (a rank that spins keeps the peer it waits for off
@@ -17,8 +18,6 @@ Plans with more than ``MAX_OPS`` operations (pipelined ones, with many segments)
 the engine: their messages are large and the fixed cost does not matter there.
 """
 
-import heapq
-import os
 import time
 
 import numpy as np
@@ -26,8 +25,10 @@ from mpi4py import MPI
 
 from ..errors import MessageSizeError, TransportError
 from ..ops import combine
-from ..schedule import Copy, Reduce, Recv, Send
+from ..schedule import Copy
 from .buffers import Buffers
+from .progress import yield_cpu
+from .scheduler import RECV, REDUCE, SEND, Scheduler, program_of
 
 MAX_OPS = 64
 LOOK_EVERY = 0.02  # seconds of waiting between looks for other ranks' failure notices
@@ -36,38 +37,14 @@ LOOK_EVERY = 0.02  # seconds of waiting between looks for other ranks' failure n
 # call, and on a shared machine possibly another process's time slice) would double that.
 SPIN = 20e-6
 
-_SEND, _RECV, _LOCAL, _REDUCE = 0, 1, 2, 3  # _LOCAL: a copy or a fold, run by Buffers.run_local
-_yield_cpu = getattr(os, "sched_yield", lambda: None)
-
-
-class LeanProgram:
-    """A plan's tables for :func:`run`: what each operation is, which buffer slice a
-    message moves, and the operations ready at the start."""
-
-    __slots__ = ("plan", "kinds", "slices", "peers", "pending", "ready", "dependents", "fifo_next")
-
-    def __init__(self, plan):
-        self.plan = plan
-        self.kinds = tuple(_SEND if isinstance(op, Send) else _RECV if isinstance(op, Recv)
-                           else _REDUCE if isinstance(op, Reduce) else _LOCAL for op in plan.ops)
-        self.slices = tuple(op.src if isinstance(op, Send) else op.dst if isinstance(op, Recv) else None
-                            for op in plan.ops)
-        self.peers = tuple(getattr(op, "peer", -1) for op in plan.ops)
-        self.pending = tuple(plan.initial_pending())
-        self.ready = [i for i, n in enumerate(self.pending) if n == 0]  # already a heap: ascending
-        self.dependents = plan.dependents
-        self.fifo_next = plan.fifo_next
-
 
 def program(plan):
-    """The :class:`LeanProgram` of ``plan`` (made at the first call, kept with the plan),
-    or None if the plan is too large for the lean path or uses the shared window (the
-    shared-memory algorithms: ``transport.shm`` runs those)."""
-    lean = plan.__dict__.get("_lean", False)
-    if lean is False:
-        lean = LeanProgram(plan) if len(plan.ops) <= MAX_OPS and not plan.shm else None
-        object.__setattr__(plan, "_lean", lean)  # the plan is frozen; this is a cache beside it
-    return lean
+    """The plan's :class:`~.scheduler.Program`, or None if the plan is too large for the
+    lean path or uses the shared window (the shared-memory algorithms: ``transport.shm``
+    runs those)."""
+    if len(plan.ops) > MAX_OPS or plan.shm:
+        return None
+    return program_of(plan)
 
 
 class Patience:
@@ -92,7 +69,7 @@ class Patience:
             if self.next_look is None:
                 self.next_look = now + LOOK_EVERY
         elif now >= self.spin_until:
-            _yield_cpu()
+            yield_cpu()
             if now >= self.next_look and self.look is not None:
                 self.next_look = now + LOOK_EVERY
                 self.look()
@@ -114,55 +91,43 @@ def too_long(describe, where, peer):
                             "(MPI truncation error); the ranks called it with buffers of different sizes")
 
 
-def run(lean, comm, tag, buffers, op_name, describe, abandon, look=None):
-    """Run ``lean`` over ``comm`` with ``tag`` on ``buffers`` (a
-    :class:`~collectives.transport.buffers.Buffers`), blocking until it has finished.
-    ``describe()`` names the call in errors. While it waits, ``look()`` is called every
-    ``LOOK_EVERY`` seconds (the engine's look for other ranks' failure notices, which
-    raises :class:`TransportError` if one came). On a message of the wrong size, an
-    MPI error or an error from ``look``, cancels its receives in flight, hands every
-    request still in flight to ``abandon`` (their buffers must stay alive) and raises
-    the error (:class:`MessageSizeError` or :class:`TransportError`, naming the peer
-    and step like the engine's)."""
-    pending = list(lean.pending)
-    ready = lean.ready[:]
-    kinds, slices, peers, dependents, fifo_next = lean.kinds, lean.slices, lean.peers, lean.dependents, lean.fifo_next
-    ops = lean.plan.ops
+def run(program, comm, tag, buffers, op_name, describe, abandon, look=None):
+    """Run ``program`` (a plan's :class:`~.scheduler.Program`) over ``comm`` with ``tag``
+    on ``buffers`` (a :class:`~collectives.transport.buffers.Buffers`), blocking until it
+    has finished. ``describe()`` names the call in errors. While it waits, ``look()`` is
+    called every ``LOOK_EVERY`` seconds (the engine's look for other ranks' failure
+    notices, which raises :class:`TransportError` if one came). On a message of the
+    wrong size, an MPI error or an error from ``look``, cancels its receives in flight,
+    hands every request still in flight to ``abandon`` (their buffers must stay alive)
+    and raises the error (:class:`MessageSizeError` or :class:`TransportError`, naming
+    the peer and step like the engine's)."""
+    kinds, slices, peers = program.kinds, program.slices, program.peers
+    ops = program.plan.ops
     arrays = buffers.arrays
     requests, owners, sizes = [], [], []
     statuses = []  # Testsome fills it: entry k is for the k-th finished request
-    remaining = len(kinds)
+    isend, irecv = comm.Isend, comm.Irecv
+
+    def local(i):
+        if kinds[i] == REDUCE:
+            dst, a, b = ops[i]
+            combine(op_name, arrays[a.buf][a.lo:a.hi], arrays[b.buf][b.lo:b.hi], arrays[dst.buf][dst.lo:dst.hi])
+        else:
+            buffers.run_local(op_name, ops[i])
+
+    def post(i):
+        s = slices[i]
+        view = arrays[s.buf][s.lo:s.hi]
+        requests.append((isend if kinds[i] == SEND else irecv)([view, MPI.BYTE], peers[i], tag))
+        owners.append(i)
+        sizes.append(view.nbytes)
+
+    scheduler = Scheduler(program)
     patience = Patience(look)
     try:
         while True:
-            while ready:
-                i = heapq.heappop(ready)
-                kind = kinds[i]
-                if kind == _REDUCE:
-                    dst, a, b = ops[i]
-                    combine(op_name, arrays[a.buf][a.lo:a.hi], arrays[b.buf][b.lo:b.hi], arrays[dst.buf][dst.lo:dst.hi])
-                    remaining -= 1
-                    released = dependents[i]
-                elif kind == _LOCAL:
-                    buffers.run_local(op_name, ops[i])
-                    remaining -= 1
-                    released = dependents[i]
-                else:
-                    s = slices[i]
-                    view = arrays[s.buf][s.lo:s.hi]
-                    if kind == _SEND:
-                        requests.append(comm.Isend([view, MPI.BYTE], peers[i], tag))
-                    else:
-                        requests.append(comm.Irecv([view, MPI.BYTE], peers[i], tag))
-                    owners.append(i)
-                    sizes.append(view.nbytes)
-                    nxt = fifo_next[i]
-                    released = (nxt,) if nxt >= 0 else ()
-                for j in released:
-                    pending[j] -= 1
-                    if pending[j] == 0:
-                        heapq.heappush(ready, j)
-            if remaining == 0:
+            scheduler.run(local, post)
+            if scheduler.remaining == 0:
                 return
             finished = MPI.Request.Testsome(requests, statuses)
             if not finished:
@@ -174,15 +139,11 @@ def run(lean, comm, tag, buffers, op_name, describe, abandon, look=None):
             patience.progressed()
             for k, j in enumerate(finished):
                 i = owners[j]
-                if kinds[i] == _RECV:
+                if kinds[i] == RECV:
                     got = statuses[k].Get_count(MPI.BYTE)
                     if got != sizes[j]:
                         raise wrong_size(describe, i, len(kinds), peers[i], got, sizes[j])
-                remaining -= 1
-                for j2 in dependents[i]:
-                    pending[j2] -= 1
-                    if pending[j2] == 0:
-                        heapq.heappush(ready, j2)
+                scheduler.complete(i)
     except MPI.Exception as exc:
         error = _mpi_error(exc, statuses, requests, owners, kinds, peers, describe)
         _give_up(requests, owners, kinds, abandon)
@@ -207,7 +168,7 @@ def _mpi_error(exc, statuses, requests, owners, kinds, peers, describe):
                 break
     if code is not None:
         pending = [i for request, i in zip(requests, owners)
-                   if kinds[i] == _RECV and peers[i] == peer and request != MPI.REQUEST_NULL]
+                   if kinds[i] == RECV and peers[i] == peer and request != MPI.REQUEST_NULL]
         step = pending[0] + 1 if pending else -1
         where = f"step {step} of {len(kinds)}: " if pending else ""
         if MPI.Get_error_class(code) == MPI.ERR_TRUNCATE:
@@ -224,7 +185,7 @@ def _mpi_error(exc, statuses, requests, owners, kinds, peers, describe):
 def _give_up(requests, owners, kinds, abandon):
     for request, i in zip(requests, owners):
         if request != MPI.REQUEST_NULL:
-            if kinds[i] == _RECV:
+            if kinds[i] == RECV:
                 try:
                     request.Cancel()
                 except MPI.Exception:
@@ -255,29 +216,47 @@ class PersistentProgram:
 
     def __init__(self, plan, comm, tag, dtype, in_count, out_count, inplace):
         self.plan = plan
-        self.lean = LeanProgram(plan)
+        self.program = program_of(plan)
         self.out = np.empty(out_count, dtype)
         self.inp = self.out if inplace else np.empty(in_count, dtype)
         self.tmp = np.empty(plan.tmp, dtype)
         arrays = {"in": self.inp, "out": self.out, "tmp": self.tmp}
-        self.requests = [None] * len(plan.ops)
+        kinds, slices = self.program.kinds, self.program.slices
+        self.requests = requests = [None] * len(plan.ops)
         self.sizes = [0] * len(plan.ops)
-        self.locals = [None] * len(plan.ops)  # (kind, views) of each copy or reduction
+        work = [None] * len(plan.ops)  # each copy's (dst, src) and reduction's (dst, a, b) views; a fused one's op
         for i, op in enumerate(plan.ops):
-            kind = self.lean.kinds[i]
-            if kind in (_SEND, _RECV):
-                s = self.lean.slices[i]
+            kind = kinds[i]
+            if kind in (SEND, RECV):
+                s = slices[i]
                 view = arrays[s.buf][s.lo : s.hi]
-                start = comm.Send_init if kind == _SEND else comm.Recv_init
-                self.requests[i] = start([view, MPI.BYTE], op.peer, tag)
+                start = comm.Send_init if kind == SEND else comm.Recv_init
+                requests[i] = start([view, MPI.BYTE], op.peer, tag)
                 self.sizes[i] = view.nbytes
-            elif kind == _REDUCE:
-                self.locals[i] = tuple(arrays[x.buf][x.lo : x.hi] for x in (op.dst, op.a, op.b))
+            elif kind == REDUCE:
+                work[i] = tuple(arrays[x.buf][x.lo : x.hi] for x in (op.dst, op.a, op.b))
             elif isinstance(op, Copy):
-                self.locals[i] = (arrays[op.dst.buf][op.dst.lo : op.dst.hi], arrays[op.src.buf][op.src.lo : op.src.hi])
+                work[i] = (arrays[op.dst.buf][op.dst.lo : op.dst.hi], arrays[op.src.buf][op.src.lo : op.src.hi])
             else:
-                self.locals[i] = op  # a fused reduction: Buffers.run_local
-        self.buffers = Buffers(self.inp, self.out, self.tmp)
+                work[i] = op  # a fused reduction: Buffers.run_local
+        buffers = Buffers(self.inp, self.out, self.tmp)
+        self.in_flight = in_flight = []  # the requests started and not yet found complete
+        op_name = self._op_name = ["sum"]  # the running call's op
+
+        def post(i):  # the scheduler's post: no request made, no buffer parsed
+            requests[i].Start()
+            in_flight.append(i)
+
+        def local(i):
+            views = work[i]
+            if type(views) is not tuple:
+                buffers.run_local(op_name[0], views)
+            elif len(views) == 3:
+                combine(op_name[0], views[1], views[2], views[0])
+            else:
+                np.copyto(views[0], views[1])
+
+        self._post, self._local = post, local
         self.status = MPI.Status()
         self.broken = False
 
@@ -286,65 +265,37 @@ class PersistentProgram:
         the caller). Raises like :func:`run`; a failed program is not run again."""
         if self.broken:
             raise TransportError(f"{describe()}: an earlier call on this program failed")
-        lean, requests, locals_, status, sizes = self.lean, self.requests, self.locals, self.status, self.sizes
-        pending = list(lean.pending)
-        ready = lean.ready[:]
-        kinds, dependents, fifo_next = lean.kinds, lean.dependents, lean.fifo_next
-        in_flight = []
-        remaining = len(kinds)
+        requests, status, sizes, in_flight = self.requests, self.status, self.sizes, self.in_flight
+        kinds, peers = self.program.kinds, self.program.peers
+        self._op_name[0] = op_name
+        del in_flight[:]
+        scheduler = Scheduler(self.program)
         patience = Patience(look)
-        i = -1  # the operation being started or tested, for MPI's errors
+        i = -1  # the operation being tested, for MPI's errors
         try:
             while True:
-                while ready:
-                    i = heapq.heappop(ready) if len(ready) > 1 else ready.pop()
-                    kind = kinds[i]
-                    if kind == _REDUCE:
-                        dst, a, b = locals_[i]
-                        combine(op_name, a, b, dst)
-                        remaining -= 1
-                        released = dependents[i]
-                    elif kind == _LOCAL:
-                        local = locals_[i]
-                        if type(local) is tuple:  # a copy: (dst, src)
-                            np.copyto(*local)
-                        else:
-                            self.buffers.run_local(op_name, local)
-                        remaining -= 1
-                        released = dependents[i]
-                    else:
-                        requests[i].Start()
-                        in_flight.append(i)
-                        nxt = fifo_next[i]
-                        released = (nxt,) if nxt >= 0 else ()
-                    for j in released:
-                        pending[j] -= 1
-                        if pending[j] == 0:
-                            heapq.heappush(ready, j)
-                if remaining == 0:
+                scheduler.run(self._local, self._post)
+                if scheduler.remaining == 0:
                     return
+                progressed = False
                 k = 0
                 while k < len(in_flight):
                     i = in_flight[k]
                     if not requests[i].Test(status):
                         k += 1
                         continue
-                    if kinds[i] == _RECV and status.Get_count(MPI.BYTE) != sizes[i]:
-                        raise wrong_size(describe, i, len(kinds), lean.peers[i], status.Get_count(MPI.BYTE), sizes[i])
+                    if kinds[i] == RECV and status.Get_count(MPI.BYTE) != sizes[i]:
+                        raise wrong_size(describe, i, len(kinds), peers[i], status.Get_count(MPI.BYTE), sizes[i])
                     del in_flight[k]
-                    remaining -= 1
-                    for j in dependents[i]:
-                        pending[j] -= 1
-                        if pending[j] == 0:
-                            heapq.heappush(ready, j)
-                if ready or remaining == 0:
+                    scheduler.complete(i)
+                    progressed = True
+                if progressed or scheduler.remaining == 0:
                     patience.progressed()
                 else:
                     patience.idle()
         except MPI.Exception as exc:
             self._give_up(in_flight)
-            peers = lean.peers
-            peer = peers[i] if i >= 0 and kinds[i] == _RECV else -1
+            peer = peers[i] if i >= 0 and kinds[i] == RECV else -1
             if peer >= 0 and exc.Get_error_class() == MPI.ERR_TRUNCATE:
                 error = too_long(describe, f"step {i + 1} of {len(kinds)}: ", peer)
             else:
@@ -360,7 +311,7 @@ class PersistentProgram:
         again (its requests may still be matched by the peers' messages)."""
         self.broken = True
         for i in in_flight:
-            if self.lean.kinds[i] == _RECV:
+            if self.program.kinds[i] == RECV:
                 try:
                     self.requests[i].Cancel()
                 except MPI.Exception:

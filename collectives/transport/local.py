@@ -13,7 +13,7 @@ import numpy as np
 from ..errors import CollectiveError
 from ..schedule import Fence, Send
 from .buffers import Buffers
-from .engine import Execution
+from .scheduler import Scheduler, program_of
 
 
 def run(plans, inputs, outputs, op, dtype, registered=None):
@@ -65,16 +65,16 @@ def run(plans, inputs, outputs, op, dtype, registered=None):
             finished.append((src, i))
             finished.append((dst, j))
 
-    executions = []
-    for r in range(size):
-        run_local = (lambda b, p: lambda i: b.run_local(op, p.ops[i]))(buffers[r], plans[r])
-        executions.append(Execution(plans[r], run_local, poster(r)))
-    for execution in executions:
-        execution.start()
+    schedulers = [Scheduler(program_of(plan)) for plan in plans]
+    locals_ = [(lambda b, p: lambda i: b.run_local(op, p.ops[i]))(buffers[r], plans[r]) for r in range(size)]
+    posts = [poster(r) for r in range(size)]
+    for r, scheduler in enumerate(schedulers):
+        scheduler.run(locals_[r], posts[r])
     while finished:
         rank, i = finished.popleft()
-        executions[rank].complete(i)
-    stuck = [r for r, e in enumerate(executions) if not e.done]
+        schedulers[rank].complete(i)
+        schedulers[rank].run(locals_[rank], posts[rank])
+    stuck = [r for r, s in enumerate(schedulers) if not s.done]
     if stuck:
         raise CollectiveError(f"ranks {stuck} never finished: the schedules deadlock")
 

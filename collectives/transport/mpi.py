@@ -3,401 +3,55 @@
 Messages go as raw bytes (``MPI.BYTE``: no pickling, no datatype mapping) on the
 communicator's private duplicate, tagged with the call's sequence number, so library
 traffic never matches user messages and two collectives in flight never match each
-other's. ``native`` calls the MPI library's own non-blocking collective instead.
-
-Every handle of a communicator is driven by one :class:`Progress` engine: waiting on
-one handle also advances the others, so ranks that wait on their handles in
-different orders cannot deadlock.
-
-When something goes wrong while messages are in flight (a timeout, a message of the
-wrong size, an MPI error) the engine *breaks*: it cancels the receives in flight,
-fails every handle, and refuses later calls. The ranks no longer agree on which
-message belongs to which call, so going on could only hang or mix up data. A rank
-that breaks on a message of the wrong size or an MPI error tells the others (see
-:mod:`.liveness`), so that ranks whose own messages were fine stop as well.
+other's. ``native`` calls the MPI library's own non-blocking collective instead
+(:class:`RequestHandle`). Both are driven by the communicator's progress engine
+(:mod:`.progress`).
 """
-
-import logging
-import math
-import os
-import time
 
 from mpi4py import MPI
 
-from ..errors import CollectiveError, CollectiveTimeoutError, MessageSizeError, TransportError
+from ..errors import MessageSizeError, TransportError
+from .liveness import ranks
+from .progress import Handle, at
 from ..schedule import Recv, Send
-from .engine import Execution
-from .liveness import DEFAULT_GRACE, describe as describe_liveness, ranks
-
-log = logging.getLogger("collectives")
-
-_CHECK_EVERY = 0.02  # seconds between looks at the clock, probes and stall warnings while waiting
-_REASONS = {1: MessageSizeError, 2: TransportError}  # the codes of failures a rank tells the others
-
-
-class Progress:
-    """The handles of one communicator that still have messages in flight.
-
-    Waiting polls (``Testsome``) and yields the CPU between polls instead of spinning
-    inside ``MPI_Waitsome``: when there are more ranks than cores, a rank that spins
-    keeps the very peer it waits for off the CPU, and every step of a schedule then
-    costs a scheduler time slice (a 1 MiB ring allreduce at 4 ranks on 2 cores went
-    from 21 ms to 0.8 ms). With a core per rank, ``sched_yield`` returns at once.
-
-    The requests of all active handles live in one list that only grows until half of
-    it has completed (MPI sets completed entries to ``REQUEST_NULL``, which later polls
-    skip); then it is compacted. So a pipelined schedule with thousands of segments in
-    flight costs O(1) Python work per completed request, not a rebuild per completion.
-    """
-
-    def __init__(self, liveness=None, stall_warn=None):
-        self.active = []
-        self.broken = None  # the error that broke the engine, once one has
-        self.liveness = liveness  # asked which ranks are alive when a wait times out
-        self.stall_warn = stall_warn  # seconds of waiting between stall warnings, or None
-        self.call = 0  # the sequence number of the newest call, for liveness replies
-        self._requests = []  # requests posted and not yet compacted away
-        self._owners = []  # (handle, token) for each entry of _requests
-        self._statuses = []  # filled by Testsome: entry k is for the k-th finished request
-        self._completed = 0  # entries of _requests that are REQUEST_NULL
-        self._abandoned = []  # requests given up on: MPI may still use their buffers
-        self._next_look = 0.0  # when drain() next answers probes and reads failure notices
-        self._device = []  # (handle, token, backend, event): device work the host waits for
-        self.backends = []  # devices this communicator uses: polled while waiting (see device.standin)
-        self.shm = []  # shared-memory calls (transport.shm.ShmHandle), run in the order they were made
-
-    def add(self, handle, token, request):
-        self._requests.append(request)
-        self._owners.append((handle, token))
-
-    def add_device(self, handle, token, backend, event):
-        """Call ``handle._device_done(token)`` once ``event`` (device work) has completed."""
-        self._device.append((handle, token, backend, event))
-
-    def advance(self):
-        """Complete what has finished, without blocking. Returns True if some request or
-        device work completed."""
-        progressed = False
-        if self._requests:
-            try:
-                finished = MPI.Request.Testsome(self._requests, self._statuses)
-            except MPI.Exception as exc:
-                self._fail_in_status(exc)
-            if finished:
-                statuses = self._statuses
-                done = [(self._owners[j], statuses[k]) for k, j in enumerate(finished)]
-                self._completed += len(done)
-                if 2 * self._completed >= len(self._requests):
-                    self._compact()
-                for (handle, token), status in done:  # may post new requests: appended to the lists
-                    try:
-                        handle._request_done(token, status)
-                    except Exception as exc:
-                        self.fail(exc, culprit=handle)
-                        raise
-                progressed = True
-        if self.backends:
-            progressed = self._advance_device() or progressed
-        if self.shm:
-            progressed = self._advance_shm() or progressed
-        return progressed
-
-    def _advance_shm(self):
-        """Run the shared-memory calls, oldest first, as far as their fences let them."""
-        progressed = False
-        while self.shm:
-            handle = self.shm[0]
-            try:
-                progressed = handle.step() or progressed
-            except Exception as exc:
-                self.fail(exc, culprit=handle)
-                raise
-            if not handle._finished:
-                break
-            self.shm.pop(0)
-        return progressed
-
-    def _advance_device(self):
-        """Let the devices progress, and complete the device work that has finished."""
-        for backend in self.backends:
-            backend.poll()  # a no-op on a GPU; the stand-in runs a little of its queued work
-        if not self._device:
-            return False
-        waiting, finished = [], []
-        for entry in self._device:
-            (finished if entry[2].query(entry[3]) else waiting).append(entry)
-        if not finished:
-            return False
-        self._device = waiting  # callbacks may add to it
-        for handle, token, _, _ in finished:
-            try:
-                handle._device_done(token)
-            except Exception as exc:
-                self.fail(exc, culprit=handle)
-                raise
-        return True
-
-    def drain(self):
-        """Advance without blocking for as long as requests keep completing: a schedule
-        goes as many steps as its messages allow now, not one step per call. Every
-        ``_CHECK_EVERY`` seconds also answers probes and reads failure notices."""
-        while self.advance():
-            pass
-        if self.active:
-            now = time.monotonic()
-            if now >= self._next_look:
-                self._next_look = now + _CHECK_EVERY
-                self._look_around(self.active[0])
-
-    def wait_for(self, handle, timeout, already_waited=0.0):
-        """Advance until ``handle`` has finished or failed. After ``timeout`` seconds
-        (None: never), counting ``already_waited`` seconds spent polling it elsewhere,
-        the engine breaks with a :class:`CollectiveTimeoutError`. While waiting,
-        answers liveness probes and logs a stall warning every ``stall_warn`` seconds."""
-        start = time.monotonic() - already_waited
-        next_look = time.monotonic() + _CHECK_EVERY
-        next_warning = start + self.stall_warn if self.stall_warn else math.inf
-        deadline = start + timeout if timeout is not None else math.inf
-        while not handle._finished and handle._error is None:
-            if self.advance():
-                continue
-            if not self._requests and not self._device and not self.shm:
-                raise CollectiveError(f"{handle._describe} is unfinished with no message in flight "
-                                      "(a bug in the library: please report it)")
-            _yield_cpu()
-            now = time.monotonic()
-            if now < next_look:
-                continue
-            next_look = now + _CHECK_EVERY
-            self._look_around(handle)
-            if now >= deadline:
-                self._time_out(handle, now - start)
-            if now >= next_warning:
-                next_warning = now + self.stall_warn
-                log.warning("rank %s: %s has waited %.1f s %s", _rank(self), handle._describe, now - start,
-                            handle._outstanding())
-
-    def _look_around(self, handle):
-        """Answer liveness probes; if another rank reported that it broke, break too
-        (raising, for ``handle``'s wait, an error that says which rank and why)."""
-        if self.liveness is None:
-            return
-        notice = self.liveness.answer(self.call)
-        if notice is None:
-            return
-        source, (call, code, peer, step) = notice
-        kind = _REASONS.get(code, TransportError)
-        why = ("found a message of the wrong size (the ranks called it with buffers of different sizes)"
-               if kind is MessageSizeError else "hit an MPI error")
-        where = f" from rank {peer} at step {step}" if peer >= 0 else ""
-        error = kind(f"rank {_rank(self)}: {handle._describe} stopped: rank {source} {why} in its call #{call}"
-                     f"{where}, and gave up")
-        self.fail(error, culprit=handle, notify=False)
-        raise error
-
-    def fail(self, error, culprit=None, notify=True):
-        """Break the engine: every active handle fails (``culprit`` with ``error``, the
-        others as cancelled), receives in flight are cancelled, later calls refused.
-        A message-size or MPI error is reported to the other ranks (with ``notify``)."""
-        if notify and self.broken is None and isinstance(error, TransportError) and self.liveness is not None:
-            code = 1 if isinstance(error, MessageSizeError) else 2
-            call = culprit._call if culprit is not None else self.call
-            self.liveness.notify(call, code, getattr(error, "peer", -1), getattr(error, "step", -1))
-        if self.broken is None:
-            self.broken = error
-        for handle in self.active:
-            if handle is not culprit:
-                handle._error = CollectiveError(f"{handle._describe} was cancelled: another call on this "
-                                                f"communicator failed: {error}")
-        if culprit is not None and culprit._error is None:  # it may not have joined active yet
-            culprit._error = error
-        self.active.clear()
-        for request, (handle, token) in zip(self._requests, self._owners):
-            if request != MPI.REQUEST_NULL:
-                handle._cancel(request, token)
-                self._abandoned.append(request)  # holds the buffer: the cancel may not have taken
-        self._requests, self._owners, self._completed = [], [], 0
-        self._device = []
-        self.shm = []
-
-    def _time_out(self, handle, waited):
-        outstanding = handle._outstanding()
-        alive = ""
-        if self.liveness is not None and self.liveness.size > 1:
-            alive = ". Liveness: " + describe_liveness(*self.liveness.check(handle._call), DEFAULT_GRACE)
-        error = CollectiveTimeoutError(f"rank {_rank(self)}: {handle._describe} timed out after {waited:.1f} s "
-                                       f"{outstanding}{alive}")
-        self.fail(error, culprit=handle)
-        raise error
-
-    def _fail_in_status(self, exc):
-        """``Testsome`` raised: find the message that failed (its status says which
-        peer sent it, and its tag which call), break the engine and raise."""
-        error = TransportError(f"MPI failed while waiting for messages: {exc}")
-        culprit = None
-        if exc.Get_error_class() == MPI.ERR_IN_STATUS:
-            for status in self._statuses:
-                code = status.Get_error()
-                culprit = self._owner_of(status) if code not in (MPI.SUCCESS, MPI.ERR_PENDING) else None
-                if culprit is not None:  # a failed message of a call in flight (not a stale entry)
-                    error = culprit._message_error(status, code)
-                    break
-        self.fail(error, culprit)
-        raise error
-
-    def _owner_of(self, status):
-        for handle in self.active:
-            if handle._owns(status):
-                return handle
-        return None
-
-    def _compact(self):
-        keep = [j for j, request in enumerate(self._requests) if request != MPI.REQUEST_NULL]
-        self._requests = [self._requests[j] for j in keep]
-        self._owners = [self._owners[j] for j in keep]
-        self._completed = 0
-
-
-def _rank(progress):
-    return progress.liveness.rank if progress.liveness is not None else "?"
-
-
-_yield_cpu = getattr(os, "sched_yield", lambda: None)
-
-
-def _at(error, peer, step):
-    """``error`` marked with the peer and step it happened at (told to the other ranks)."""
-    error.peer, error.step = peer, step
-    return error
-
-_DEFAULT = object()  # wait(): the call's own timeout
-
-
-def check_timeout(timeout, name="timeout"):
-    """``timeout`` as seconds (None: no limit); a ValueError naming ``name`` unless it
-    is None, a positive number, or infinity (no limit)."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"{name} must be a positive number of seconds (or None, or math.inf for none); "
-                         f"got {timeout!r}")
-    return None if math.isinf(timeout) else float(timeout)
-
-
-class Handle:
-    """A collective in flight. ``test()`` says whether it has finished (and advances
-    it); ``wait()`` blocks until it has and returns the result."""
-
-    def __init__(self, progress, describe, finish, timeout=None, call=0):
-        self._progress = progress
-        self._describe = describe  # for error messages: "allreduce(ring) call #3" etc.
-        self._finish = finish
-        self._finished = False
-        self._result = None
-        self._error = None  # set when the call failed or was cancelled
-        self._timeout = timeout  # seconds, the default of wait(); None: no limit
-        self._call = call
-
-    def test(self):
-        """True once the call has finished; raises its error if it failed."""
-        if not self._finished and self._error is None:
-            self._advance(self._progress.drain)
-        if self._error is not None:
-            raise self._error
-        return self._finished
-
-    def wait(self, timeout=_DEFAULT, already_waited=0.0):
-        """The call's result, once it has finished. ``timeout`` (seconds; default: the
-        ``timeout`` the call was made with, else ``COLLECTIVES_TIMEOUT``, else none)
-        bounds this wait: when it expires, :class:`~collectives.CollectiveTimeoutError`
-        names the step, the peers whose messages are outstanding and the ranks that
-        did not answer, and the communicator is broken (see ``collectives.errors``).
-        ``already_waited``: seconds already spent on this call elsewhere (polling it
-        with :meth:`test`), which the timeout counts."""
-        timeout = self._timeout if timeout is _DEFAULT else check_timeout(timeout)
-        if not self._finished and self._error is None:
-            self._advance(lambda: self._progress.wait_for(self, timeout, already_waited))
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    def _advance(self, step):
-        """Run ``step``; if it broke the engine, this handle raises its own error (which
-        names the failure) rather than another call's."""
-        try:
-            step()
-        except CollectiveError:
-            if self._error is None:
-                raise
-
-    # -- for transports -------------------------------------------------------
-    def _begin(self):
-        self._progress.active.append(self)
-        self._check_done()
-
-    def _add_request(self, request, token):
-        self._progress.add(self, token, request)
-
-    def _request_done(self, token, status):
-        self._on_request_done(token, status)
-        self._check_done()
-
-    def _device_done(self, token):
-        self._on_device_done(token)
-        self._check_done()
-
-    def _on_device_done(self, token):
-        raise NotImplementedError
-
-    def _check_done(self):
-        if not self._finished and self._is_done():
-            if self in self._progress.active:  # a handle whose start() failed never joined
-                self._progress.active.remove(self)
-            self._result = self._finish()
-            self._finished = True
-
-    def _owns(self, status):
-        """Whether the failed message of ``status`` is one of this call's (by its tag)."""
-        return getattr(self, "_tag", None) == status.Get_tag()
-
-    def _cancel(self, request, token):
-        """Take back a request in flight when the engine breaks (receives only: a send's
-        cancel needs the peer, which may be gone; its buffer stays referenced)."""
-
-    def _outstanding(self):
-        """What this call is waiting for, for timeout and stall messages."""
-        raise NotImplementedError
-
-    def _on_request_done(self, token, status):
-        raise NotImplementedError
-
-    def _is_done(self):
-        raise NotImplementedError
+from .scheduler import Scheduler, program_of
 
 
 class PlanHandle(Handle):
-    """Runs a compiled plan over MPI point-to-point messages."""
+    """Runs a compiled plan over MPI point-to-point messages, by the scheduling rule
+    of :mod:`.scheduler`: the progress engine reports each finished message
+    (:meth:`_on_request_done`), which starts what it releases."""
 
     def __init__(self, progress, describe, finish, comm, tag, plan, buffers, op, timeout=None, call=0):
         super().__init__(progress, describe, finish, timeout, call)
         self._comm, self._tag, self._buffers, self._op = comm, tag, buffers, op
-        self._execution = Execution(plan, self._run_local, self._post)
+        self._plan = plan
+        self._scheduler = Scheduler(program_of(plan))
         self._in_flight = {}  # op index -> bytes, for the messages posted and not finished
         self._bytes_done = 0
 
     def start(self):
-        try:
-            self._execution.start()
-        except MPI.Exception as exc:
-            raise TransportError(f"{self._describe}: MPI failed to post a message: {exc}") from exc
+        self._advance_plan()
         self._begin()
         return self
 
+    def _advance_plan(self):
+        """Start everything the plan allows now (see Scheduler.run)."""
+        try:
+            self._scheduler.run(self._run_local, self._post)
+        except MPI.Exception as exc:
+            raise TransportError(f"{self._describe}: MPI failed to post a message: {exc}") from exc
+
+    def _complete(self, i):
+        """Posted operation ``i`` has finished: start what it releases."""
+        self._scheduler.complete(i)
+        self._advance_plan()
+
     def _run_local(self, i):
-        self._buffers.run_local(self._op, self._execution.plan.ops[i])
+        self._buffers.run_local(self._op, self._plan.ops[i])
 
     def _post(self, i):
-        op = self._execution.plan.ops[i]
+        op = self._plan.ops[i]
         if isinstance(op, Send):
             view = self._buffers.view(op.src)
             request = self._comm.Isend([view, MPI.BYTE], op.peer, self._tag)
@@ -410,51 +64,48 @@ class PlanHandle(Handle):
     def _on_request_done(self, i, status):
         expected = self._in_flight.pop(i)
         self._bytes_done += expected
-        op = self._execution.plan.ops[i]
+        op = self._plan.ops[i]
         if isinstance(op, Recv):
             got = status.Get_count(MPI.BYTE)
             if got != expected:  # shorter (MPI allows it, we don't): the ranks' buffers differ
-                raise _at(MessageSizeError(f"{self._describe}: step {self._step(i)}: received {got} B from rank "
-                                           f"{op.peer} where the schedule expects {expected} B; the ranks called "
-                                           "it with buffers of different sizes"), op.peer, i + 1)
-        try:
-            self._execution.complete(i)
-        except MPI.Exception as exc:
-            raise TransportError(f"{self._describe}: MPI failed to post a message: {exc}") from exc
+                raise at(MessageSizeError(f"{self._describe}: step {self._step(i)}: received {got} B from rank "
+                                          f"{op.peer} where the schedule expects {expected} B; the ranks called "
+                                          "it with buffers of different sizes"), op.peer, i + 1)
+        self._complete(i)
 
     def _is_done(self):
-        return self._execution.done
+        return self._scheduler.done
 
     def _step(self, i):
-        return f"{i + 1} of {len(self._execution.plan.ops)}"
+        return f"{i + 1} of {len(self._plan.ops)}"
 
     def _cancel(self, request, i):
-        if isinstance(self._execution.plan.ops[i], Recv):
+        if isinstance(self._plan.ops[i], Recv):
             request.Cancel()
 
     def _message_error(self, status, code):
         """A receive of this call failed (status from Testsome): name its peer and step."""
         peer = status.Get_source()
-        steps = [i for i, op in enumerate(self._execution.plan.ops)
+        steps = [i for i, op in enumerate(self._plan.ops)
                  if isinstance(op, Recv) and op.peer == peer and i in self._in_flight]
         where = f"step {self._step(steps[0])}: " if steps else ""
         step = steps[0] + 1 if steps else -1
         if MPI.Get_error_class(code) == MPI.ERR_TRUNCATE:
             size = f" of {self._in_flight[steps[0]]} B" if steps else ""
-            return _at(MessageSizeError(f"{self._describe}: {where}the message from rank {peer} is longer than the "
-                                        f"receive{size} (MPI truncation error); the ranks called it with buffers "
-                                        "of different sizes"), peer, step)
-        return _at(TransportError(f"{self._describe}: {where}MPI failed on the message from rank {peer}: "
-                                  f"{MPI.Get_error_string(code)}"), peer, step)
+            return at(MessageSizeError(f"{self._describe}: {where}the message from rank {peer} is longer than the "
+                                       f"receive{size} (MPI truncation error); the ranks called it with buffers "
+                                       "of different sizes"), peer, step)
+        return at(TransportError(f"{self._describe}: {where}MPI failed on the message from rank {peer}: "
+                                 f"{MPI.Get_error_string(code)}"), peer, step)
 
     def _outstanding(self):
-        ops = self._execution.plan.ops
+        ops = self._plan.ops
         receives = sorted({ops[i].peer for i in self._in_flight if isinstance(ops[i], Recv)})
         sends = sorted({ops[i].peer for i in self._in_flight if isinstance(ops[i], Send)})
         in_flight = sum(self._in_flight.values())
         total = sum(self._buffers.view(op.src if isinstance(op, Send) else op.dst).nbytes
                     for op in ops if isinstance(op, (Send, Recv)))
-        done = len(ops) - self._execution.remaining
+        done = len(ops) - self._scheduler.remaining
         waiting = []
         if receives:
             waiting.append(f"for messages from {ranks(receives)}")

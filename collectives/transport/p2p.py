@@ -16,7 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import MessageSizeError, TransportError
-from .mpi import Handle
+from .progress import Handle
 
 
 class PointHandle(Handle):

@@ -35,7 +35,7 @@ from ..errors import CollectiveMismatchError, MessageSizeError
 from ..schedule import Copy, Fence, Reduce
 from .lean import Patience  # the lean path's waiting, the same here
 from .liveness import ranks
-from .mpi import Handle
+from .progress import Handle
 
 _LINE = 16  # int64 per rank in the flag area: 128 bytes, so no two ranks share a cache line
 _COUNTER, _SIGNATURE = 0, 2  # the fence counter; two signatures (calls alternate) of 4 words

@@ -24,6 +24,7 @@ from ...algorithms import COLLECTIVES, ORDERED, SHARED_MEMORY, VARIABLE, algorit
 from ...algorithms.shm import REGISTERED
 from ...dtypes import SUPPORTED_DTYPES
 from ...ops import OPS, check_op
+from ...topology import measure_link
 from ...tuning import TuningTable
 from . import membound, report, timing, tune
 from .cases import Case, bus_factor
@@ -297,16 +298,16 @@ def sweep(args, world, comm, device=None, ordered_comm=None):
             "bound = time / the memory-traffic bound (collectives.tools.bench.membound)")
     link = None
     if args.tune and comm.topology.node_count > 1:  # a table of several nodes is keyed by their link too
-        link = comm._measure_link()
+        link = measure_link(comm.mpi_comm, comm.topology)
         say(f"# link: {link / 1e6:.1f} MB/s node to node (collectives.topology.measure_link), in the tuning key")
     rows = []
     pool = None
-    if args.registered and device is None and comm._shares_memory:  # the buffers of every shm_registered case
+    if args.registered and device is None and comm.shares_memory:  # the buffers of every shm_registered case
         pool = comm.empty(args.end + 4096, np.uint8)
     elif args.registered and rank0:
         say("# --registered: left out (it needs host buffers on ranks that share memory)")
     for collective in args.collectives:
-        names = [n for n in contenders(collective, args, comm._shares_memory)
+        names = [n for n in contenders(collective, args, comm.shares_memory)
                  if n != "shm_registered" or pool is not None]
         say(report.header(collective, meta))
         for nbytes in size_list:

@@ -31,7 +31,7 @@ def measure(comm, nbytes, repeats):
     the library's own duplicate, where no user traffic can match its messages."""
     from ...topology import measure_link
 
-    return measure_link(comm._comm, comm.topology, nbytes, repeats)
+    return measure_link(comm.mpi_comm, comm.topology, nbytes, repeats)
 
 
 def run(argv):

@@ -96,7 +96,7 @@ class Variant:
                 for name in m.ready_order():
                     reducer.gradient_ready(name, m.grads[name])
                 for name, g in reducer.synchronize().items():
-                    m._p[name] -= LR * g
+                    m.by_name[name] -= LR * g
             return (time.perf_counter() - start) / steps
 
     def _ps(self, steps):

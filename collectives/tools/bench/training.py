@@ -117,7 +117,7 @@ class NumpyMLP:
         self.a = [self.x] + [np.empty((batch, width), np.float32) for _ in range(layers - 1)]  # layer inputs
         self.dz = np.empty((batch, width), np.float32)
         self.da = np.empty((batch, width), np.float32)
-        self._p = dict(self.params)
+        self.by_name = dict(self.params)  # name -> parameter
 
     @property
     def nbytes(self):
@@ -129,8 +129,8 @@ class NumpyMLP:
 
     def forward(self):
         for i in range(self.layers):
-            self._matmul(self.a[i], self._p[f"w{i}"], self.z[i], None, 1)
-            self.z[i] += self._p[f"b{i}"]
+            self._matmul(self.a[i], self.by_name[f"w{i}"], self.z[i], None, 1)
+            self.z[i] += self.by_name[f"b{i}"]
             if i + 1 < self.layers:
                 np.maximum(self.z[i], 0, out=self.a[i + 1])
         return self.z[-1]
@@ -150,7 +150,7 @@ class NumpyMLP:
             if ready is not None:
                 ready(f"w{i}", gw)
             if i > 0:
-                self._matmul(self.dz, self._p[f"w{i}"].T, self.da, poll, chunks)
+                self._matmul(self.dz, self.by_name[f"w{i}"].T, self.da, poll, chunks)
                 np.multiply(self.da, self.z[i - 1] > 0, out=self.dz)
 
     offload_s = None  # --offload: seconds one matmul takes, slept instead of computed
@@ -160,7 +160,7 @@ class NumpyMLP:
         takes on this CPU (the mean over the ranks of each one's median, so every rank
         sleeps alike), so the CPU is free while "compute" runs, as the host is while a
         GPU runs backward."""
-        a, b = self.a[0], self._p["w0"]
+        a, b = self.a[0], self.by_name["w0"]
         np.matmul(a, b, out=self.z[0])
         times = []
         for _ in range(7):

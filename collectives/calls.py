@@ -1,0 +1,286 @@
+"""The call path: how one call of a collective goes from ``comm.allreduce(x)`` to the
+route that runs it.
+
+    comm.allreduce(x, ...)                  the Communicator: builds nothing, hands on
+      run(ctx, ALLREDUCE, x, ...)
+        lean_call(...)                      a blocking call on plain arrays, of a kind seen
+                                            before: its kept LeanEntry runs it at once
+        Call(...); spec.arguments(...)      checks; shape, count, bytes auto sees
+        resolve(...)                        the algorithm (auto: tuning.Selector)
+        gate(...)                           numbered; check mode compares the ranks' calls
+        spec.agree(...)                     what the ranks settle first (alltoallv's counts)
+        route_for(...).run(...)             the first route that takes it (collectives.routes)
+
+Nothing here branches on a collective's name: what differs between collectives is in
+their specs (:mod:`collectives.specs`), and what differs between ways of running a
+call is in the routes (:mod:`collectives.routes`).
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from . import ops
+from .algorithms import ORDERED, SHARED_MEMORY, check_algorithm, check_ordered, cost_model_choice
+from .call import Call
+from .dtypes import check_dtype, is_extra
+from .errors import TransportError
+from .gate import gate
+from .options import check_root
+from .routes import NATIVE_BLOCKING, ROUTES, SHARED, route_for
+from .routes.base import collectives_in_flight, finish_in_flight
+from .specs import SPECS
+
+# MPI libraries reduce float16 in scalar software loops: MPICH 5's allreduce of float16
+# ran at 0.07 GB/s busbw at 4 ranks here, 4-20x slower than the library's own algorithms
+# from 64 KiB on (bench/results/epyc-2vcpu-mpich5/float16-n4.txt). The tuning tables are
+# measured in float32, so ``auto`` does not hand float16 reductions of this many bytes
+# or more to MPI; below it MPI's lower latency wins.
+FLOAT16_NATIVE_UP_TO = 64 << 10
+
+NOT_HANDLED = object()  # lean_call's "take the general path"
+
+
+def run(ctx: Any, spec: Any, x: Any, out: Any, op: str, root: Any, algorithm: Any, segment_size: Any, timeout: Any,
+        blocking: bool, send: Any = None, recv: Any = None) -> Any:
+    """Run one call of ``spec``'s collective: its result if ``blocking``, else its
+    :class:`~collectives.Handle`. Arguments as the Communicator's methods take them
+    (``op`` is ``"-"`` and ``root`` 0 for the collectives without them; ``send`` and
+    ``recv``: alltoallv's counts)."""
+    if (blocking and spec.lean and timeout is None and segment_size is None and type(x) is np.ndarray
+            and type(algorithm) is str):
+        result = lean_call(ctx, spec, x, out, op, root, algorithm)
+        if result is not NOT_HANDLED:
+            return result
+    call = Call(spec, x, out, op, root, algorithm, segment_size, timeout, blocking)
+    call.send, call.recv = send, recv
+    spec.arguments(ctx, call)
+    call.timeout = ctx.options.timeout_for(timeout)
+    call.algorithm = resolve(ctx, spec.name, call.algorithm, call.nbytes, call.dtype, call.device)
+    call.alone = ctx.options.alone(blocking, call.timeout)
+    gate(ctx, spec.name, call.timeout, call.algorithm, call.op, call.dtype, call.gate_shape,
+         call.root if spec.rooted else -1, blocking, memory=call.where)
+    spec.agree(ctx, call)
+    call.sequence = ctx.sequence
+    call.describe = f"{spec.name}(algorithm={call.algorithm!r}) call #{ctx.sequence}"
+    return route_for(ctx, call).run(ctx, call)
+
+
+def lean_call(ctx: Any, spec: Any, x: np.ndarray, out: Any, op: str, root: Any, algorithm: str) -> Any:
+    """The lean path of a blocking host call: the result, or ``NOT_HANDLED`` (nothing
+    done, no message sent) where the general path must run instead.
+
+    It takes the common case only: ``x`` and ``out`` contiguous NumPy arrays that need
+    no packing and do not overlap (or ``out is x``, in place), no timeout, stall
+    warning or check mode, no collective of this communicator in flight, and a kind of
+    call (algorithm, dtype, size, op, root, in place) seen before. What was learnt then
+    is kept (:class:`~collectives.routes.LeanEntry`, made by the route the general path
+    would choose: MPI's blocking collective, a shared-memory plan, a persistent program,
+    or a plan on the lean executor). What the general path would refuse falls through
+    to it, so errors are its own."""
+    progress, options = ctx.progress, ctx.options
+    flags = x.flags
+    if (options.check or options.stall_warn is not None or options.timeout is not None or progress.broken is not None
+            or type(op) is not str or not flags.c_contiguous):
+        return NOT_HANDLED
+    if progress.active and collectives_in_flight(ctx):
+        return NOT_HANDLED  # the general path finishes them first
+    if type(root) is not int or not 0 <= root < ctx.size:  # False, 0.0: the general path refuses them
+        return NOT_HANDLED
+    leaf = spec.root_result and root != ctx.rank  # gets no result; out is left alone
+    shape = (ctx.size,) + x.shape if spec.gathers else x.shape
+    if spec.one_buffer:
+        if not flags.writeable:
+            return NOT_HANDLED
+        out = x
+    elif out is None:
+        if not leaf:
+            out = np.empty(shape, x.dtype)
+    elif out is x and spec.inplace:  # in place
+        if not flags.writeable:  # the general path refuses it
+            return NOT_HANDLED
+    else:
+        if type(out) is not np.ndarray or out.shape != shape or out.dtype != x.dtype:
+            return NOT_HANDLED
+        out_flags = out.flags
+        if not (out_flags.writeable and out_flags.c_contiguous):
+            return NOT_HANDLED
+        # Arrays that own their memory are distinct; views may overlap (a bounds check).
+        if (x.base is not None or out.base is not None) and np.may_share_memory(x, out):
+            return NOT_HANDLED
+    if leaf:
+        out = None
+    inplace = out is x
+    key = (spec, algorithm, x.dtype, x.nbytes, op, root, inplace, options.segment_size, options.deterministic,
+           options.shm_slot)
+    entry = ctx.lean_entries.get(key)
+    if entry is None:
+        entry = ctx.lean_entries.put(key, _lean_entry(ctx, spec, algorithm, x, op, root, inplace) or False)
+    if entry is False:
+        return NOT_HANDLED
+    if entry.route is SHARED:
+        entry = SHARED.usable(ctx, entry, x, out, inplace)
+        if entry is None:
+            return NOT_HANDLED  # the general path makes the window (collective)
+    ctx.sequence = (ctx.sequence + 1) % ctx.tag_limit  # as the gate numbers every call
+    progress.call = ctx.sequence
+    if entry.route is NATIVE_BLOCKING:
+        try:  # MPI's blocking collective, made once for this kind (nothing in flight to finish first)
+            entry.run(x, out)
+        except MPI.Exception as exc:
+            raise TransportError(f"{spec.name}(algorithm='native'): the MPI library failed: {exc}") from exc
+    else:
+        inp = x if x.ndim == 1 else x.reshape(-1)
+        result = inp if inplace else inp[:0] if out is None else out if out.ndim == 1 else out.reshape(-1)
+        entry.run(inp, result)
+    if op == "avg" and out is not None:
+        ops.finish(op, out, ctx.size)
+    return out
+
+
+def _lean_entry(ctx: Any, spec: Any, algorithm: str, x: np.ndarray, op: str, root: int, inplace: bool) -> Any:
+    """What the lean path keeps for a kind of call: the entry made by the route the
+    general path would take for it, or None where the general path must take it (bad
+    arguments, which it reports; a route the lean path does not run)."""
+    try:
+        check_algorithm(spec.name, algorithm)
+        check_dtype(x.dtype, "x")
+        if op != "-":
+            ops.check_op(op, x.dtype)
+        check_root(root, ctx.size)
+        name = resolve(ctx, spec.name, algorithm, spec.auto_bytes(x.nbytes, ctx.size), x.dtype)
+    except (TypeError, ValueError):
+        return None  # the general path raises it
+    call = Call(spec, x, None, op, root, name, None, None, True)
+    call.count, call.dtype, call.inplace, call.alone = x.size, x.dtype, inplace, True
+    route = route_for(ctx, call)
+    return route.lean_entry(ctx, call) if route.lean else None
+
+
+# -- the algorithm ------------------------------------------------------------------------
+def resolve(ctx: Any, collective: str, algorithm: str, nbytes: int, dtype: Any, device: bool = False) -> str:
+    """The algorithm a call runs: the one named (checked against the options and the
+    arrays), or what ``auto`` picks for ``nbytes`` (see :func:`explain`)."""
+    if algorithm != "auto" and ctx.options.deterministic:
+        check_ordered(collective, algorithm)
+    if (collective, algorithm) in SHARED_MEMORY:
+        _check_shared_memory(ctx, algorithm, device)
+    if algorithm == "native" and is_extra(dtype):
+        raise ValueError(f"algorithm 'native' cannot move {dtype.name} (the MPI library has no type for it); "
+                         "use one of the library's algorithms or 'auto'")
+    if algorithm != "auto":
+        return algorithm
+    chosen = ctx.selector.choose(collective, nbytes, device)
+    if (collective, chosen) in SHARED_MEMORY and (device or not ctx.shares_memory):
+        if collective in ctx.selector.overrides:  # COLLECTIVES_<COLLECTIVE>_ALGORITHM names it
+            _check_shared_memory(ctx, chosen, device)
+        chosen = _instead_of_shared(ctx, collective, nbytes)  # a table measured where memory was shared
+    if chosen == "native":
+        instead = _instead_of_native(ctx, collective, nbytes, dtype, device)
+        if instead is not None:
+            return instead[0]
+    return chosen
+
+
+class Choice(tuple):
+    """``(algorithm, why)``, what ``auto`` picks and which rule decided, with ``route``:
+    the name of the route a blocking call of that size takes (from ``ROUTES``, as the
+    call path picks it)."""
+
+    route: str
+
+    def __new__(cls, algorithm: str, why: str, route: str) -> Choice:
+        choice = super().__new__(cls, (algorithm, why))
+        choice.route = route
+        return choice
+
+
+def explain(ctx: Any, collective: str, nbytes: int, device: bool = False, dtype: Any = None) -> Choice:
+    """What ``auto`` picks for ``collective`` on ``nbytes`` bytes, which rule decided,
+    and the route a blocking call of that size takes."""
+    check_algorithm(collective, "auto")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
+        raise ValueError(f"nbytes must be a non-negative number of bytes; got {nbytes!r}")
+    nbytes = int(nbytes)
+    choice, why = ctx.selector.explain(collective, nbytes, bool(device))
+    if (collective, choice) in SHARED_MEMORY and (device or not ctx.shares_memory):
+        choice = _instead_of_shared(ctx, collective, nbytes)
+        why = f"{why}, but shm runs on host arrays of ranks that share memory: so {choice}"
+    if choice == "native" and dtype is not None:
+        instead = _instead_of_native(ctx, collective, nbytes, np.dtype(dtype), bool(device))
+        if instead is not None:
+            choice, why = instead
+    return Choice(choice, why, _route_of(ctx, collective, choice, nbytes, device, dtype).name)
+
+
+def _route_of(ctx: Any, collective: str, algorithm: str, nbytes: int, device: bool, dtype: Any) -> Any:
+    """The route a blocking call of ``nbytes`` with ``algorithm`` takes, with this
+    communicator's options (from ``ROUTES``, as the call path picks it)."""
+    spec = SPECS[collective]
+    dtype = np.dtype("float32" if dtype is None else dtype)
+    call = Call(spec, None, None, "sum" if spec.reduces else "-", 0, algorithm, None, None, True)
+    call.dtype, call.device = dtype, bool(device)
+    call.count = 0 if spec.variable else spec.count_of(nbytes, dtype.itemsize, ctx.size)
+    call.alone = ctx.options.alone(True, ctx.options.timeout)
+    return next(route for route in ROUTES if route.takes(ctx, call))
+
+
+def _instead_of_native(ctx: Any, collective: str, nbytes: int, dtype: Any, device: bool) -> tuple[str, str] | None:
+    """``(algorithm, why)`` where ``auto`` must not hand ``dtype`` to MPI, else None."""
+    if is_extra(dtype):
+        return (cost_model_choice(collective, nbytes, ctx.size, own=True, topology=ctx.topology),
+                f"the cost model among the library's own algorithms (MPI has no type for {dtype.name})")
+    if (dtype == np.float16 and not device and SPECS[collective].reduces and nbytes >= FLOAT16_NATIVE_UP_TO
+            and collective not in ctx.selector.overrides):
+        return (cost_model_choice(collective, nbytes, ctx.size, own=True, topology=ctx.topology),
+                "the cost model among the library's own algorithms (MPI reduces float16 in slow software loops)")
+    return None
+
+
+def _instead_of_shared(ctx: Any, collective: str, nbytes: int) -> str:
+    """What ``auto`` picks where its table names ``shm`` but this call cannot run it."""
+    if ctx.options.deterministic and collective in ORDERED:
+        return ORDERED[collective][0]
+    return cost_model_choice(collective, nbytes, ctx.size, topology=ctx.topology)
+
+
+def _check_shared_memory(ctx: Any, algorithm: str, device: bool) -> None:
+    if device:
+        raise ValueError(f"algorithm {algorithm!r} runs on host arrays only (it reduces in a shared window of "
+                         "host memory); for device arrays use another algorithm or 'auto'")
+    if not ctx.shares_memory:
+        raise ValueError(f"algorithm {algorithm!r} needs every rank on one node (ranks that share memory); "
+                         f"this communicator spans {ctx.topology.describe()}: use 'hierarchical' or 'auto'")
+
+
+# -- the calls beside the collectives -----------------------------------------------------
+def barrier(ctx: Any, timeout: Any) -> None:
+    """Block until every rank has called ``barrier`` (collectives in flight go on)."""
+    timeout = ctx.options.timeout_for(timeout)
+    gate(ctx, "barrier", timeout)
+    ctx.request("barrier", ctx.comm.Ibarrier, timeout)
+
+
+def broadcast_object(ctx: Any, obj: Any, root: Any, timeout: Any) -> Any:
+    """``obj`` from ``root`` on every rank (pickled; see Communicator.broadcast_object)."""
+    root = check_root(root, ctx.size)
+    timeout = ctx.options.timeout_for(timeout)
+    payload, problem = b"", None
+    if ctx.rank == root:
+        try:
+            payload = pickle.dumps(obj)
+        except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it, not wait for data
+            problem = exc
+    gate(ctx, "broadcast_object", timeout, root=root)
+    finish_in_flight(ctx)
+    length = np.array([len(payload) if problem is None else -1], np.int64)
+    ctx.request("broadcast_object", lambda: ctx.comm.Ibcast(length, root), timeout, length.nbytes)
+    if length[0] < 0:  # the same message everywhere; the root's names the cause too
+        raise TypeError(f"broadcast_object: the object on rank {root} (the root) cannot be pickled") from problem
+    data = np.frombuffer(payload, np.uint8) if ctx.rank == root else np.empty(int(length[0]), np.uint8)
+    ctx.request("broadcast_object", lambda: ctx.comm.Ibcast([data, MPI.BYTE], root), timeout, data.nbytes)
+    return obj if ctx.rank == root else pickle.loads(data.tobytes())

@@ -1,0 +1,141 @@
+"""The MPI library's own collectives (``algorithm="native"``) on host arrays.
+
+Blocking calls that run alone (no timeout or stall warning) call MPI's blocking
+collective, straight on the caller's arrays where they are contiguous: the cheapest
+path for tiny buffers, which ``auto`` sends here. The others call MPI's non-blocking
+collective, driven by the progress engine (so they can time out and warn). A blocking
+and a non-blocking collective never match each other in MPI, so every rank must take
+the same one: the choice depends only on the options every rank shares (check mode
+compares it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import ops
+from ..arrays import overlaps
+from ..call import host_buffers
+from ..errors import TransportError
+from ..transport.mpi import RequestHandle
+from .base import LeanEntry, Route, finish_in_flight
+
+NOT_HANDLED = object()
+
+
+def starter(ctx: Any, spec: Any, op: str, root: int, counts: Any, blocking: bool) -> Any:
+    """MPI's collective for ``spec`` as ``(send, receive) -> request`` (blocking: MPI's
+    blocking call, returning nothing): made once per kind of call and kept, except
+    where per-call counts are bound into it."""
+    if counts is not None:
+        return spec.native(ctx.comm, op, root, counts, blocking)
+    key = (spec.name, op, root, blocking)
+    start = ctx.native_starters.get(key)
+    if start is None:
+        start = ctx.native_starters.put(key, spec.native(ctx.comm, op, root, None, blocking))
+    return start
+
+
+def native(ctx: Any, spec: Any, inp: Any, out: Any, inplace: bool, op: str, root: int, counts: Any,
+           blocking: bool = False) -> Any:
+    """Start MPI's own non-blocking collective (return its request), or with
+    ``blocking`` run the blocking one. Arrays go to mpi4py as they are: it maps the
+    dtype to MPI's predefined type."""
+    if out is not None and out.size == 0 and not inplace:
+        # An empty result (a reduce_scatter block of 0 elements) may sit at x's own
+        # address: NumPy says they share nothing, MPI refuses the alias all the same.
+        out = np.empty(0, out.dtype)
+    start = starter(ctx, spec, op, root, counts, blocking)
+    # The starter reads one buffer for both as MPI_IN_PLACE; a one-buffer collective's is out.
+    send = out if spec.one_buffer or (inplace and spec.inplace) else inp
+    return start(send, out)
+
+
+def native_blocking(ctx: Any, spec: Any, inp: Any, out: Any, inplace: bool, op: str, root: int, counts: Any) -> None:
+    """MPI's blocking collective, after this rank's calls in flight have finished.
+
+    Our own calls in flight need this rank's Python to progress them, which a rank
+    blocked inside MPI cannot do, so they are finished first; every rank started them
+    before this call, so every rank can finish them."""
+    finish_in_flight(ctx)
+    try:
+        native(ctx, spec, inp, out, inplace, op, root, counts, blocking=True)
+    except MPI.Exception as exc:
+        raise TransportError(f"{spec.name}(algorithm='native'): the MPI library failed: {exc}") from exc
+
+
+class NativeBlocking(Route):
+    """MPI's blocking collective, for blocking calls that run alone."""
+
+    name, lean = "native blocking", True
+
+    def takes(self, ctx, call):
+        return call.algorithm == "native" and call.alone
+
+    def run(self, ctx, call):
+        result = self._on_callers_arrays(ctx, call)
+        if result is not NOT_HANDLED:
+            return result
+        host_buffers(call, ctx.rank, ctx.size)
+        native_blocking(ctx, call.spec, call.inp, call.result, call.inplace, call.op, call.root, call.counts)
+        return call.finish()
+
+    def _on_callers_arrays(self, ctx, call):
+        """MPI's blocking collective straight on the caller's contiguous arrays, and its
+        result; ``NOT_HANDLED``, having done nothing, where the arrays need packing or
+        ``x`` overlaps ``out`` (the caller then packs them)."""
+        spec, out, rank = call.spec, call.out, ctx.rank
+        x = call.x
+        if spec.root_input and rank != call.root:
+            x = np.empty(0, call.where.dtype)  # the other ranks' x is not read
+        if not x.flags.c_contiguous:
+            return NOT_HANDLED
+        leaf = spec.root_result and rank != call.root  # gets no result; out is left alone
+        inplace = out is x and spec.inplace and not leaf
+        if spec.one_buffer:
+            out = x
+        elif leaf:
+            out = None
+        elif out is None:
+            out = np.empty(call.shape, x.dtype)
+        elif not inplace and (not out.flags.c_contiguous or overlaps(x, out)):
+            return NOT_HANDLED
+        native_blocking(ctx, spec, x, out, inplace, call.op, call.root, call.counts)
+        if out is not None:
+            ops.finish(call.op, out, ctx.size)
+        return out
+
+    def lean_entry(self, ctx, call):
+        spec, op, root = call.spec, call.op, call.root
+        entry = LeanEntry(self, spec, call.algorithm, call.count, op, root)
+        if call.count == 0:  # native() gives an empty out an address of its own (MPI refuses the alias)
+            entry.run = lambda x, out: native(ctx, spec, x, out, out is x, op, root, None, blocking=True)
+        else:
+            entry.run = starter(ctx, spec, op, root, None, True)  # nothing in flight to finish first
+        return entry
+
+
+class Native(Route):
+    """MPI's non-blocking collective, driven by the progress engine."""
+
+    name = "native non-blocking"
+
+    def takes(self, ctx, call):
+        return call.algorithm == "native"
+
+    def run(self, ctx, call):
+        host_buffers(call, ctx.rank, ctx.size)
+        spec, inp, out, inplace, op, root, counts = (call.spec, call.inp, call.result, call.inplace, call.op,
+                                                     call.root, call.counts)
+        handle = RequestHandle(ctx.progress, call.describe, call.finish,
+                               lambda: native(ctx, spec, inp, out, inplace, op, root, counts), call.timeout,
+                               call.sequence, inp.nbytes)
+        handle.start()
+        return handle.wait() if call.blocking else handle
+
+
+NATIVE_BLOCKING = NativeBlocking()
+NATIVE = Native()
