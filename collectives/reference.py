@@ -41,10 +41,11 @@ def expected(collective: str, inputs: Sequence[np.ndarray], op: str = "sum", roo
 def fold(op: str, inputs: Sequence[np.ndarray]) -> np.ndarray:
     """``x0 op x1 op … op x(p-1)``, left to right, in the inputs' dtype (avg: then / p)."""
     acc = np.array(inputs[0], copy=True)
-    for x in inputs[1:]:
-        UFUNCS[op](acc, x, out=acc)
-    if op == "avg" and len(inputs) > 1 and acc.size:
-        np.divide(acc, len(inputs), out=acc)
+    with np.errstate(all="ignore"):  # an overflow gives what the dtype gives (inf, wrapped integers)
+        for x in inputs[1:]:
+            UFUNCS[op](acc, x, out=acc)
+        if op == "avg" and len(inputs) > 1 and acc.size:
+            np.divide(acc, len(inputs), out=acc)
     return acc
 
 
@@ -99,41 +100,76 @@ def mpi_result(mpi_comm: Any, collective: str, x: np.ndarray, op: str = "sum", r
     """What the MPI library's own collective gives this rank for ``x`` (mpi4py's buffer
     calls on ``mpi_comm``, collective), shaped as the Communicator shapes results; None
     where the Communicator returns None. Not alltoallv."""
+    function = _MPI.get(collective)
+    if function is None:
+        raise ValueError(f"no MPI reference for collective {collective!r}")
+    return function(mpi_comm, np.ascontiguousarray(x), op, root)
+
+
+def _mpi_op(op: str) -> Any:
     from mpi4py import MPI
 
-    mpi_ops = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN,
-               "band": MPI.BAND, "bor": MPI.BOR, "bxor": MPI.BXOR}
-    size, rank = mpi_comm.Get_size(), mpi_comm.Get_rank()
-    x = np.ascontiguousarray(x)
-    if collective in ("allgather", "gather"):
-        out = np.empty((size,) + x.shape, x.dtype)
-        if collective == "allgather":
-            mpi_comm.Allgather(x, out)
-            return out
-        mpi_comm.Gather(x, out if rank == root else None, root)
-        return out if rank == root else None
-    if collective == "broadcast":
-        out = x.copy()
-        mpi_comm.Bcast(out, root)
-        return out
-    if collective == "scatter":  # x: (size, *s) everywhere; the root's rows are sent
-        out = np.empty(x.shape[1:], x.dtype)
-        mpi_comm.Scatter(x if rank == root else None, out, root)
-        return out
-    if collective == "alltoall":
-        out = np.empty_like(x)
-        mpi_comm.Alltoall(x, out)
-        return out
-    out = np.empty_like(x)
-    if collective == "reduce":
-        mpi_comm.Reduce(x, out if rank == root else None, mpi_ops[op], root)
-        if rank != root:
-            return None
-    else:
-        mpi_comm.Allreduce(x, out, mpi_ops[op])
+    return {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN,
+            "band": MPI.BAND, "bor": MPI.BOR, "bxor": MPI.BXOR}[op]
+
+
+def _averaged(out: np.ndarray, op: str, size: int) -> np.ndarray:
     if op == "avg" and size > 1 and out.size:
         np.divide(out, size, out=out)
-    if collective == "reduce_scatter":
-        bounds = block_bounds(out.size, size)
-        return out.reshape(-1)[bounds[rank] : bounds[rank + 1]].copy()
     return out
+
+
+def _mpi_allreduce(mpi_comm, x, op, root):
+    out = np.empty_like(x)
+    mpi_comm.Allreduce(x, out, _mpi_op(op))
+    return _averaged(out, op, mpi_comm.Get_size())
+
+
+def _mpi_reduce_scatter(mpi_comm, x, op, root):
+    size, rank = mpi_comm.Get_size(), mpi_comm.Get_rank()
+    total = _mpi_allreduce(mpi_comm, x, op, root).reshape(-1)
+    bounds = block_bounds(total.size, size)
+    return total[bounds[rank] : bounds[rank + 1]].copy()
+
+
+def _mpi_allgather(mpi_comm, x, op, root):
+    out = np.empty((mpi_comm.Get_size(),) + x.shape, x.dtype)
+    mpi_comm.Allgather(x, out)
+    return out
+
+
+def _mpi_broadcast(mpi_comm, x, op, root):
+    out = x.copy()
+    mpi_comm.Bcast(out, root)
+    return out
+
+
+def _mpi_reduce(mpi_comm, x, op, root):
+    here = mpi_comm.Get_rank() == root
+    out = np.empty_like(x)
+    mpi_comm.Reduce(x, out if here else None, _mpi_op(op), root)
+    return _averaged(out, op, mpi_comm.Get_size()) if here else None
+
+
+def _mpi_gather(mpi_comm, x, op, root):
+    here = mpi_comm.Get_rank() == root
+    out = np.empty((mpi_comm.Get_size(),) + x.shape, x.dtype)
+    mpi_comm.Gather(x, out if here else None, root)
+    return out if here else None
+
+
+def _mpi_scatter(mpi_comm, x, op, root):  # x: (size, *s) everywhere; the root's rows are sent
+    out = np.empty(x.shape[1:], x.dtype)
+    mpi_comm.Scatter(x if mpi_comm.Get_rank() == root else None, out, root)
+    return out
+
+
+def _mpi_alltoall(mpi_comm, x, op, root):
+    out = np.empty_like(x)
+    mpi_comm.Alltoall(x, out)
+    return out
+
+
+_MPI = {"allreduce": _mpi_allreduce, "reduce_scatter": _mpi_reduce_scatter, "allgather": _mpi_allgather,
+        "broadcast": _mpi_broadcast, "reduce": _mpi_reduce, "gather": _mpi_gather, "scatter": _mpi_scatter,
+        "alltoall": _mpi_alltoall}

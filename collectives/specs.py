@@ -54,6 +54,7 @@ class Spec:
     root_input = False  # only the root's x is read (the others' gives the shape and dtype)
     variable = False  # its blocks differ per peer (per-peer counts, learned per call)
     blocked = False  # x holds one block per rank, and the plan's count is one block (alltoall)
+    scatters = False  # each rank's result is its block of the reduced input (reduce_scatter)
     lean = False  # blocking calls on plain contiguous arrays take the lean path (calls.run)
 
     def arguments(self, ctx: Any, call: Any) -> None:
@@ -90,6 +91,28 @@ class Spec:
                   ) -> list[Any]:
         """What every rank's call returns, in NumPy (see :mod:`collectives.reference`)."""
         return getattr(reference_module, self.name)(list(inputs), op=op, root=root, counts=counts)
+
+    def reference_flat(self, inputs: Sequence[np.ndarray], op: str = "sum", root: int = 0, counts: Any = None
+                       ) -> list[Any]:
+        """:meth:`reference` for flat inputs, as the simulator and the in-process runner
+        hold them (scatter's and alltoall's: one block per rank, one after another;
+        alltoallv's ``counts[i][j]`` in elements), each result flat too."""
+        size = len(inputs)
+        if self.root_input or self.blocked:
+            inputs = [np.asarray(x).reshape(size, -1) for x in inputs]
+        return [None if r is None else np.asarray(r).reshape(-1) for r in self.reference(inputs, op, root, counts)]
+
+    def result_count(self, count: int, size: int, rank: int, root: int, counts: Any = None) -> int:
+        """Elements of rank ``rank``'s result for a plan built for ``count`` elements
+        (``counts``: alltoallv's ``counts[i][j]``, elements from rank i to rank j)."""
+        if self.root_result and rank != root:
+            return 0
+        if self.variable:
+            return int(sum(row[rank] for row in counts))
+        if self.scatters:
+            bounds = block_bounds(count, size)
+            return bounds[rank + 1] - bounds[rank]
+        return count * size if self.gathers or self.blocked else count
 
     def __repr__(self) -> str:
         return f"<spec {self.name}>"
@@ -137,7 +160,7 @@ class Allreduce(Spec):
 
 
 class ReduceScatter(Spec):
-    name, reduces = "reduce_scatter", True
+    name, reduces, scatters = "reduce_scatter", True, True
 
     def arguments(self, ctx, call):
         call.x = x = _x(call)

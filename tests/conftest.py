@@ -5,7 +5,6 @@ every op gives an exact result in every dtype: the NumPy reference, the MPI libr
 own collective and ours must then agree bit for bit.
 """
 
-import functools
 import sys
 from pathlib import Path
 
@@ -15,6 +14,8 @@ from mpi4py import MPI
 
 import collectives as cc
 from collectives.algorithms import SHARED_MEMORY
+from collectives.reference import expected, fold
+from collectives.specs import SPECS
 
 # Job scripts and harness sources live in tests/harness/, apart from the test files; the
 # tests import its helper modules (device_under_test, torch_reference) by name.
@@ -73,11 +74,8 @@ def _bit_patterns(rank, index, dtype, op):
 
 
 def reference(op, inputs):
-    """The NumPy answer: the elementwise reduction of all ranks' inputs."""
-    result = functools.reduce(lambda a, b: UFUNC[op](a, b), inputs)
-    if op == "avg":
-        result = result / len(inputs)
-    return np.asarray(result, dtype=inputs[0].dtype)
+    """The NumPy answer: the elementwise reduction of all ranks' inputs (collectives.reference)."""
+    return fold(op, inputs)
 
 
 # -- deterministic mode (test_deterministic.py, test_device.py) ---------------------------------
@@ -101,54 +99,18 @@ def order_sensitive_input(rank, count, dtype, op, seed=0):
 
 def serial_fold(op, inputs):
     """``x0 op x1 op … op x(p-1)``, left to right, in the inputs' dtype (avg: then / p)."""
-    acc = inputs[0].copy()
-    for x in inputs[1:]:
-        UFUNC[op](acc, x, out=acc)
-    if op == "avg":
-        np.divide(acc, len(inputs), out=acc)
-    return acc
+    return fold(op, inputs)
 
 
 def expected_everywhere(collective, inputs, op="sum", root=0):
     """NumPy's answer for every rank (flat arrays in, a list out; None for the
     non-roots of reduce and gather) given every rank's flat input."""
-    size = len(inputs)
-    if collective == "allgather":
-        return [np.concatenate(inputs)] * size
-    if collective == "broadcast":
-        return [inputs[root]] * size
-    if collective == "gather":
-        return [np.concatenate(inputs) if r == root else None for r in range(size)]
-    if collective == "scatter":  # the root's input holds the size blocks
-        return np.split(inputs[root], size)
-    if collective == "alltoall":  # block r of every input, in rank order
-        return [np.concatenate([np.split(x, size)[r] for x in inputs]) for r in range(size)]
-    total = reference(op, inputs)
-    if collective == "allreduce":
-        return [total] * size
-    if collective == "reduce":
-        return [total if r == root else None for r in range(size)]
-    return np.array_split(total, size)
+    return SPECS[collective].reference_flat(inputs, op, root)
 
 
 def expected_result(collective, rank, size, xs, op="sum", root=0):
     """NumPy's answer for rank ``rank`` given every rank's input ``xs``."""
-    if collective == "allgather":
-        return np.stack(xs)
-    if collective == "broadcast":
-        return xs[root]
-    if collective == "gather":
-        return np.stack(xs) if rank == root else None
-    if collective == "scatter":  # every x is (size, *s); the root's rows are sent
-        return xs[root][rank]
-    if collective == "alltoall":  # every x is (size, *s): row rank of each
-        return np.stack([x[rank] for x in xs])
-    total = reference(op, xs)
-    if collective == "reduce":
-        return total if rank == root else None
-    if collective == "reduce_scatter":
-        return np.array_split(total.ravel(), size)[rank]
-    return total
+    return expected(collective, xs, op, root)[rank]
 
 
 def agree(comm, problems):

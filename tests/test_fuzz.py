@@ -30,8 +30,9 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 import collectives as cc
+from collectives import reference
 
-from conftest import UFUNC, ops_for
+from conftest import ops_for
 
 # Runs in `make test` serially and at 2-4 ranks, in `make test-long` at 5-8.
 pytestmark = pytest.mark.long
@@ -164,35 +165,9 @@ def outside(view, base):
     return copy
 
 
-def reduced(op, xs, size):
-    """NumPy's reduction of every rank's input, in the input's dtype; avg as ``ops.finish``
-    does it: the sum divided by the world size in the same dtype."""
-    with np.errstate(all="ignore"):
-        total = xs[0].copy()
-        for x in xs[1:]:
-            UFUNC[op](total, x, out=total)
-        if op == "avg" and size > 1 and total.size:
-            np.divide(total, size, out=total)
-    return total
-
-
 def expected(collective, rank, size, xs, op, root):
-    if collective == "allgather":
-        return np.stack(xs)
-    if collective == "gather":
-        return np.stack(xs) if rank == root else None
-    if collective == "scatter":  # every x is (size, *s); the root's rows are sent
-        return xs[root][rank].copy()
-    if collective == "alltoall":  # every x is (size, *s): row rank of each
-        return np.stack([x[rank] for x in xs])
-    if collective == "broadcast":
-        return xs[root].copy()
-    total = reduced(op, xs, size)
-    if collective == "reduce":
-        return total if rank == root else None
-    if collective == "reduce_scatter":
-        return np.array_split(total.reshape(-1), size)[rank]
-    return total
+    """NumPy's answer for rank ``rank`` (collectives.reference), given every rank's ``xs``."""
+    return reference.expected(collective, xs, op, root)[rank]
 
 
 def comparable(a):

@@ -8,13 +8,14 @@ import numpy as np
 
 from .. import ops as ops_layer
 from ..algorithms import (BUILDERS, NODE_SYMMETRIC, SEGMENTED, SHARED_MEMORY, SYMMETRIC, TOPOLOGICAL, VARIABLE,
-                          block_bounds, build, check_ordered)
+                          build, check_ordered)
 from ..algorithms.shm import DEFAULT_SLOT_BYTES, REGISTERED
 from ..algorithms.hierarchical import pipeline_pieces
 from ..dtypes import check_dtype
 from ..options import DEFAULT_SEGMENT_SIZE, check_segment_size  # segments as the Communicator cuts them
 from ..errors import CollectiveError
 from ..schedule import Recv, Reduce, Send, compile_plan
+from ..specs import SPECS
 from ..topology import Topology
 from ..transport import local
 from . import closed_form, parameter_server
@@ -139,8 +140,8 @@ class Costs:
         gathered output, for scatter the root's whole buffer, for alltoall a rank's input
         (alltoallv: a rank's mean input, ``count`` the mean block)."""
         n = self.count * self.dtype.itemsize
-        return n * self.world_size if self.collective in ("allgather", "gather", "scatter", "alltoall",
-                                                          "alltoallv") else n
+        spec = SPECS[self.collective]
+        return n * self.world_size if spec.gathers or spec.root_input or spec.blocked or spec.variable else n
 
 
 class ClosedFormCosts(Costs):
@@ -220,7 +221,7 @@ def _check_args(collective, algorithm, world_size, count, dtype, op, root, param
     for flag in ("inplace", "ordered", "registered"):
         if not isinstance(params.get(flag, False), (bool, np.bool_)):
             raise ValueError(f"{flag} must be True or False; got {params[flag]!r}")
-    if params.get("inplace") and collective not in ("allreduce", "reduce", "broadcast"):
+    if params.get("inplace") and not (SPECS[collective].inplace or SPECS[collective].one_buffer):
         raise ValueError(f"inplace: {collective} has no in-place form here (allreduce, reduce and broadcast do)")
     if params.get("ordered"):
         check_ordered(collective, algorithm)
@@ -272,8 +273,8 @@ def plan_maker(collective, algorithm, world_size, count, dtype="float32", root=0
     _check_args(collective, algorithm, world_size, count, dtype, None, root, params)
     world_size, count, root = int(world_size), int(count), int(root)  # NumPy integers too
     registered = bool(params.get("registered", False))
-    inplace = bool(params.get("inplace", False)) or collective == "broadcast" or (registered and
-                                                                                 collective == "allreduce")
+    spec = SPECS[collective]
+    inplace = bool(params.get("inplace", False)) or spec.one_buffer or (registered and spec.inplace)
     if (collective, algorithm) in BASELINES:
         builder = BASELINES[collective, algorithm]
         servers = int(params.get("servers", 1))
@@ -315,29 +316,38 @@ def symmetry(collective, algorithm, world_size, count, dtype="float32", root=0, 
     p, count = int(world_size), int(count)
     if params.get("ordered") or p < 1:
         return None
-    if collective == "reduce" and (collective, algorithm) in SHARED_MEMORY and int(root) == 0:
-        collective = "allreduce"  # the same conditions (the root's plan is allreduce's, its copies out too)
+    if (collective, algorithm) in _AS_IF and int(root) == 0:
+        collective = _AS_IF[collective, algorithm]  # the same conditions (the root's plan is allreduce's, plus copies)
+    spec = SPECS[collective]
     if (collective, algorithm) in SYMMETRIC:
-        if collective in VARIABLE:
+        if spec.variable:
             matrix = _counts(collective, p, count, params)
             shifted = (np.arange(p)[None, :] - np.arange(p)[:, None]) % p  # j - i mod p
             return 1 if np.array_equal(matrix, matrix[0][shifted]) else None
-        if collective in ("allgather", "alltoall"):
+        if spec.gathers or spec.blocked:  # every rank's block has count elements
             return 1
-        if collective == "allreduce" and (collective, algorithm) in SHARED_MEMORY and not params.get("registered"):
+        if (collective, algorithm) in _SLOT_BY_SLOT and not params.get("registered"):
             slot = max(1, int(params.get("segment_size", DEFAULT_SLOT_BYTES)) // np.dtype(dtype).itemsize)
             if min(slot, count) % p:
                 return None
         return 1 if count % p == 0 else None
     nodes = params.get("nodes")
     if (collective, algorithm) in NODE_SYMMETRIC and _is_int(nodes) and 0 < int(nodes) and p % int(nodes) == 0:
-        k = int(nodes)
-        if collective == "allreduce" and count % (p * len(pipeline_pieces(count))):
-            return None
-        if collective == "reduce_scatter" and count % p:
-            return None
-        return k
+        return int(nodes) if _NODE_EQUAL_BLOCKS[collective, algorithm](p, count) else None
     return None
+
+
+# The shared-memory reduce rooted at rank 0 is symmetric where the shared-memory
+# allreduce is (its steps are the allreduce's, with the root's copies out added).
+_AS_IF = {("reduce", "shm"): "allreduce"}
+# Copied into the window slot by slot: every slot's share must be equal too.
+_SLOT_BY_SLOT = frozenset({("allreduce", "shm")})
+# The two-level algorithms' blocks are equal where: (p, count) -> bool.
+_NODE_EQUAL_BLOCKS = {
+    ("allreduce", "hierarchical"): lambda p, count: count % (p * len(pipeline_pieces(count))) == 0,
+    ("reduce_scatter", "hierarchical"): lambda p, count: count % p == 0,
+    ("allgather", "hierarchical"): lambda p, count: True,
+}
 
 
 def timed_ranks(world_size, period, ranks_per_node=None):
@@ -393,7 +403,8 @@ def run(collective, algorithm, world_size, count, dtype="float32", op="sum", roo
     if baseline and op == "avg":
         raise ValueError("op 'avg' is not modelled for the parameter_server baseline; use op='sum'")
     plans = plans_for(collective, algorithm, world_size, count, dtype, root, **params)
-    per_rank = count * world_size if collective in ("scatter", "alltoall") else count  # count per block
+    spec = SPECS[collective]
+    per_rank = count * world_size if spec.root_input or spec.blocked else count  # count per block
     matrix = _counts(collective, world_size, count, params)
     inputs = [make_input(r, world_size, per_rank if matrix is None else int(matrix[r].sum()), dtype, op)
               for r in range(world_size)]
@@ -408,7 +419,7 @@ def run(collective, algorithm, world_size, count, dtype="float32", op="sum", roo
     for r in range(world_size):
         expected = None if (baseline and r not in contributors) else want[r - contributors.start]
         _check_equal(r, got[r], expected, collective, algorithm)
-    if collective == "allreduce":  # one reduction per element, then copies: the same bits
+    if spec.reduces and not (spec.root_result or spec.scatters):  # one reduction per element, then copies: the same bits
         first = got[contributors.start]
         for r in contributors:
             if got[r].tobytes() != first.tobytes():
@@ -431,37 +442,10 @@ def _check_equal(rank, got, expected, collective, algorithm):
         raise CollectiveError(f"{collective}/{algorithm}: rank {rank}'s result differs from NumPy's: {detail}")
 
 
-_UFUNCS = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum,
-           "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
-
-
 def reference(collective, inputs, op="sum", root=0, counts=None):
     """NumPy's answer for every rank, given every rank's input (flat arrays; alltoallv:
-    ``counts[i][j]`` elements from rank i to rank j)."""
-    size = len(inputs)
-    if collective == "alltoallv":  # block r of every input, in rank order
-        blocks = [np.split(x, np.cumsum(row)[:-1]) for x, row in zip(inputs, counts)]
-        return [np.concatenate([blocks[i][r] for i in range(size)]) for r in range(size)]
-    if collective == "allgather":
-        return [np.concatenate(inputs)] * size
-    if collective == "broadcast":
-        return [inputs[root]] * size
-    if collective == "gather":
-        return [np.concatenate(inputs) if r == root else None for r in range(size)]
-    if collective == "scatter":  # the root's input holds the size blocks
-        return np.split(inputs[root], size)
-    if collective == "alltoall":  # block r of every input, in rank order
-        return [np.concatenate([np.split(x, size)[r] for x in inputs]) for r in range(size)]
-    dtype = inputs[0].dtype
-    total = _UFUNCS[op].reduce(np.stack(inputs), axis=0, dtype=dtype) if inputs[0].size else inputs[0].copy()
-    if op == "avg":
-        total = np.divide(total, size).astype(dtype)
-    if collective == "allreduce":
-        return [total] * size
-    if collective == "reduce":
-        return [total if r == root else None for r in range(size)]
-    bounds = block_bounds(total.size, size)
-    return [total[bounds[r] : bounds[r + 1]] for r in range(size)]
+    ``counts[i][j]`` elements from rank i to rank j): :mod:`collectives.reference`'s."""
+    return SPECS[collective].reference_flat(inputs, op, root, counts)
 
 
 def make_input(rank, world_size, count, dtype, op):

@@ -20,9 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives as cc
-
-MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN, "avg": MPI.SUM,
-           "band": MPI.BAND, "bor": MPI.BOR, "bxor": MPI.BXOR}
+from collectives.reference import mpi_result
 
 
 def make_input(rank, count, dtype, op):
@@ -44,41 +42,8 @@ def collective_input(rank, size, collective, count, dtype, op):
 
 def native_result(mpi, collective, x, op="sum", root=0):
     """What MPI's own collective gives for ``x``, through mpi4py directly (the reference
-    the demo and the tests compare with), shaped as the Communicator shapes results."""
-    size = mpi.Get_size()
-    x = np.ascontiguousarray(x)
-    if collective == "allgather":
-        out = np.empty((size,) + x.shape, x.dtype)
-        mpi.Allgather(x, out)
-        return out
-    if collective == "broadcast":
-        out = x.copy()
-        mpi.Bcast(out, root)
-        return out
-    if collective == "gather":
-        out = np.empty((size,) + x.shape, x.dtype) if mpi.rank == root else None
-        mpi.Gather(x, out, root)
-        return out
-    if collective == "scatter":  # x: (size, *s) everywhere, the root's rows are sent
-        out = np.empty(x.shape[1:], x.dtype)
-        mpi.Scatter(x if mpi.rank == root else None, out, root)
-        return out
-    if collective == "alltoall":
-        out = np.empty_like(x)
-        mpi.Alltoall(x, out)
-        return out
-    out = np.empty_like(x)
-    if collective == "reduce":
-        mpi.Reduce(x, out if mpi.rank == root else None, MPI_OPS[op], root)
-        if mpi.rank != root:
-            return None
-    else:
-        mpi.Allreduce(x, out, MPI_OPS[op])
-    if op == "avg":
-        out = (out / size).astype(x.dtype)
-    if collective == "reduce_scatter":
-        return np.array_split(out.ravel(), size)[mpi.rank]
-    return out
+    the demo compares with), shaped as the Communicator shapes results."""
+    return mpi_result(mpi, collective, x, op, root)
 
 
 def run_one(comm, collective, algorithm, x, op, root):

@@ -54,13 +54,13 @@ from mpi4py import MPI
 
 import collectives as cc
 from collectives.algorithms import ROOTED
+from collectives.reference import expected
+from collectives.specs import SPECS
 
 DTYPES = tuple(np.dtype(d) for d in cc.SUPPORTED_DTYPES)
 SMALL_MAX = 4096  # elements: most calls
 LARGE_MAX = 256 * 1024  # elements: some calls
 MAX_WINDOW = 8  # async calls in flight at most
-_UFUNC = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum,
-          "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
 _MIB = 1024 * 1024
 
 
@@ -124,26 +124,12 @@ def rank_input(index, rank, count, dtype, op):
 
 
 def reference(call, rank, size):
-    """NumPy's exact answer for ``rank``'s result of ``call`` (None: no result)."""
-    if call.collective in ("reduce", "gather") and rank != call.root:
-        return None
-    if call.collective == "broadcast":
-        return rank_input(call.index, call.root, call.count, call.dtype, call.op)
-    if call.collective == "scatter":
-        return scatter_rows(call, call.root, size)[rank]
-    if call.collective == "alltoall":  # row rank of every rank's rows
-        return np.stack([scatter_rows(call, r, size)[rank] for r in range(size)])
-    inputs = [rank_input(call.index, r, call.count, call.dtype, call.op) for r in range(size)]
-    if call.collective in ("allgather", "gather"):
-        return np.stack(inputs)
-    total = inputs[0].copy()
-    for x in inputs[1:]:
-        _UFUNC[call.op](total, x, out=total)
-    if call.op == "avg" and size > 1 and total.size:
-        np.divide(total, size, out=total)  # as the library does: one division at the end
-    if call.collective == "reduce_scatter":
-        return np.array_split(total.ravel(), size)[rank]
-    return total
+    """NumPy's exact answer for ``rank``'s result of ``call`` (None: no result), from
+    :mod:`collectives.reference` given every rank's input."""
+    spec = SPECS[call.collective]
+    inputs = [scatter_rows(call, r, size) if spec.root_input or spec.blocked
+              else rank_input(call.index, r, call.count, call.dtype, call.op) for r in range(size)]
+    return expected(call.collective, inputs, call.op, call.root)[rank]
 
 
 def scatter_rows(call, rank, size):

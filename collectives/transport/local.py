@@ -90,46 +90,35 @@ def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, i
     ``plans``: every rank's compiled plan, if the caller has built them already.
     ``registered``: the inputs are registered buffers (copied into one array, rank r's
     from ``r * count``, as ``Communicator.empty`` places them; the plans address it as
-    ``reg`` with stride ``count``, offset 0); allreduce then runs in place.
+    ``reg`` with stride ``count``, offset 0); a collective that can run in place then does.
     """
     # Imported here: the algorithm registry imports nothing from the transports.
     from .. import ops as ops_layer
-    from ..algorithms import block_bounds, build
+    from ..algorithms import build
     from ..schedule import compile_plan
+    from ..specs import SPECS
 
+    spec = SPECS[collective]
     size = len(inputs)
-    count = inputs[root].size // size if collective in ("scatter", "alltoall") else inputs[0].size
+    count = inputs[root].size // size if spec.root_input or spec.blocked else inputs[0].size
     dtype = inputs[root].dtype
     inputs = [np.ascontiguousarray(x).reshape(-1) for x in inputs]
     shared = None
+    if counts is not None:
+        counts = np.asarray(counts)
     if registered:
-        if collective == "allreduce":
-            inplace = True
+        inplace = inplace or spec.inplace
         shared = np.concatenate(inputs) if inputs[0].size else np.empty(0, dtype)
         inputs = [shared[r * count : (r + 1) * count] for r in range(size)]  # fresh copies already
-    if collective == "broadcast":
+    if spec.one_buffer:
         inputs = inputs if registered else [x.copy() for x in inputs]
         outputs = inputs
         inplace = True
     elif inplace:
         inputs = inputs if registered else [x.copy() for x in inputs]
-        outputs = [x if collective != "reduce" or r == root else x[:0] for r, x in enumerate(inputs)]
-    elif collective == "allgather":
-        outputs = [np.empty(size * count, dtype) for _ in range(size)]
-    elif collective == "reduce_scatter":
-        bounds = block_bounds(count, size)
-        outputs = [np.empty(bounds[r + 1] - bounds[r], dtype) for r in range(size)]
-    elif collective == "reduce":
-        outputs = [np.empty(count if r == root else 0, dtype) for r in range(size)]
-    elif collective == "gather":
-        outputs = [np.empty(size * count if r == root else 0, dtype) for r in range(size)]
-    elif collective == "alltoall":
-        outputs = [np.empty(size * count, dtype) for _ in range(size)]
-    elif collective == "alltoallv":
-        counts = np.asarray(counts)
-        outputs = [np.empty(int(counts[:, r].sum()), dtype) for r in range(size)]
+        outputs = [x if not spec.root_result or r == root else x[:0] for r, x in enumerate(inputs)]
     else:
-        outputs = [np.empty(count, dtype) for _ in range(size)]
+        outputs = [np.empty(spec.result_count(count, size, r, root, counts), dtype) for r in range(size)]
     if plans is None:
         plans = [
             compile_plan(build(collective, algorithm, r, size, count, root=root, segment=segment,
@@ -140,10 +129,10 @@ def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, i
             for r in range(size)
         ]
     run(plans, inputs, outputs, op, dtype, shared)
-    if collective in ("allreduce", "reduce_scatter", "reduce"):
+    if spec.reduces:
         for r, out in enumerate(outputs):
-            if collective != "reduce" or r == root:
+            if not spec.root_result or r == root:
                 ops_layer.finish(op, out, size)
-    if collective in ("reduce", "gather"):
+    if spec.root_result:
         return [out if r == root else None for r, out in enumerate(outputs)]
     return outputs
