@@ -1,6 +1,6 @@
 """One collective call on device arrays: its flat buffers, its plan, its result.
 
-The device twin of the communicator's host path (``_prepare`` and ``_start`` there):
+The device twin of the host routes (``collectives.call.host_buffers`` and ``collectives.routes``):
 the same checks have run and the same algorithm was chosen; here the user's arrays
 become flat contiguous device buffers (a non-contiguous one is packed by a kernel into
 workspace, and a non-contiguous ``out`` unpacked at the end), the plan is cut into
