@@ -68,6 +68,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .cache import BoundedCache
 from .algorithms import BUILDERS, COLLECTIVES, ORDERED, algorithms, check_ordered, cost_model_choice, two_level
 
 FORMAT = 1
@@ -570,7 +571,7 @@ class Selector:
         self._why_not = [why if ok is False else None if self.in_use[i] else "another rank's machine or layout "
                          f"differs from the one {(table, device_table)[i].source} was measured on"
                          for i, (ok, why) in enumerate(here)]
-        self._cache = {}
+        self._cache = BoundedCache(4096)  # (collective, nbytes, device) -> choice
 
     def _usable(self, table, suffix):
         """``(usable, why not)`` for ``table`` on this rank alone."""
@@ -650,10 +651,7 @@ class Selector:
         key = (collective, nbytes, device)
         choice = self._cache.get(key)
         if choice is None:
-            choice = self.explain(collective, nbytes, device)[0]
-            if len(self._cache) > 4096:  # many distinct sizes: do not grow without bound
-                self._cache.clear()
-            self._cache[key] = choice
+            choice = self._cache.put(key, self.explain(collective, nbytes, device)[0])
         return choice
 
     def explain(self, collective, nbytes, device=False):
