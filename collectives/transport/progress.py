@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import time
+from collections import namedtuple
 
 from mpi4py import MPI
 
@@ -27,6 +28,9 @@ from ..options import check_timeout
 from .liveness import DEFAULT_GRACE, describe as describe_liveness
 
 log = logging.getLogger("collectives")
+
+# Device work the host waits for: handle._device_done(token) once backend.query(event) says it ran.
+DeviceWait = namedtuple("DeviceWait", "handle token backend event")
 
 _CHECK_EVERY = 0.02  # seconds between looks at the clock, probes and stall warnings while waiting
 _REASONS = {1: MessageSizeError, 2: TransportError}  # the codes of failures a rank tells the others
@@ -59,7 +63,7 @@ class Progress:
         self._completed = 0  # entries of _requests that are REQUEST_NULL
         self._abandoned = []  # requests given up on: MPI may still use their buffers
         self._next_look = 0.0  # when drain() next answers probes and reads failure notices
-        self._device = []  # (handle, token, backend, event): device work the host waits for
+        self._device = []  # DeviceWait: device work the host waits for
         self.backends = []  # devices this communicator uses: polled while waiting (see device.standin)
         self.shm = []  # shared-memory calls (transport.shm.ShmHandle), run in the order they were made
 
@@ -92,7 +96,7 @@ class Progress:
 
     def device_work(self, handle):
         """How many device operations the host waits for on behalf of ``handle``."""
-        return sum(1 for entry in self._device if entry[0] is handle)
+        return sum(1 for entry in self._device if entry.handle is handle)
 
     def add(self, handle, token, request):
         self._requests.append(request)
@@ -100,7 +104,7 @@ class Progress:
 
     def add_device(self, handle, token, backend, event):
         """Call ``handle._device_done(token)`` once ``event`` (device work) has completed."""
-        self._device.append((handle, token, backend, event))
+        self._device.append(DeviceWait(handle, token, backend, event))
 
     def advance(self):
         """Complete what has finished, without blocking. Returns True if some request or
@@ -153,15 +157,15 @@ class Progress:
             return False
         waiting, finished = [], []
         for entry in self._device:
-            (finished if entry[2].query(entry[3]) else waiting).append(entry)
+            (finished if entry.backend.query(entry.event) else waiting).append(entry)
         if not finished:
             return False
         self._device = waiting  # callbacks may add to it
-        for handle, token, _, _ in finished:
+        for entry in finished:
             try:
-                handle._device_done(token)
+                entry.handle._device_done(entry.token)
             except Exception as exc:
-                self.fail(exc, culprit=handle)
+                self.fail(exc, culprit=entry.handle)
                 raise
         return True
 
