@@ -92,7 +92,12 @@ class Context:
             self.size, deterministic=options.deterministic, topology=self.topology,
             agree=lambda bits: self.comm.allreduce(bits, op=MPI.BAND), hint=self.rank == 0,
             measure_link=self.measure_link)
+        # The standard promises TAG_UB on MPI_COMM_WORLD; Open MPI leaves it off the
+        # communicators Split, Create and Split_type make.
         tag_ub = self.comm.Get_attr(MPI.TAG_UB)
+        if tag_ub is None:
+            tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+        tag_ub = 32767 if tag_ub is None else int(tag_ub)  # (32767: the least the standard allows)
         self.tag_limit = tag_ub  # calls are numbered mod this: their messages' tags, 0 … TAG_UB - 1
         self.blocking_tag = tag_ub  # every call that runs alone: see routes.plans
         self.p2p_tag_limit = tag_ub + 1  # send/recv (their own communicator): any tag MPI allows

@@ -26,7 +26,7 @@ _BFLOAT16 = next((d for d in EXTRA_DTYPES if d.name == "bfloat16"), None)
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
 _IPC_LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 
-_backends = {}
+_backends: dict = {}  # device id -> its backend
 _lock = threading.Lock()
 
 
