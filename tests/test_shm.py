@@ -280,7 +280,7 @@ def test_timeout_names_the_absent_rank(collective):
     took = time.monotonic() - start
     problems = []
     if comm.rank != LAST:
-        for part in (f"{collective}(algorithm='shm') call #2 timed out after 1.0 s",
+        for part in (f"{collective}(algorithm='shm') call #2: Timed out after 1.0 s",
                      f"in shared memory for rank {LAST} to arrive", f"no answer within 0.5 s from rank {LAST}"):
             if part not in message:
                 problems.append(f"{kind}: message lacks {part!r}: {message}")

@@ -524,7 +524,7 @@ def _time_out(requests, peers, timeout, what, kind, receives):
         if request != MPI.REQUEST_NULL:
             request.Cancel()
     missing = f"{rank_list(pending)} not heard from" if pending else "not all of them arrived"
-    raise CollectiveTimeoutError(f"{what} timed out after {timeout:g} s waiting for {kind} ({missing})")
+    raise CollectiveTimeoutError(f"{what}: Timed out after {timeout:g} s waiting for {kind} ({missing})")
 
 
 # -- checks --------------------------------------------------------------------------------
