@@ -351,6 +351,9 @@ class Communicator:
     def __repr__(self):
         return f"<collectives.Communicator rank {self.rank} of {self.size}>"
 
+    mpi_comm = property(lambda self: self._comm, doc="This communicator's own MPI communicator (a duplicate of the "
+                        "one it was made from; ``MPI.COMM_NULL`` after :meth:`free`). Read-only.")
+
     def _measure_link(self):
         """The node-to-node rate, bytes per second (collective; see ``topology.measure_link``)."""
         return topology_module.measure_link(self._comm, self.topology)
