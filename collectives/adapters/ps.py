@@ -98,8 +98,9 @@ class ParameterServer:
     - ``params``: a mapping (or ``(name, array)`` pairs) of arrays of one floating
       dtype, NumPy or device arrays (CuPy, torch CUDA tensors: every worker copies its
       parameters and gradients through host memory, one copy each way per step; the
-      servers keep their shards and run ``update`` on the host). The first server's values are the starting point: they are copied into every
-      rank's arrays here. On workers :meth:`pull` writes the current values into them.
+      servers keep their shards and run ``update`` on the host). The first server's
+      values are the starting point: they are copied into every rank's arrays here. On
+      workers :meth:`pull` writes the current values into them.
     - ``servers``: how many server ranks (the first ones) or which ranks.
     - ``mode``: ``"sync"`` (every step averages all active workers' gradients: data-
       parallel SGD) or ``"async"`` (each gradient, divided by the number of workers, is
