@@ -112,6 +112,7 @@ import contextlib
 import importlib.util
 import os
 import pickle
+import struct
 import warnings
 import weakref
 import zlib
@@ -669,17 +670,22 @@ _NOT_WITH_JOIN = {
 }
 
 
+_ALONG_DIMENSION_0 = (_KINDS.index("allgather"), _KINDS.index("alltoall"))  # a 0-d tensor is an error there
+
+
 def _bits(value):
-    return int(np.array([value], np.float64).view(np.int64)[0])
+    """A float as the int64 with its bits (a record holds int64s only)."""
+    return struct.unpack("<q", struct.pack("<d", value))[0]
 
 
 def _from_bits(bits):
-    return float(np.array([bits], np.int64).view(np.float64)[0])
+    return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
 
 
 def _record(kind, name=None, tensor=None, root=-1, op=None, prescale=1.0, postscale=1.0, extra=-1):
-    """This rank's record of a call (-1: not part of it)."""
-    record = np.full(RECORD_LENGTH, -1, np.int64)
+    """This rank's record of a call (-1: not part of it). Built as a list, then one
+    array: it is made before every call."""
+    record = [-1] * RECORD_LENGTH
     record[KIND] = _KINDS.index(kind)
     if tensor is not None:
         record[DTYPE] = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
@@ -695,7 +701,7 @@ def _record(kind, name=None, tensor=None, root=-1, op=None, prescale=1.0, postsc
     record[PRESCALE], record[POSTSCALE] = _bits(prescale), _bits(postscale)
     record[NAME] = -1 if name is None else zlib.crc32(name.encode())
     record[EXTRA] = extra
-    return record
+    return np.array(record, np.int64)
 
 
 def _shape_text(record):
@@ -727,6 +733,8 @@ def _agree(hset, everyone):
     records of the ranks that have not joined (``everyone``: every rank's) describe one
     call Horovod would run. The message is built from the records alone, so every rank
     raises the same one."""
+    if (everyone == everyone[0]).all() and not (everyone[0, NDIM] == 0 and everyone[0, KIND] in _ALONG_DIMENSION_0):
+        return  # the common case: every rank made the very same call
     joined = [i for i in range(len(everyone)) if everyone[i, KIND] == _KINDS.index("join")]
     active = [i for i in range(len(everyone)) if i not in joined]
     kinds = {int(everyone[i, KIND]) for i in active}
