@@ -95,6 +95,10 @@ Differences from Horovod:
 - Queued calls start at the next wait, not in a background thread: a rank that never
   waits never starts them, and :func:`poll` of a queued call waits for the other ranks
   to reach theirs (negotiation) before it answers.
+- :func:`join` serves the calls of the global process set (and the steps of a
+  ``DistributedOptimizer`` on it); a call on another process set that includes a
+  rank that has joined waits for that rank (until the communicator's timeout, if one is
+  set).
 - ``DistributedOptimizer``: ``gradient_predivide_factor`` and ``groups``/``num_groups``
   are checked as Horovod checks them and otherwise left to the buckets (the average is
   the same up to rounding); fp16 compression needs float32/float64 parameters and
