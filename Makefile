@@ -63,7 +63,7 @@ SOAK_RANKS    ?= 4
 SOAK_CALLS    ?= 20000
 SOAK_ARGS     ?= --max-growth-mib 32
 
-.PHONY: install test test-serial test-mpi test-long test-multihost bench-multihost test-gpu demo bench bench-gpu bench-training bench-ddp bench-reliability bench-ps examples examples-ps soak tune project docs clean
+.PHONY: install test test-serial test-mpi test-long test-torch-suite test-multihost bench-multihost test-gpu demo bench bench-gpu bench-training bench-ddp bench-reliability bench-ps examples examples-ps soak tune project docs clean
 
 install: $(VENV)/.installed
 
@@ -98,6 +98,14 @@ test-long: install
 	    timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m pytest -q --with-mpi -m "long and not serial" tests || exit 1; \
 	  fi; \
 	done
+
+# torch's own torch.distributed tests (DistributedTest._DistTestBase, from the installed
+# torch wheel) on the backend "collectives", every rank running every test, as torch ran
+# them for its MPI backend (tests/harness/torch_suite.py: what it declares and why). About
+# half a minute on 2 cores; fails if any test fails on any rank.
+TORCH_SUITE_RANKS ?= 3
+test-torch-suite: install
+	timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $(TORCH_SUITE_RANKS) $(PYTHON) tests/harness/torch_suite.py
 
 # Needs root and iproute2 (says so otherwise). Brings up as many hosts as the widest
 # layout, runs, and tears the testbed down whatever happens (the trap). Every run checks

@@ -257,7 +257,7 @@ class Progress:
         alive = ""
         if self.liveness is not None and self.liveness.size > 1:
             alive = ". Liveness: " + describe_liveness(*self.liveness.check(handle._call), DEFAULT_GRACE)
-        error = CollectiveTimeoutError(f"rank {_rank(self)}: {handle._describe} timed out after {waited:.1f} s "
+        error = CollectiveTimeoutError(f"rank {_rank(self)}: {handle._describe}: Timed out after {waited:.1f} s "
                                        f"{outstanding}{alive}")
         self.fail(error, culprit=handle)
         raise error
