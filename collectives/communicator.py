@@ -17,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import check as check_mode
-from . import ops
+from . import mpi_library, ops
 from . import topology as topology_module
 from .algorithms import (ORDERED, SEGMENTED, SHARED_MEMORY, TOPOLOGICAL, VARIABLE, block_bounds, build, check_algorithm,
                          check_ordered, cost_model_choice)
@@ -27,7 +27,7 @@ from .arrays import as_array, check_out, flat_input, flat_view, overlaps, same_m
 from .dtypes import check_dtype, is_extra
 from .device import DeviceArray, is_device
 from .schedule import Fence, Schedule, compile_plan, fuse_reductions, split_schedule
-from .transport import lean, p2p
+from .transport import lean, native, p2p, tags
 from .transport.buffers import Buffers
 from .transport import liveness as liveness_module
 from .transport.liveness import Liveness
@@ -320,11 +320,17 @@ class Communicator:
         self._selector = Selector.from_environment(self.size, deterministic=deterministic, topology=self.topology,
                                                    agree=lambda bits: self._comm.allreduce(bits, op=MPI.BAND),
                                                    hint=self.rank == 0, measure_link=self._measure_link)
-        tag_ub = self._comm.Get_attr(MPI.TAG_UB)
-        self._tag_limit = tag_ub  # calls are numbered mod this: their messages' tags, 0 … TAG_UB - 1
-        self._blocking_tag = tag_ub  # every blocking call that cannot time out: see _start
+        tag_ub = mpi_library.tag_ub()  # MPI_COMM_WORLD's: Open MPI gives Split's and Create's communicators none
+        self._tag_limit = tag_ub  # calls are numbered mod this
+        self._tags = tags.layout()  # a call's messages: its base tag plus each message's size code
+        self._blocking_tag = self._tags.blocking  # the base of every blocking call that cannot time out: see _start
         self._p2p_tag_limit = tag_ub + 1  # send/recv (their own communicator): any tag MPI allows
         self._sequence = 0
+        # MPI's own collectives told of a size mismatch first, where MPI would not stop on it (transport.native)
+        self._native_checked = mpi_library.native_checked(native.CHECKED)
+        # Where they agree first, MPI's non-blocking collectives go on a duplicate of their own, posted in call
+        # order once agreed (native.Deferred); the agreements themselves on _comm, at call time.
+        self._deferred = native.Deferred(mpi_comm.Dup()) if self._native_checked else None
         self._progress = Progress(Liveness(mpi_comm.Dup()), self.stall_warn)
         self._p2p_comm = mpi_comm.Dup()  # send/recv: never matched with a collective's messages
         self._workspace = _Workspace()
@@ -538,6 +544,8 @@ class Communicator:
                 self._node_comm.Free()
             self._comm.Free()
             self._p2p_comm.Free()
+            if self._deferred is not None:
+                self._deferred.comm.Free()
             self._progress.liveness.free()
 
     # -- collectives ------------------------------------------------------------
@@ -926,7 +934,8 @@ class Communicator:
                     f"alltoallv: rank {rank} expects {expected} rows from rank {peer} (its recv_counts[{peer}]), "
                     f"but rank {peer} sends it {sent} (its send_counts[{rank}])")
             if peer == -2:
-                message = f"out on rank {rank} must have {sent} rows (the sum of what the ranks send it); got {expected}"
+                message = (f"out on rank {rank} must have {sent} rows (the sum of what the ranks send it); "
+                           f"got {expected}")
                 if rank == self.rank:
                     raise ValueError(message)
                 raise CollectiveError(f"alltoallv: no data moved, since {message}")
@@ -1028,8 +1037,8 @@ class Communicator:
                 return out
         source = MPI.ANY_SOURCE if src is None else src
         handle = p2p.PointHandle(self._progress, describe, finish,
-                                 lambda: self._p2p_comm.Irecv([landing, MPI.BYTE], source, tag), src, tag, landing.nbytes,
-                                 True, timeout, self._sequence)
+                                 lambda: self._p2p_comm.Irecv([landing, MPI.BYTE], source, tag), src, tag,
+                                 landing.nbytes, True, timeout, self._sequence)
         return handle.start()
 
     def poll(self):
@@ -1067,8 +1076,10 @@ class Communicator:
             raise CollectiveError(f"{collective}: this communicator is broken by an earlier failure "
                                   f"({self._progress.broken}); make a new Communicator, though after a timeout "
                                   "the job usually has to stop")
-        self._sequence = (self._sequence + 1) % self._tag_limit  # also the tag of the call's messages
+        self._sequence = (self._sequence + 1) % self._tag_limit  # its tags: self._tags.call(self._sequence)
         self._progress.call = self._sequence
+        if len(self._progress.active) >= self._tags.calls - 2:  # its base tag would be a call's in flight
+            self._finish_in_flight()
         if self.check:
             alone = blocking and self._mpi_blocks(timeout)
             if algorithm == "native":
@@ -1082,8 +1093,8 @@ class Communicator:
             record = check_mode.fingerprint(self._sequence, collective, algorithm, op, dtype, shape, root, how, kind,
                                             order)
             gathered = np.empty((self.size, record.size), record.dtype)
-            self._request(f"the check-mode exchange before {collective}", lambda: self._comm.Iallgather(record, gathered),
-                          timeout, gathered.nbytes)
+            self._request(f"the check-mode exchange before {collective}",
+                          lambda: self._comm.Iallgather(record, gathered), timeout, gathered.nbytes)
             check_mode.compare(gathered)
 
     def _request(self, what, start, timeout, nbytes=0):
@@ -1156,7 +1167,8 @@ class Communicator:
         registration, plan, code = self._shm_plan(collective, algorithm, count, root, inplace, inp.dtype, op,
                                                   self._registered(inp, out, inplace, collective))
         signature = (self._sequence, code, inp.nbytes, root)
-        window = self._window_for(plan.shm * inp.itemsize, timeout, signature, describe) if _needs_window(plan) else None
+        window = (self._window_for(plan.shm * inp.itemsize, timeout, signature, describe) if _needs_window(plan)
+                  else None)
         raw, tmp = self._workspace.take(plan.tmp, inp.dtype)
 
         def done():
@@ -1219,7 +1231,13 @@ class Communicator:
                 self._native_blocking(collective, inp, out, inplace, op, root, counts)
                 return finish()
             start = lambda: self._native(collective, inp, out, inplace, op, root, counts)  # noqa: E731
-            handle = RequestHandle(self._progress, describe, finish, start, timeout, self._sequence, inp.nbytes)
+            if collective in self._native_checked:  # the ranks agree on the size first
+                handle = native.AgreedHandle(
+                    self._progress, describe, finish, self._comm, self._deferred, native.unit(collective, inp, out),
+                    lambda comm: self._native(collective, inp, out, inplace, op, root, counts, comm=comm), timeout,
+                    self._sequence, inp.nbytes)
+            else:
+                handle = RequestHandle(self._progress, describe, finish, start, timeout, self._sequence, inp.nbytes)
             handle.start()
             return handle.wait() if blocking else handle
         if (collective, algorithm) in SHARED_MEMORY:
@@ -1227,9 +1245,10 @@ class Communicator:
                                       timeout, describe)
         segment = self._segment(segment_size, out.itemsize) if (collective, algorithm) in SEGMENTED else 1
         plan = _plan(collective, algorithm, self.rank, self.size, count, root, segment, inplace, self.deterministic,
-                     counts=counts if collective in VARIABLE else None, topology=self._layout_for(collective, algorithm))
+                     counts=counts if collective in VARIABLE else None,
+                     topology=self._layout_for(collective, algorithm))
         alone = blocking and self._mpi_blocks(timeout)
-        tag = self._sequence
+        tag = self._tags.call(self._sequence)
         if alone:
             # A blocking call that cannot time out runs alone, after this rank's calls in
             # flight, on one tag kept for such calls (persistent requests have a fixed
@@ -1323,7 +1342,7 @@ class Communicator:
             call.finish()
             return returned
 
-        tag = self._sequence
+        tag = self._tags.call(self._sequence)
         if algorithm == "native":
             start_mpi = self._native_starter(collective, op, root, counts)
             handle = device_call.start_native(self._progress, describe, finish, call, start_mpi, inp, result,
@@ -1505,8 +1524,15 @@ class Communicator:
             return False  # the general path raises it
         if name == "native":
             if x.size == 0:  # _native gives an empty out an address of its own (MPI refuses the alias)
-                return ("native", lambda x, out: self._native(collective, x, out, inplace, op, root, None, blocking=True))
-            return ("native", self._native_starter(collective, op, root, None, blocking=True))
+                def call(x, out):
+                    return self._native(collective, x, out, inplace, op, root, None, blocking=True)
+            else:
+                call = self._native_starter(collective, op, root, None, blocking=True)
+            if collective in self._native_checked:  # the ranks agree on the size first (transport.native)
+                call = native.agreeing(self._comm, call, x.nbytes,
+                                       lambda: f"{collective}(algorithm='native') call #{self._sequence}",
+                                       self._broken_by)
+            return ("native", call)
         if (collective, name) in SHARED_MEMORY:  # its own executor, run here (_run_shared_now)
             _, plan, code = self._shm_plan(collective, name, x.size, root, inplace, x.dtype, op)
             return ("shm", plan, name, code, collective, None, (x.size, root, op))
@@ -1517,12 +1543,13 @@ class Communicator:
         program = lean.LeanProgram(plan) if persistent else lean.program(plan)
         return False if program is None else [program, name, persistent, None]  # last: its PersistentProgram
 
-    def _native_starter(self, collective, op, root, counts, blocking=False):
+    def _native_starter(self, collective, op, root, counts, blocking=False, comm=None):
         """``(send, receive) -> request``: MPI's non-blocking collective on whole buffers
         (host copies of the device buffers, or the device buffers themselves); with
         ``blocking``, MPI's blocking collective (returning nothing: the lean path's
-        ``native`` calls, their arguments bound once per kind)."""
-        comm = self._comm
+        ``native`` calls, their arguments bound once per kind). On ``comm`` (default:
+        the communicator's own)."""
+        comm = self._comm if comm is None else comm
         mpi_op = _MPI_OPS.get(op)  # None for the calls without one (allgather: "-")
 
         def mpi(name):  # Allreduce, or Iallreduce
@@ -1590,9 +1617,16 @@ class Communicator:
         """
         self._finish_in_flight()
         try:
+            if collective in self._native_checked:
+                native.agree(self._comm, native.unit(collective, inp, out), f"{collective}(algorithm='native') call "
+                             f"#{self._sequence}", self._broken_by)
             self._native(collective, inp, out, inplace, op, root, counts, blocking=True)
         except MPI.Exception as exc:
             raise TransportError(f"{collective}(algorithm='native'): the MPI library failed: {exc}") from exc
+
+    def _broken_by(self, error):
+        """Break the engine with ``error``, which every rank found alike (no notice sent)."""
+        self._progress.fail(error, notify=False)
 
     def _finish_in_flight(self, sends_and_receives=False):
         """Finish this rank's collectives in flight: before a blocking MPI call, during
@@ -1612,7 +1646,7 @@ class Communicator:
         """This rank's calls in flight other than sends and receives."""
         return [h for h in self._progress.active if not isinstance(h, p2p.PointHandle)]
 
-    def _native(self, collective, inp, out, inplace, op, root, counts, blocking=False):
+    def _native(self, collective, inp, out, inplace, op, root, counts, blocking=False, comm=None):
         """Start MPI's own non-blocking collective (return its request), or with
         ``blocking`` run the blocking one: :meth:`_native_starter`'s call, kept per kind
         of call. Arrays go to mpi4py as they are: it maps the dtype to MPI's predefined
@@ -1622,14 +1656,14 @@ class Communicator:
             # address: NumPy says they share nothing, MPI refuses the alias all the same.
             out = np.empty(0, out.dtype)
         if counts is None:
-            key = (collective, op, root, blocking)
+            key = (collective, op, root, blocking, comm is None)
             start = self._native_starters.get(key)
             if start is None:
                 if len(self._native_starters) > 256:
                     self._native_starters.clear()
-                start = self._native_starters[key] = self._native_starter(collective, op, root, None, blocking)
+                start = self._native_starters[key] = self._native_starter(collective, op, root, None, blocking, comm)
         else:  # per call: the counts are its own
-            start = self._native_starter(collective, op, root, counts, blocking)
+            start = self._native_starter(collective, op, root, counts, blocking, comm)
         # The starter reads one buffer for both as MPI_IN_PLACE; broadcast's is out.
         send = out if collective == "broadcast" or (inplace and collective in ("allreduce", "reduce")) else inp
         return start(send, out)

@@ -26,6 +26,7 @@ from mpi4py import MPI
 
 from ..errors import CollectiveError, CollectiveTimeoutError, MessageSizeError, TransportError
 from ..schedule import Recv, Send
+from . import tags
 from .engine import Execution
 from .liveness import DEFAULT_GRACE, describe as describe_liveness, ranks
 
@@ -65,6 +66,7 @@ class Progress:
         self._device = []  # (handle, token, backend, event): device work the host waits for
         self.backends = []  # devices this communicator uses: polled while waiting (see device.standin)
         self.shm = []  # shared-memory calls (transport.shm.ShmHandle), run in the order they were made
+        self.probes = tags.Probes()  # large receives posted once a probe finds their message (PlanHandle._post)
 
     def add(self, handle, token, request):
         self._requests.append(request)
@@ -78,6 +80,8 @@ class Progress:
         """Complete what has finished, without blocking. Returns True if some request or
         device work completed."""
         progressed = False
+        if self.probes:
+            progressed = self._advance_probes()
         if self._requests:
             try:
                 finished = MPI.Request.Testsome(self._requests, self._statuses)
@@ -101,6 +105,27 @@ class Progress:
         if self.shm:
             progressed = self._advance_shm() or progressed
         return progressed
+
+    def _advance_probes(self):
+        """Post the large receives whose message a probe has found (see ``tags.Probes``);
+        break on one of the wrong size."""
+        def wrong(owner, got, request):
+            handle, i = owner
+            self._abandoned.append(request)  # the message goes to a scratch buffer: MPI keeps it until it ends
+            error = handle._wrong_size(i, got)
+            self.fail(error, culprit=handle)
+            raise error
+
+        return self.probes.poll(lambda owner, request: self.add(owner[0], owner[1], request), wrong) > 0
+
+    def _look_for_strays(self):
+        """At each look while waiting: break if a call in flight has a message of the
+        wrong size waiting for it (see ``tags.Strays``)."""
+        for handle in list(self.active):
+            error = handle._stray()
+            if error is not None:
+                self.fail(error, culprit=handle)
+                raise error
 
     def _advance_shm(self):
         """Run the shared-memory calls, oldest first, as far as their fences let them."""
@@ -148,6 +173,7 @@ class Progress:
             if now >= self._next_look:
                 self._next_look = now + _CHECK_EVERY
                 self._look_around(self.active[0])
+                self._look_for_strays()
 
     def wait_for(self, handle, timeout, already_waited=0.0):
         """Advance until ``handle`` has finished or failed. After ``timeout`` seconds
@@ -161,7 +187,7 @@ class Progress:
         while not handle._finished and handle._error is None:
             if self.advance():
                 continue
-            if not self._requests and not self._device and not self.shm:
+            if not self._requests and not self._device and not self.shm and not self.probes:
                 raise CollectiveError(f"{handle._describe} is unfinished with no message in flight "
                                       "(a bug in the library: please report it)")
             _yield_cpu()
@@ -170,6 +196,7 @@ class Progress:
                 continue
             next_look = now + _CHECK_EVERY
             self._look_around(handle)
+            self._look_for_strays()
             if now >= deadline:
                 self._time_out(handle, now - start)
             if now >= next_warning:
@@ -219,6 +246,7 @@ class Progress:
         self._requests, self._owners, self._completed = [], [], 0
         self._device = []
         self.shm = []
+        self.probes.clear()
 
     def _time_out(self, handle, waited):
         outstanding = handle._outstanding()
@@ -360,6 +388,11 @@ class Handle:
         """Whether the failed message of ``status`` is one of this call's (by its tag)."""
         return getattr(self, "_tag", None) == status.Get_tag()
 
+    def _stray(self):
+        """The :class:`MessageSizeError` of a message of this call that none of its
+        receives will take, or None (the engine asks at each look while it waits)."""
+        return None
+
     def _cancel(self, request, token):
         """Take back a request in flight when the engine breaks (receives only: a send's
         cancel needs the peer, which may be gone; its buffer stays referenced)."""
@@ -384,6 +417,8 @@ class PlanHandle(Handle):
         self._execution = Execution(plan, self._run_local, self._post)
         self._in_flight = {}  # op index -> bytes, for the messages posted and not finished
         self._bytes_done = 0
+        self._layout = tags.layout()  # each message's tag is the call's plus its size code
+        self._strays = None  # made at the first look (tags.Strays)
 
     def start(self):
         try:
@@ -398,14 +433,42 @@ class PlanHandle(Handle):
 
     def _post(self, i):
         op = self._execution.plan.ops[i]
+        layout = self._layout
         if isinstance(op, Send):
             view = self._buffers.view(op.src)
-            request = self._comm.Isend([view, MPI.BYTE], op.peer, self._tag)
+            request = self._comm.Isend([view, MPI.BYTE], op.peer, layout.tag(self._tag, view.nbytes))
         else:
             view = self._buffers.view(op.dst)
-            request = self._comm.Irecv([view, MPI.BYTE], op.peer, self._tag)
+            self._in_flight[i] = view.nbytes
+            if view.nbytes >= layout.large:  # received once a probe has found it, and its size is right
+                self._progress.probes.add(self._comm, op.peer, layout.tag(self._tag, view.nbytes), view, (self, i))
+                return
+            request = self._comm.Irecv([view, MPI.BYTE], op.peer, self._tag + view.nbytes)
         self._in_flight[i] = view.nbytes
         self._add_request(request, i)
+
+    def _wrong_size(self, i, got):
+        op = self._execution.plan.ops[i]
+        return _at(MessageSizeError(f"{self._describe}: step {self._step(i)}: received {got} B from rank {op.peer} "
+                                    f"where the schedule expects {self._in_flight[i]} B; the ranks called it with "
+                                    "buffers of different sizes"), op.peer, i + 1)
+
+    def _owns(self, status):
+        return self._tag <= status.Get_tag() < self._tag + self._layout.span
+
+    def _stray(self):
+        if self._strays is None:
+            self._strays = tags.Strays(self._comm, self._tag, self._layout)
+        ops, pending, in_flight = self._execution.plan.ops, self._execution.pending, self._in_flight
+        found = self._strays.check(tags.awaited(
+            (op.peer, self._buffers.view(op.dst).nbytes, i, pending[i] == 0 and i not in in_flight)
+            for i, op in enumerate(ops) if isinstance(op, Recv)))
+        if found is None:
+            return None
+        peer, got, expected, step = found
+        return _at(MessageSizeError(f"{self._describe}: step {self._step(step)}: received {got} B from rank {peer} "
+                                    f"where the schedule expects {expected} B; the ranks called it with buffers "
+                                    "of different sizes"), peer, step + 1)
 
     def _on_request_done(self, i, status):
         expected = self._in_flight.pop(i)
@@ -413,10 +476,9 @@ class PlanHandle(Handle):
         op = self._execution.plan.ops[i]
         if isinstance(op, Recv):
             got = status.Get_count(MPI.BYTE)
-            if got != expected:  # shorter (MPI allows it, we don't): the ranks' buffers differ
-                raise _at(MessageSizeError(f"{self._describe}: step {self._step(i)}: received {got} B from rank "
-                                           f"{op.peer} where the schedule expects {expected} B; the ranks called "
-                                           "it with buffers of different sizes"), op.peer, i + 1)
+            if got != expected:  # a large message's, probed for its size before: never here on a correct MPI
+                self._in_flight[i] = expected
+                raise self._wrong_size(i, got)
         try:
             self._execution.complete(i)
         except MPI.Exception as exc:
