@@ -16,6 +16,7 @@ from functools import lru_cache
 import numpy as np
 from mpi4py import MPI
 
+from . import calibration
 from . import check as check_mode
 from . import mpi_library, ops
 from . import topology as topology_module
@@ -33,7 +34,7 @@ from .transport import liveness as liveness_module
 from .transport.liveness import Liveness
 from .transport.mpi import PlanHandle, Progress, RequestHandle, check_timeout
 from .transport.shm import NodeWindow, Registration, ShmCall, ShmHandle
-from .tuning import Selector
+from .tuning import LINK_TOLERANCE, Selector
 
 # MPI libraries reduce float16 in scalar software loops: MPICH 5's allreduce of float16
 # ran at 0.07 GB/s busbw at 4 ranks here, 4-20x slower than the library's own algorithms
@@ -317,9 +318,11 @@ class Communicator:
         # A tuning table counts only if it matches every rank's machine: the ranks AND
         # their verdicts (one allreduce), so all of them choose alike.
         # On several nodes it may also measure the link between them (collective).
+        # Where no table matches, it calibrates auto's cost model on these ranks (collective; cached).
         self._selector = Selector.from_environment(self.size, deterministic=deterministic, topology=self.topology,
                                                    agree=lambda bits: self._comm.allreduce(bits, op=MPI.BAND),
-                                                   hint=self.rank == 0, measure_link=self._measure_link)
+                                                   hint=self.rank == 0, measure_link=self._measure_link,
+                                                   calibrate=self._calibrate)
         tag_ub = mpi_library.tag_ub()  # MPI_COMM_WORLD's: Open MPI gives Split's and Create's communicators none
         self._tag_limit = tag_ub  # calls are numbered mod this
         self._tags = tags.layout()  # a call's messages: its base tag plus each message's size code
@@ -357,6 +360,12 @@ class Communicator:
     def __repr__(self):
         return f"<collectives.Communicator rank {self.rank} of {self.size}>"
 
+    def _calibrate(self, fingerprint, key, link):
+        """auto's cost model calibrated for these ranks (collective; see collectives.calibration),
+        before any call: its messages use the blocking calls' base tag on the private communicator."""
+        return calibration.obtain(self._comm, self.topology, fingerprint, key, tags.layout().blocking, link=link,
+                                  link_tolerance=LINK_TOLERANCE)
+
     def _measure_link(self):
         """The node-to-node rate, bytes per second (collective; see ``topology.measure_link``)."""
         return topology_module.measure_link(self._comm, self.topology)
@@ -387,7 +396,9 @@ class Communicator:
     def choose(self, collective, nbytes, device=False, dtype=None):
         """``(algorithm, why)``: what ``auto`` picks for ``collective`` on ``nbytes`` bytes
         (allgather and gather: the gathered size; scatter: the root's whole buffer;
-        alltoall: a rank's whole input) at this world size, and which rule decided;
+        alltoall: a rank's whole input) at this world size, and which rule decided
+        (an override, a measured table, the model calibrated here, or the conservative
+        rule; the last two name the machine, the MPI library and its version);
         ``device=True`` for device arrays; ``dtype`` where it matters (float16
         reductions and dtypes MPI has no type for stay off ``native``)."""
         check_algorithm(collective, "auto")

@@ -77,8 +77,8 @@ def test_fingerprint_of_this_machine_and_layout():
                 break
     if want_cpu is None:
         want_cpu = platform.processor() or platform.machine()
-    mpi = " ".join(MPI.Get_library_version().splitlines()[0].split())
-    machine = {"cpu": want_cpu, "cpus": os.cpu_count(), "mpi": mpi}
+    vendor, version = MPI.get_vendor()  # mpi4py's own reading: "MPICH", (5, 0, 2)
+    machine = {"cpu": want_cpu, "cpus": os.cpu_count(), "mpi": f"{vendor} {'.'.join(map(str, version))}"}
     assert tuning.fingerprint(world_size=4) == {**machine, "nodes": 1, "ranks_per_node": 4}
     assert tuning.fingerprint(Topology.single(3)) == {**machine, "nodes": 1, "ranks_per_node": 3}
     assert tuning.fingerprint(Topology.uniform(8, 4)) == {**machine, "nodes": 2, "ranks_per_node": 4}
@@ -228,7 +228,8 @@ def test_a_table_of_several_nodes_is_used_only_over_the_link_it_was_measured_on(
         if used:
             assert (choice, why) == ("ring", f"measured table {path} (layout 2x4)")
         else:
-            assert f"{path} was measured over a 118 MB/s link; this job's measures {tuning.link_stamp(rate):g} MB/s" in why
+            assert (f"{path} was measured over a 118 MB/s link; this job's measures {tuning.link_stamp(rate):g} MB/s"
+                    in why)
     # another rank's entry holds no link (or none of its own): nobody measures, nobody uses it
     measured = []
     outvoted = Selector.from_environment(8, environ, topology=layout, agree=lambda bits: bits & ~4,
