@@ -122,13 +122,14 @@ TEST_FILES    ?= tests
 test-serial: install
 	$(PYTHON) -m pytest -q --with-mpi -m "not (serial and long)" $(TEST_FILES)
 
-# The MPI suite under every world size in WORLD_SIZES (the long sweeps below LONG_FROM).
+# The MPI suite under every world size in WORLD_SIZES (the long sweeps below LONG_FROM). No
+# colours: Open MPI's launcher gives the ranks a terminal, whose escapes a log does not want.
 test-mpi: install
 	@for n in $(WORLD_SIZES); do \
 	  if [ -n "$(MPI_MARK)" ]; then only="$(MPI_MARK)"; \
 	  elif [ $$n -lt $(LONG_FROM) ]; then only="not serial"; else only="not serial and not long"; fi; \
 	  echo "== $(MPI): mpiexec -n $$n ($$only)"; \
-	  timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m pytest -q --with-mpi -m "$$only" \
+	  timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m pytest -q --color=no --with-mpi -m "$$only" \
 	    $(TEST_FILES) || exit 1; \
 	done
 
