@@ -67,8 +67,8 @@ MARGIN = 1.1  # MPI's time over the model's best before auto leaves native
 PROBE_BYTES = 8 << 20  # the exchange and the reduction timed for beta and gamma
 NATIVE_SIZES = (64 << 10, 1 << 20, 8 << 20)
 NATIVE = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
-SLOW_CALL = 0.06  # seconds: a native size (past the second) whose call would take longer is not measured
-REPEATS = 3  # timings per figure; the least is kept
+SLOW_CALL = 0.03  # seconds: a native size (past the second) whose call would take longer is not measured
+REPEATS = 3  # timings per figure; the least is kept (2 for the largest)
 
 
 @dataclass
@@ -263,10 +263,10 @@ def measure(comm, topology, tag, link=None):
     tiny_out, tiny_in = np.zeros(8, np.uint8), np.empty(8, np.uint8)
     mpi_alpha = _slowest(comm, lambda: exchange(tiny_out, tiny_in), 2 * REPEATS)
     big_out, big_in = np.ones(PROBE_BYTES, np.uint8), np.empty(PROBE_BYTES, np.uint8)
-    beta = max(_slowest(comm, lambda: exchange(big_out, big_in)) - mpi_alpha, 0.0) / PROBE_BYTES
+    beta = max(_slowest(comm, lambda: exchange(big_out, big_in), 2) - mpi_alpha, 0.0) / PROBE_BYTES
     a, b = big_out.view(np.float32), big_in.view(np.float32)
     c = np.empty_like(a)
-    gamma = _slowest(comm, lambda: np.add(a, b, out=c)) / PROBE_BYTES
+    gamma = _slowest(comm, lambda: np.add(a, b, out=c), 2) / PROBE_BYTES
 
     # The library's own messages: a ring allreduce of 64 float32s per rank, whose
     # 2(p - 1) messages follow one another, on the lean executor (as a large call's).
@@ -314,7 +314,7 @@ def _measure_native(comm, size):
             if len(points) >= 2 and points[-1][1] * nbytes / points[-1][0] > SLOW_CALL:
                 break
             call = _native_call(comm, collective, nbytes, size, MPI)
-            points.append([nbytes, _slowest(comm, call)])
+            points.append([nbytes, _slowest(comm, call, REPEATS if nbytes < NATIVE_SIZES[-1] else 2)])
         found[collective] = points
     return found
 
