@@ -5,11 +5,11 @@ measures what the cost model (:class:`collectives.tuning.CostModel`) needs, on i
 ranks, when it is made (:func:`obtain`):
 
 - the library's cost per message, ``alpha``: its ring allreduce of a few hundred bytes
-  on the lean executor, over the number of messages in a row;
+  among each node's ranks, on the lean executor, over the number of messages in a row;
 - within the node, the per-byte cost of a message, ``beta``: every rank sends
-  ``PROBE_BYTES`` to the next rank and receives from the previous one at once (all
-  ranks stream together, as in a collective), and MPI's own latency, ``mpi_alpha``,
-  from the same exchange of 8 bytes;
+  ``PROBE_BYTES`` to the next rank of its node and receives from the previous one at
+  once (all ranks stream together, as in a collective), and MPI's own latency,
+  ``mpi_alpha``, from the same exchange of 8 bytes;
 - the memory rate that bounds reductions, ``gamma``: ``np.add`` on ``PROBE_BYTES``
   arrays on every rank at once, seconds per byte reduced;
 - across nodes (where the ranks span several): the link's rate, ``net_beta``
@@ -246,59 +246,80 @@ def _slowest(comm, f, repeats=REPEATS):
 
 
 def measure(comm, topology, tag, link=None):
-    """Measure every figure of a :class:`Calibration` (collective)."""
+    """Measure every figure of a :class:`Calibration` (collective). The node's figures
+    (``alpha``, ``beta``, ``mpi_alpha``) are measured among each node's ranks at once
+    (a ring within the node), the network's between nodes."""
     from mpi4py import MPI
 
-    from .transport import lean
-    from .transport.buffers import Buffers
+    rank, size = comm.Get_rank(), comm.Get_size()
+    several = topology is not None and topology.node_count > 1
+    node = comm.Split(topology.node_of[rank] if several else 0, rank)
+    try:
+        local, per_node = node.Get_rank(), node.Get_size()
+        widest = max(topology.ranks_per_node) if several else size
+
+        def exchange(send, receive):  # to the next rank of the node, from the previous one, all at once
+            if per_node > 1:
+                MPI.Request.Waitall([node.Isend([send, MPI.BYTE], (local + 1) % per_node, tag),
+                                     node.Irecv([receive, MPI.BYTE], (local - 1) % per_node, tag)])
+
+        tiny_out, tiny_in = np.zeros(8, np.uint8), np.empty(8, np.uint8)
+        big_out, big_in = np.ones(PROBE_BYTES, np.uint8), np.empty(PROBE_BYTES, np.uint8)
+        a, b = big_out.view(np.float32), big_in.view(np.float32)
+        c = np.empty_like(a)
+        gamma = _slowest(comm, lambda: np.add(a, b, out=c), 2) / PROBE_BYTES
+        if widest > 1:
+            mpi_alpha = _slowest(comm, lambda: exchange(tiny_out, tiny_in), 2 * REPEATS)
+            beta = max(_slowest(comm, lambda: exchange(big_out, big_in), 2) - mpi_alpha, 0.0) / PROBE_BYTES
+            alpha = _ring_time(comm, node if per_node > 1 else None, tag) / (2 * (widest - 1))
+        else:  # one rank per node: no message stays in a node (alpha and beta only matter there)
+            mpi_alpha, beta = 0.0, gamma
+            alpha = 0.0
+        calibration = Calibration(alpha=alpha, beta=beta, gamma=gamma, mpi_alpha=mpi_alpha)
+        if several:
+            from .topology import measure_link
+
+            rate = link if link is not None else measure_link(comm, topology)
+            nodes, here = topology.nodes, topology.node_of[rank]
+            leader = topology.local_rank[rank] == 0
+            far, near = nodes[(here + 1) % len(nodes)][0], nodes[(here - 1) % len(nodes)][0]
+
+            def leaders():  # each node's first rank to the next node's, at once
+                if leader:
+                    MPI.Request.Waitall([comm.Isend([tiny_out, MPI.BYTE], far, tag),
+                                         comm.Irecv([tiny_in, MPI.BYTE], near, tag)])
+
+            calibration.mpi_net_alpha = _slowest(comm, leaders, 2 * REPEATS)
+            calibration.net_beta = 1.0 / rate if rate else 0.0
+            if widest > 1:  # ours: MPI's latency plus the library's own cost per message
+                calibration.net_alpha = calibration.mpi_net_alpha + max(alpha - mpi_alpha, 0.0)
+            else:  # the library's ring across the nodes: its cost per message there
+                calibration.net_alpha = _ring_time(comm, comm, tag) / (2 * (size - 1))
+                calibration.alpha = max(calibration.net_alpha - calibration.mpi_net_alpha, 0.0)
+    finally:
+        node.Free()
+    calibration.native = _measure_native(comm, size)
+    return calibration
+
+
+def _ring_time(comm, ring_comm, tag):
+    """The time of the library's ring allreduce of 64 float32s per rank among the ranks
+    of ``ring_comm`` (None: this rank takes no part), on the lean executor as a large
+    call's messages go: 2(k - 1) messages in a row (collective over ``comm``)."""
     from .algorithms import build
     from .schedule import compile_plan
+    from .transport import lean
+    from .transport.buffers import Buffers
 
-    rank, size = comm.Get_rank(), comm.Get_size()
-    after, before = (rank + 1) % size, (rank - 1) % size
-
-    def exchange(send, receive):
-        MPI.Request.Waitall([comm.Isend([send, MPI.BYTE], after, tag), comm.Irecv([receive, MPI.BYTE], before, tag)])
-
-    tiny_out, tiny_in = np.zeros(8, np.uint8), np.empty(8, np.uint8)
-    mpi_alpha = _slowest(comm, lambda: exchange(tiny_out, tiny_in), 2 * REPEATS)
-    big_out, big_in = np.ones(PROBE_BYTES, np.uint8), np.empty(PROBE_BYTES, np.uint8)
-    beta = max(_slowest(comm, lambda: exchange(big_out, big_in), 2) - mpi_alpha, 0.0) / PROBE_BYTES
-    a, b = big_out.view(np.float32), big_in.view(np.float32)
-    c = np.empty_like(a)
-    gamma = _slowest(comm, lambda: np.add(a, b, out=c), 2) / PROBE_BYTES
-
-    # The library's own messages: a ring allreduce of 64 float32s per rank, whose
-    # 2(p - 1) messages follow one another, on the lean executor (as a large call's).
-    count = 64 * size
-    plan = compile_plan(build("allreduce", "ring", rank, size, count))
+    if ring_comm is None:
+        return _slowest(comm, lambda: None, 2 * REPEATS)
+    rank, k = ring_comm.Get_rank(), ring_comm.Get_size()
+    count = 64 * k
+    plan = compile_plan(build("allreduce", "ring", rank, k, count))
     program = lean.LeanProgram(plan)
     x, out, tmp = np.ones(count, np.float32), np.empty(count, np.float32), np.empty(max(plan.tmp, 1), np.float32)
     buffers, kept = Buffers(x, out, tmp), []
-    ring = _slowest(comm, lambda: lean.run(program, comm, tag, buffers, "sum", str, kept.append), 2 * REPEATS)
-    alpha = ring / (2 * (size - 1)) if size > 1 else ring
-
-    calibration = Calibration(alpha=alpha, beta=beta, gamma=gamma, mpi_alpha=mpi_alpha)
-    if topology is not None and topology.node_count > 1:
-        from .topology import measure_link
-
-        rate = link if link is not None else measure_link(comm, topology)
-        nodes = topology.nodes
-        node = topology.node_of[rank]
-        far = nodes[(node + 1) % len(nodes)][0] if topology.local_rank[rank] == 0 else None
-        near = nodes[(node - 1) % len(nodes)][0] if topology.local_rank[rank] == 0 else None
-
-        def leaders():
-            if far is not None:
-                MPI.Request.Waitall([comm.Isend([tiny_out, MPI.BYTE], far, tag),
-                                     comm.Irecv([tiny_in, MPI.BYTE], near, tag)])
-
-        net = _slowest(comm, leaders, 2 * REPEATS)
-        calibration.net_beta = 1.0 / rate if rate else 0.0
-        calibration.mpi_net_alpha = net
-        calibration.net_alpha = net + max(alpha - mpi_alpha, 0.0)
-    calibration.native = _measure_native(comm, size)
-    return calibration
+    return _slowest(comm, lambda: lean.run(program, ring_comm, tag, buffers, "sum", str, kept.append), 2 * REPEATS)
 
 
 def _measure_native(comm, size):
