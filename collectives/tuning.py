@@ -405,7 +405,8 @@ def _ring(model, net, n, ours, reducing, plain):
 def _direct(model, net, n, ours, rounds, reduced):
     """``rounds`` rounds in which every rank sends a block of n/p to every other rank,
     one message at a time through its port; the node's link carries its ranks'
-    blocks for the other nodes."""
+    blocks for the other nodes. ``reduced``: bytes each rank reduces, (p-1)/p·n where
+    it reduces its own block of every other rank's (docs/algorithms.md)."""
     p, k, b = net.p, net.k, n / net.p
     alpha, net_alpha = (model.alpha, model.net_alpha) if ours else (model.mpi_alpha, model.mpi_net_alpha)
     per_round = (k - 1) * alpha + (p - k) * net_alpha + max((p - 1) * b * model.beta, k * (p - k) * b * model.net_beta)
@@ -480,11 +481,13 @@ def predict(collective, nbytes, size, topology=None, model=SHIPPED_MODEL):
                   _ring(model, net, n, False, p - 1, p - 1)]
         ours = {"recursive_doubling": _recursive_doubling(model, net, n, True),
                 "recursive_halving": _halving(model, net, n, True, False, True),
-                "ring": _ring(model, net, n, True, p - 1, p - 1), "direct": _direct(model, net, n, True, 2, n)}
+                "ring": _ring(model, net, n, True, p - 1, p - 1),
+                "direct": _direct(model, net, n, True, 2, (p - 1) / p * n)}
     elif collective == "reduce_scatter":
         native = [_halving(model, net, n, False, False, False), _ring(model, net, n, False, p - 1, 0)]
         ours = {"recursive_halving": _halving(model, net, n, True, False, False),
-                "ring": _ring(model, net, n, True, p - 1, 0), "direct": _direct(model, net, n, True, 1, n)}
+                "ring": _ring(model, net, n, True, p - 1, 0),
+                "direct": _direct(model, net, n, True, 1, (p - 1) / p * n)}
     elif collective == "allgather":
         native = [_doubling_gather(model, net, n, False), _bruck(model, net, n, False),
                   _ring(model, net, n, False, 0, p - 1)]
@@ -498,7 +501,8 @@ def predict(collective, nbytes, size, topology=None, model=SHIPPED_MODEL):
     elif collective == "reduce":  # MPI's long-message reduce: reduce_scatter, then a binomial gather
         native = [_binomial(model, net, n, False, "reduce"),
                   _halving(model, net, n, False, True, False) + _binomial(model, net, n, False, "gather")]
-        ours = {"binomial": _binomial(model, net, n, True, "reduce"), "direct": _direct(model, net, n, True, 2, n)}
+        ours = {"binomial": _binomial(model, net, n, True, "reduce"),
+                "direct": _direct(model, net, n, True, 2, (p - 1) / p * n)}
     elif collective in ("gather", "scatter"):
         native = [_binomial(model, net, n, False, "gather")]
         ours = {"binomial": _binomial(model, net, n, True, "gather")}
