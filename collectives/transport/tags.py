@@ -4,7 +4,7 @@ received into a buffer it does not fit.
 MPI receives a message longer than its buffer with a truncation error, but what it
 writes first differs: MPICH and Intel MPI write nothing past the buffer; Open MPI
 5.0's shared-memory path writes the whole message (96 B past a 4000 B buffer for
-4096 B sent, 536 B past 65 000 B for 65 536 B). So the library's messages never
+4096 B sent, 536 B past 65 000 B for 65 536 B: tests/harness/truncation.py). So the library's messages never
 rely on it: a message's tag is its call's *base* tag plus a *size code*,
 
 - the size in bytes, for a message under ``large`` bytes (128 KiB with MPICH's
