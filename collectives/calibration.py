@@ -6,6 +6,10 @@ ranks, when it is made (:func:`obtain`):
 
 - the library's cost per message, ``alpha``: its ring allreduce of a few hundred bytes
   among each node's ranks, on the lean executor, over the number of messages in a row;
+  and, with 3 ranks or more on a node, ``message``, what each message after the first
+  of a round adds (its direct allreduce, 2 rounds of k - 1 messages): with more ranks
+  than cores a message that waits for its peer to be scheduled costs far more than one
+  sent beside it;
 - within the node, the per-byte cost of a message, ``beta``: every rank sends
   ``PROBE_BYTES`` to the next rank of its node and receives from the previous one at
   once (all ranks stream together, as in a collective), and MPI's own latency,
@@ -68,7 +72,7 @@ PROBE_BYTES = 8 << 20  # the exchange and the reduction timed for beta and gamma
 NATIVE_SIZES = (64 << 10, 1 << 20, 8 << 20)
 NATIVE = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
 SLOW_CALL = 0.03  # seconds: a native size (past the second) whose call would take longer is not measured
-REPEATS = 3  # timings per figure; the least is kept (2 for the largest)
+REPEATS = 3  # timings per figure, the least kept (twice as many for the smallest, 2 for the largest)
 
 
 @dataclass
@@ -79,6 +83,7 @@ class Calibration:
     beta: float
     gamma: float
     mpi_alpha: float
+    message: float = None  # one more of ours in a round (CostModel.message); None: alpha
     net_alpha: float = 0.0
     mpi_net_alpha: float = 0.0
     net_beta: float = 0.0
@@ -92,7 +97,8 @@ class Calibration:
     def parameters(self):
         """The cost model's parameters measured (``collectives.tuning.CostModel``'s names;
         the network's only where the ranks span nodes)."""
-        found = dict(alpha=self.alpha, mpi_alpha=self.mpi_alpha, beta=self.beta, gamma=self.gamma)
+        found = dict(alpha=self.alpha, mpi_alpha=self.mpi_alpha, beta=self.beta, gamma=self.gamma,
+                     message=self.message)
         if self.net_beta:
             found.update(net_alpha=self.net_alpha, mpi_net_alpha=self.mpi_net_alpha, net_beta=self.net_beta)
         return found
@@ -272,10 +278,14 @@ def measure(comm, topology, tag, link=None):
             mpi_alpha = _slowest(comm, lambda: exchange(tiny_out, tiny_in), 2 * REPEATS)
             beta = max(_slowest(comm, lambda: exchange(big_out, big_in), 2) - mpi_alpha, 0.0) / PROBE_BYTES
             alpha = _ring_time(comm, node if per_node > 1 else None, tag) / (2 * (widest - 1))
+            message = None
+            if widest > 2:  # direct's 2 rounds of k - 1 messages: alpha for each round's first, the rest
+                rounds = _ring_time(comm, node if per_node > 1 else None, tag, "direct")
+                message = min(max((rounds / 2 - alpha) / (widest - 2), 0.0), alpha)
         else:  # one rank per node: no message stays in a node (alpha and beta only matter there)
             mpi_alpha, beta = 0.0, gamma
-            alpha = 0.0
-        calibration = Calibration(alpha=alpha, beta=beta, gamma=gamma, mpi_alpha=mpi_alpha)
+            alpha, message = 0.0, None
+        calibration = Calibration(alpha=alpha, beta=beta, gamma=gamma, mpi_alpha=mpi_alpha, message=message)
         if several:
             from .topology import measure_link
 
@@ -302,10 +312,11 @@ def measure(comm, topology, tag, link=None):
     return calibration
 
 
-def _ring_time(comm, ring_comm, tag):
-    """The time of the library's ring allreduce of 64 float32s per rank among the ranks
-    of ``ring_comm`` (None: this rank takes no part), on the lean executor as a large
-    call's messages go: 2(k - 1) messages in a row (collective over ``comm``)."""
+def _ring_time(comm, ring_comm, tag, algorithm="ring"):
+    """The time of the library's ring allreduce (or ``algorithm``'s) of 64 float32s per
+    rank among the ranks of ``ring_comm`` (None: this rank takes no part), on the lean
+    executor as a large call's messages go: for the ring 2(k - 1) messages in a row,
+    for direct 2 rounds of k - 1 (collective over ``comm``)."""
     from .algorithms import build
     from .schedule import compile_plan
     from .transport import lean
@@ -315,7 +326,7 @@ def _ring_time(comm, ring_comm, tag):
         return _slowest(comm, lambda: None, 2 * REPEATS)
     rank, k = ring_comm.Get_rank(), ring_comm.Get_size()
     count = 64 * k
-    plan = compile_plan(build("allreduce", "ring", rank, k, count))
+    plan = compile_plan(build("allreduce", algorithm, rank, k, count))
     program = lean.LeanProgram(plan)
     x, out, tmp = np.ones(count, np.float32), np.empty(count, np.float32), np.empty(max(plan.tmp, 1), np.float32)
     buffers, kept = Buffers(x, out, tmp), []
@@ -335,7 +346,8 @@ def _measure_native(comm, size):
             if len(points) >= 2 and points[-1][1] * nbytes / points[-1][0] > SLOW_CALL:
                 break
             call = _native_call(comm, collective, nbytes, size, MPI)
-            points.append([nbytes, _slowest(comm, call, REPEATS if nbytes < NATIVE_SIZES[-1] else 2)])
+            repeats = 2 * REPEATS if nbytes < NATIVE_SIZES[1] else REPEATS if nbytes < NATIVE_SIZES[-1] else 2
+            points.append([nbytes, _slowest(comm, call, repeats)])
         found[collective] = points
     return found
 

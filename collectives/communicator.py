@@ -1660,8 +1660,9 @@ class Communicator:
     def _native(self, collective, inp, out, inplace, op, root, counts, blocking=False, comm=None):
         """Start MPI's own non-blocking collective (return its request), or with
         ``blocking`` run the blocking one: :meth:`_native_starter`'s call, kept per kind
-        of call. Arrays go to mpi4py as they are: it maps the dtype to MPI's predefined
-        type."""
+        of call, on ``comm`` (default: the communicator's own; the size-agreed ones go
+        on ``transport.native.Deferred``'s). Arrays go to mpi4py as they are: it maps
+        the dtype to MPI's predefined type."""
         if out is not None and out.size == 0 and not inplace:
             # An empty result (a reduce_scatter block of 0 elements) may sit at x's own
             # address: NumPy says they share nothing, MPI refuses the alias all the same.

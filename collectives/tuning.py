@@ -310,7 +310,14 @@ class CostModel:
     ``bench/results``: in a node, the joint fit at 2 and 4 ranks of
     ``epyc-2vcpu-mpich5/README.md`` (α 22 µs, rounded to 20; β 0.166 ns/B; γ 0.093 ns/B);
     between nodes, the two-level fit of ``testbed-1gbit/README.md`` (α′ 50 µs for ours,
-    MPI's taken as that less our extra 18 µs per message; β′ 8.43 ns/B, 1 Gbit/s)."""
+    MPI's taken as that less our extra 18 µs per message; β′ 8.43 ns/B, 1 Gbit/s).
+
+    ``alpha`` is a message that waits for the one before it (a step of a ring, say).
+    ``message``, where set, is one more of ours in the same round, sent while the
+    round's first is in flight (``direct``'s p - 1 at once): with more ranks than
+    cores a step costs a wait for the peer to be scheduled, which the messages of one
+    round share, so it is less than ``alpha`` there (:mod:`collectives.calibration`
+    measures both). None: ``alpha``, as the shipped model has it."""
 
     alpha: float = 20e-6
     mpi_alpha: float = 2e-6
@@ -319,6 +326,7 @@ class CostModel:
     net_alpha: float = 50e-6
     mpi_net_alpha: float = 32e-6
     net_beta: float = 8.43e-9
+    message: float = None
 
 
 SHIPPED_MODEL = CostModel()
@@ -409,7 +417,9 @@ def _direct(model, net, n, ours, rounds, reduced):
     it reduces its own block of every other rank's (docs/algorithms.md)."""
     p, k, b = net.p, net.k, n / net.p
     alpha, net_alpha = (model.alpha, model.net_alpha) if ours else (model.mpi_alpha, model.mpi_net_alpha)
-    per_round = (k - 1) * alpha + (p - k) * net_alpha + max((p - 1) * b * model.beta, k * (p - k) * b * model.net_beta)
+    # The round's first message waits; the other k - 2 of the node go with it (model.message).
+    node = alpha + (k - 2) * (model.message if ours and model.message is not None else alpha) if k > 1 else 0.0
+    per_round = node + (p - k) * net_alpha + max((p - 1) * b * model.beta, k * (p - k) * b * model.net_beta)
     return rounds * per_round + reduced * model.gamma
 
 

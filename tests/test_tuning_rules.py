@@ -328,6 +328,21 @@ def test_the_model_is_the_documented_closed_forms_on_one_node(p):
 
 
 @serial
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_direct_s_messages_of_a_round_cost_message_after_the_first(p):
+    """CostModel.message: a round of direct pays alpha for its first message and
+    ``message`` for each other; the ring's messages each wait (alpha)."""
+    alpha, message, beta, gamma, n = 300e-6, 20e-6, 0.2e-9, 0.1e-9, 4 << 20
+    model = tuning.CostModel(alpha=alpha, message=message, beta=beta, gamma=gamma)
+    _, ours = tuning.predict("allreduce", n, p, model=model)
+    rounds = 2 * (alpha + (p - 2) * message + (p - 1) * n / p * beta)
+    assert ours["direct"] == pytest.approx(rounds + (p - 1) / p * n * gamma, rel=1e-12)
+    assert ours["ring"] == pytest.approx(closed_forms(None, p, n, alpha, beta, gamma)["allreduce", "ring"], rel=1e-12)
+    if p > 2:
+        assert ours["direct"] < ours["ring"]
+
+
+@serial
 def test_the_conservative_rule_picks_ours_only_for_a_predicted_2x():
     # On one node MPI runs our schedules at a tenth of the cost per message: native always.
     for p in range(2, 17):
