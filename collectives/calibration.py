@@ -20,10 +20,14 @@ ranks, when it is made (:func:`obtain`):
   (:func:`collectives.topology.measure_link`) and its latency, the same exchange of 8
   bytes between ranks on different nodes;
 - MPI's own collective (``native``) for allreduce, reduce_scatter, allgather,
-  broadcast and reduce at ``NATIVE_SIZES`` (64 KiB to 8 MiB, fewer where a call would
-  take long): MPI's collectives run schedules and copies of their own, whose cost the
-  model cannot know (MPICH 5's allreduce of 8 MiB takes 1.5x what the same bytes
-  through its point-to-point messages take here, and 2x at 64 MiB).
+  broadcast and reduce at ``NATIVE_SIZES`` (64 KiB, 1 MiB, 4 MiB; fewer where a call
+  would take long): MPI's collectives run schedules and copies of their own, whose cost the
+  model cannot know (MPICH 5's allreduce of 4 MiB takes 1.3x what the same bytes
+  through its point-to-point messages take here, and 2x at 64 MiB);
+- the library's own ring allreduce at the same sizes: its time over the model's
+  prediction (:meth:`Calibration.correction`) scales every prediction of the
+  library's algorithms at that size, for what the model leaves out (a call's fixed
+  cost, MPI's protocol for messages of that size, the caches).
 
 Every figure is the slowest rank's (each timing is reduced with MAX over the ranks),
 the least of ``REPEATS`` runs, so every rank holds the same calibration and makes the
@@ -68,8 +72,8 @@ CACHE_ENV = "COLLECTIVES_CACHE_DIR"
 FORMAT = 1
 SMALL = 64 << 10  # below this many bytes auto stays native: MPI's per-call cost is a tenth of ours
 MARGIN = 1.1  # MPI's time over the model's best before auto leaves native
-PROBE_BYTES = 8 << 20  # the exchange and the reduction timed for beta and gamma
-NATIVE_SIZES = (64 << 10, 1 << 20, 8 << 20)
+PROBE_BYTES = 4 << 20  # the exchange and the reduction timed for beta and gamma
+NATIVE_SIZES = (64 << 10, 1 << 20, 4 << 20)
 NATIVE = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
 SLOW_CALL = 0.03  # seconds: a native size (past the second) whose call would take longer is not measured
 REPEATS = 3  # timings per figure, the least kept (twice as many for the smallest, 2 for the largest)
@@ -88,6 +92,7 @@ class Calibration:
     mpi_net_alpha: float = 0.0
     net_beta: float = 0.0
     native: dict = field(default_factory=dict)  # collective -> [[bytes, seconds], ...], ascending
+    ring: list = field(default_factory=list)  # the library's ring allreduce: [[bytes, seconds], ...], ascending
     fingerprint: dict = field(default_factory=dict)
     key: str = ""
     seconds: float = 0.0  # how long measuring took
@@ -115,6 +120,24 @@ class Calibration:
         i = min(max(bisect.bisect_right(sizes, nbytes) - 1, 0), len(points) - 2)
         (b0, t0), (b1, t1) = points[i], points[i + 1]
         return max(t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0), 0.0)
+
+    def correction(self, predicted_ring, nbytes):
+        """The library's measured time over the model's prediction, for its ring
+        allreduce (``predicted_ring(bytes)``, seconds), at ``nbytes``: between the sizes
+        measured, linear in the logarithm of the size; the nearest one's beyond them; 1
+        where none was measured. It carries what the model leaves out (the call's fixed
+        cost, MPI's protocol for a message of that size, the caches) into every
+        prediction of the library's algorithms."""
+        points = [(math.log2(b), t / predicted_ring(b)) for b, t in self.ring if predicted_ring(b) > 0]
+        if not points:
+            return 1.0
+        x = math.log2(max(nbytes, 1))
+        if x <= points[0][0]:
+            return points[0][1]
+        for (x0, f0), (x1, f1) in zip(points, points[1:]):
+            if x <= x1:
+                return f0 + (f1 - f0) * (x - x0) / (x1 - x0)
+        return points[-1][1]
 
     def describe(self):
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.measured_at)) if self.measured_at else "?"
@@ -309,7 +332,32 @@ def measure(comm, topology, tag, link=None):
     finally:
         node.Free()
     calibration.native = _measure_native(comm, size)
+    calibration.ring = _measure_ring(comm, size, tag)
     return calibration
+
+
+def _measure_ring(comm, size, tag):
+    """The library's ring allreduce over every rank of ``comm`` at NATIVE_SIZES, as a
+    large call runs it (the lean executor), fewer where a call would take over
+    ``SLOW_CALL``: ``[[bytes, seconds], ...]`` (collective)."""
+    from .algorithms import build
+    from .schedule import compile_plan
+    from .transport import lean
+    from .transport.buffers import Buffers
+
+    points = []
+    for nbytes in NATIVE_SIZES:
+        if len(points) >= 2 and points[-1][1] * nbytes / points[-1][0] > SLOW_CALL:
+            break
+        count = max(size, (nbytes // 4) // size * size)
+        plan = compile_plan(build("allreduce", "ring", comm.Get_rank(), size, count))
+        program = lean.LeanProgram(plan)
+        buffers, kept = Buffers(np.ones(count, np.float32), np.empty(count, np.float32),
+                                np.empty(max(plan.tmp, 1), np.float32)), []
+        repeats = 2 * REPEATS if nbytes < NATIVE_SIZES[1] else REPEATS if nbytes < NATIVE_SIZES[-1] else 2
+        points.append([nbytes, _slowest(comm, lambda: lean.run(program, comm, tag, buffers, "sum", str, kept.append),
+                                        repeats)])
+    return points
 
 
 def _ring_time(comm, ring_comm, tag, algorithm="ring"):

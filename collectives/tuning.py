@@ -554,8 +554,9 @@ def calibrated_choice(calibration, collective, nbytes, size, topology=None):
     """``(algorithm, why)``: what the model calibrated on this machine picks
     (:mod:`collectives.calibration`): ``native`` below ``calibration.SMALL`` and for
     the collectives it did not measure MPI's own for; else the library's algorithm
-    :func:`predict` times fastest with the measured parameters, where MPI's own,
-    measured, takes at least ``calibration.MARGIN`` (1.1x) as long; else ``native``."""
+    :func:`predict` times fastest with the measured parameters (scaled by
+    ``calibration.correction`` at this size), where MPI's own, measured, takes at least
+    ``calibration.MARGIN`` (1.1x) as long; else ``native``."""
     small, margin = calibration_module.SMALL, calibration_module.MARGIN
     where = f"calibrated model ({describe_fingerprint(calibration.fingerprint)}): {calibration.describe()}"
     if calibration.native_time(collective, nbytes) is None:
@@ -563,9 +564,13 @@ def calibrated_choice(calibration, collective, nbytes, size, topology=None):
     if nbytes < small:
         return "native", f"{where}; native below {small >> 10} KiB (MPI's latency)"
     mpi = calibration.native_time(collective, nbytes)
-    ours = predict(collective, nbytes, size, topology, CostModel(**calibration.parameters()))[1]
+    model = CostModel(**calibration.parameters())
+    ours = predict(collective, nbytes, size, topology, model)[1]
     if not ours:
         return "native", f"{where}; native (none of the library's {collective} algorithms is modelled)"
+    # What the model leaves out at this size, measured on the library's ring allreduce.
+    factor = calibration.correction(lambda b: predict("allreduce", b, size, topology, model)[1]["ring"], nbytes)
+    ours = {name: seconds * factor for name, seconds in ours.items()}
     best = min(ours, key=ours.get)
     gain = mpi / ours[best] if ours[best] > 0 else 1.0
     said = f"{best} predicted {ours[best] * 1e6:.0f} us against MPI's own, measured, {mpi * 1e6:.0f} us ({gain:.2f}x)"

@@ -67,6 +67,18 @@ def test_native_times_interpolate_between_the_sizes_measured():
 
 
 @serial
+def test_the_correction_interpolates_in_the_logarithm_of_the_size():
+    c = made_up(ring=[[1 << 16, 2.0], [1 << 20, 3.0], [1 << 22, 6.0]])
+    predicted = {1 << 16: 1.0, 1 << 20: 1.0, 1 << 22: 2.0}  # factors 2, 3, 3
+    factor = c.correction(predicted.__getitem__, 1 << 18)  # halfway between 2^16 and 2^20 in the logarithm
+    assert factor == pytest.approx(2.5)
+    assert c.correction(predicted.__getitem__, 1 << 10) == pytest.approx(2.0)  # below: the nearest
+    assert c.correction(predicted.__getitem__, 1 << 21) == pytest.approx(3.0)
+    assert c.correction(lambda b: 1.0, 1 << 30) == pytest.approx(6.0)  # above: the nearest
+    assert made_up().correction(lambda b: 1.0, 1 << 20) == 1.0  # nothing measured: no correction
+
+
+@serial
 def test_the_calibrated_choice():
     c = made_up()
     size = 4
@@ -76,10 +88,13 @@ def test_the_calibrated_choice():
     assert choice == "native" and "native below 64 KiB" in why
     assert why.startswith("calibrated model (Test CPU, 2 CPUs, MPICH 5.0.2, 1x4): this machine and layout")
     # Above: the model's best of ours against MPI's measured time, 1.1x needed.
+    c.ring = [[64 << 10, 300e-6], [1 << 20, 1.5e-3], [8 << 20, 10e-3]]
+    model = tuning.CostModel(**c.parameters())
     for nbytes in (64 << 10, 1 << 20, 16 << 20):
-        _, ours = tuning.predict("allreduce", nbytes, size, model=tuning.CostModel(**c.parameters()))
+        _, ours = tuning.predict("allreduce", nbytes, size, model=model)
+        factor = c.correction(lambda b: tuning.predict("allreduce", b, size, model=model)[1]["ring"], nbytes)
         best = min(ours, key=ours.get)
-        gain = c.native_time("allreduce", nbytes) / ours[best]
+        gain = c.native_time("allreduce", nbytes) / (ours[best] * factor)
         choice, why = tuning.calibrated_choice(c, "allreduce", nbytes, size)
         assert choice == (best if gain >= calibration.MARGIN else "native"), (nbytes, gain, why)
         assert f"({gain:.2f}x)" in why
