@@ -20,11 +20,12 @@ ranks, when it is made (:func:`obtain`):
   (:func:`collectives.topology.measure_link`) and its latency, the same exchange of 8
   bytes between ranks on different nodes;
 - MPI's own collective (``native``) for allreduce, reduce_scatter, allgather,
-  broadcast and reduce at ``NATIVE_SIZES`` (64 KiB, 1 MiB, 4 MiB; fewer where a call
-  would take long): MPI's collectives run schedules and copies of their own, whose cost the
-  model cannot know (MPICH 5's allreduce of 4 MiB takes 1.3x what the same bytes
-  through its point-to-point messages take here, and 2x at 64 MiB);
-- the library's own ring allreduce at the same sizes: its time over the model's
+  broadcast and reduce at ``NATIVE_SIZES`` (64 KiB, 1 MiB, 4 MiB, and 16 MiB for
+  allreduce; fewer where a call would take long): MPI's collectives run schedules
+  and copies of their own, whose cost the model cannot know (MPICH 5's allreduce of 4
+  MiB takes 1.3x what the same bytes through its point-to-point messages take here,
+  and 2x at 64 MiB);
+- the library's own ring allreduce at the same sizes (16 MiB too): its time over the model's
   prediction (:meth:`Calibration.correction`) scales every prediction of the
   library's algorithms at that size, for what the model leaves out (a call's fixed
   cost, MPI's protocol for messages of that size, the caches).
@@ -74,6 +75,11 @@ SMALL = 64 << 10  # below this many bytes auto stays native: MPI's per-call cost
 MARGIN = 1.1  # MPI's time over the model's best before auto leaves native
 PROBE_BYTES = 4 << 20  # the exchange and the reduction timed for beta and gamma
 NATIVE_SIZES = (64 << 10, 1 << 20, 4 << 20)
+# Allreduce, the collective that matters most, is also measured at 16 MiB (MPI's and
+# the library's): past the caches MPICH's allreduce slows to twice its 4 MiB cost per
+# byte here (1.3 ns/B at 64 MiB and 4 ranks against 0.64 at 4 MiB), which no line
+# through the smaller sizes foresees.
+LARGEST = 16 << 20
 NATIVE = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
 SLOW_CALL = 0.03  # seconds: a native size (past the second) whose call would take longer is not measured
 REPEATS = 3  # timings per figure, the least kept (twice as many for the smallest, 2 for the largest)
@@ -346,7 +352,7 @@ def _measure_ring(comm, size, tag):
     from .transport.buffers import Buffers
 
     points = []
-    for nbytes in NATIVE_SIZES:
+    for nbytes in NATIVE_SIZES + (LARGEST,):
         if len(points) >= 2 and points[-1][1] * nbytes / points[-1][0] > SLOW_CALL:
             break
         count = max(size, (nbytes // 4) // size * size)
@@ -354,10 +360,15 @@ def _measure_ring(comm, size, tag):
         program = lean.LeanProgram(plan)
         buffers, kept = Buffers(np.ones(count, np.float32), np.empty(count, np.float32),
                                 np.empty(max(plan.tmp, 1), np.float32)), []
-        repeats = 2 * REPEATS if nbytes < NATIVE_SIZES[1] else REPEATS if nbytes < NATIVE_SIZES[-1] else 2
         points.append([nbytes, _slowest(comm, lambda: lean.run(program, comm, tag, buffers, "sum", str, kept.append),
-                                        repeats)])
+                                        _repeats(nbytes))])
     return points
+
+
+def _repeats(nbytes):
+    """Timed runs for a size: more for the small ones (a descheduled rank costs a small
+    call milliseconds on a shared machine), 2 from 4 MiB up (each takes milliseconds)."""
+    return 2 * REPEATS if nbytes < NATIVE_SIZES[1] else REPEATS if nbytes < NATIVE_SIZES[-1] else 2
 
 
 def _ring_time(comm, ring_comm, tag, algorithm="ring"):
@@ -390,12 +401,11 @@ def _measure_native(comm, size):
     found = {}
     for collective in NATIVE:
         points = []
-        for nbytes in NATIVE_SIZES:
+        for nbytes in NATIVE_SIZES + ((LARGEST,) if collective == "allreduce" else ()):
             if len(points) >= 2 and points[-1][1] * nbytes / points[-1][0] > SLOW_CALL:
                 break
             call = _native_call(comm, collective, nbytes, size, MPI)
-            repeats = 2 * REPEATS if nbytes < NATIVE_SIZES[1] else REPEATS if nbytes < NATIVE_SIZES[-1] else 2
-            points.append([nbytes, _slowest(comm, call, repeats)])
+            points.append([nbytes, _slowest(comm, call, _repeats(nbytes))])
         found[collective] = points
     return found
 
