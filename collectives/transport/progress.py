@@ -25,6 +25,7 @@ from mpi4py import MPI
 
 from ..errors import CollectiveError, CollectiveTimeoutError, MessageSizeError, TransportError
 from ..options import check_timeout
+from . import tags
 from .liveness import DEFAULT_GRACE, describe as describe_liveness
 
 log = logging.getLogger("collectives")
@@ -66,6 +67,7 @@ class Progress:
         self._device = []  # DeviceWait: device work the host waits for
         self.backends = []  # devices this communicator uses: polled while waiting (see device.standin)
         self.shm = []  # shared-memory calls (transport.shm.ShmHandle), run in the order they were made
+        self.probes = tags.Probes()  # large receives posted once a probe finds their message (mpi.PlanHandle)
 
     def leftovers(self):
         """What the engine still holds once every call has finished (none of which
@@ -110,6 +112,8 @@ class Progress:
         """Complete what has finished, without blocking. Returns True if some request or
         device work completed."""
         progressed = False
+        if self.probes:
+            progressed = self._advance_probes()
         if self._requests:
             try:
                 finished = MPI.Request.Testsome(self._requests, self._statuses)
@@ -133,6 +137,27 @@ class Progress:
         if self.shm:
             progressed = self._advance_shm() or progressed
         return progressed
+
+    def _advance_probes(self):
+        """Post the large receives whose message a probe has found (see ``tags.Probes``);
+        break on one of the wrong size."""
+        def wrong(owner, got, request):
+            handle, i = owner
+            self._abandoned.append(request)  # the message goes to a scratch buffer: MPI keeps it until it ends
+            error = handle._wrong_size(i, got)
+            self.fail(error, culprit=handle)
+            raise error
+
+        return self.probes.poll(lambda owner, request: self.add(owner[0], owner[1], request), wrong) > 0
+
+    def _look_for_strays(self):
+        """At each look while waiting: break if a call in flight has a message of the
+        wrong size waiting for it (see ``tags.Strays``)."""
+        for handle in list(self.active):
+            error = handle._stray()
+            if error is not None:
+                self.fail(error, culprit=handle)
+                raise error
 
     def _advance_shm(self):
         """Run the shared-memory calls, oldest first, as far as their fences let them."""
@@ -180,6 +205,7 @@ class Progress:
             if now >= self._next_look:
                 self._next_look = now + _CHECK_EVERY
                 self.look_around(self.active[0])
+                self._look_for_strays()
 
     def wait_for(self, handle, timeout, already_waited=0.0):
         """Advance until ``handle`` has finished or failed. After ``timeout`` seconds
@@ -193,7 +219,7 @@ class Progress:
         while not handle._finished and handle._error is None:
             if self.advance():
                 continue
-            if not self._requests and not self._device and not self.shm:
+            if not self._requests and not self._device and not self.shm and not self.probes:
                 raise CollectiveError(f"{handle._describe} is unfinished with no message in flight "
                                       "(a bug in the library: please report it)")
             yield_cpu()
@@ -202,6 +228,7 @@ class Progress:
                 continue
             next_look = now + _CHECK_EVERY
             self.look_around(handle)
+            self._look_for_strays()
             if now >= deadline:
                 self._time_out(handle, now - start)
             if now >= next_warning:
@@ -251,6 +278,7 @@ class Progress:
         self._requests, self._owners, self._completed = [], [], 0
         self._device = []
         self.shm = []
+        self.probes.clear()
 
     def _time_out(self, handle, waited):
         outstanding = handle._outstanding()
@@ -381,6 +409,17 @@ class Handle:
     def _owns(self, status):
         """Whether the failed message of ``status`` is one of this call's (by its tag)."""
         return getattr(self, "_tag", None) == status.Get_tag()
+
+    def _stray(self):
+        """The :class:`MessageSizeError` of a message of this call that none of its
+        receives will take, or None (the engine asks at each look while it waits)."""
+        return None
+
+    def _wrong_size(self, i, got):
+        """The :class:`MessageSizeError` of this call's receive ``i``, which a probe
+        found to be ``got`` bytes (transports that probe their receives name the step)."""
+        return MessageSizeError(f"{self._describe}: received {got} B where the receive holds another size; the ranks "
+                                "called it with buffers of different sizes")
 
     def _cancel(self, request, token):
         """Take back a request in flight when the engine breaks (receives only: a send's
