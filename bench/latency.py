@@ -97,7 +97,7 @@ def main():
         x = np.ones(max(1, nbytes // 4), np.float32)
         out = np.empty_like(x)
         calls = max(50, args.calls * 8 // max(nbytes, 8)) if nbytes > 4096 else args.calls
-        contenders = {"mpi4py Allreduce": lambda: raw.Allreduce(x, out, MPI.SUM)}
+        contenders = {"mpi4py Allreduce": lambda x=x, out=out: raw.Allreduce(x, out, MPI.SUM)}
         contenders.update(contenders_for(cc, "", comm, x, out))
         if old is not None:
             contenders.update(contenders_for(before, "before: ", old, x, out))
@@ -106,8 +106,8 @@ def main():
         tmp = np.empty(max(plan.tmp, 1), np.float32)
         buffers = Buffers(x, out, tmp)
         if program is not None:
-            contenders["lean.run (recursive_doubling)"] = lambda: lean.run(program, raw, 11, buffers, "sum", str,
-                                                                           list.append)
+            contenders["lean.run (recursive_doubling)"] = (
+                lambda program=program, buffers=buffers: lean.run(program, raw, 11, buffers, "sum", str, list.append))
         times = {name: [] for name in contenders}
         for _ in range(args.rounds):
             for name, f in contenders.items():

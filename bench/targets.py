@@ -75,7 +75,8 @@ def report(path):
         ratio = algs["auto"]["time_us"] / algs["native"]["time_us"]
         ratio50 = algs["auto"]["p50_us"] / algs["native"]["p50_us"]
         verdict("8 B allreduce via auto <= 2x native", ratio <= 2.0,
-                f"{algs['auto']['time_us']:.1f} us vs {algs['native']['time_us']:.1f} us = {ratio:.2f}x (p50 {ratio50:.2f}x)")
+                f"{algs['auto']['time_us']:.1f} us vs {algs['native']['time_us']:.1f} us = {ratio:.2f}x "
+                f"(p50 {ratio50:.2f}x)")
 
     # 4. broadcast and allgather: best >= native at 1 MiB and above
     for c in ("broadcast", "allgather"):

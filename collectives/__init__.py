@@ -13,13 +13,15 @@ framework adapters (``cc.training``, ``cc.ps``, ``collectives.torch``,
 
 import importlib
 
-from . import mpi_library  # first: importing it prepares MPI's environment, before mpi4py.MPI loads
-from . import _aliases, device
+from . import (
+    _aliases,
+    device,
+    mpi_library,  # first: importing it prepares MPI's environment, before mpi4py.MPI loads
+)
 from .algorithms import COLLECTIVES, algorithms
-from .dtypes import SUPPORTED_DTYPES
 from .communicator import Communicator
-from .errors import (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, MessageSizeError,
-                     TransportError)
+from .dtypes import SUPPORTED_DTYPES
+from .errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, MessageSizeError, TransportError
 from .ops import OPS, ops_for
 from .topology import Topology
 from .transport.progress import Handle

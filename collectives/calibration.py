@@ -93,7 +93,7 @@ class Calibration:
     beta: float
     gamma: float
     mpi_alpha: float
-    message: float = None  # one more of ours in a round (CostModel.message); None: alpha
+    message: float | None = None  # one more of ours in a round (CostModel.message); None: alpha
     net_alpha: float = 0.0
     mpi_net_alpha: float = 0.0
     net_beta: float = 0.0
@@ -361,7 +361,8 @@ def _measure_ring(comm, size, tag):
         program = program_of(plan)
         buffers, kept = Buffers(np.ones(count, np.float32), np.empty(count, np.float32),
                                 np.empty(max(plan.tmp, 1), np.float32)), []
-        points.append([nbytes, _slowest(comm, lambda: lean.run(program, comm, tag, buffers, "sum", str, kept.append),
+        points.append([nbytes, _slowest(comm, lambda program=program, buffers=buffers, kept=kept:
+                                               lean.run(program, comm, tag, buffers, "sum", str, kept.append),
                                         _repeats(nbytes))])
     return points
 

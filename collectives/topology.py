@@ -170,6 +170,7 @@ def measure_link(mpi_comm, topology, nbytes=LINK_PROBE_BYTES, repeats=3):
         start = time.perf_counter()
         if local < streams:
             after, before = nodes[(node + 1) % len(nodes)][local], nodes[(node - 1) % len(nodes)][local]
-            MPI.Request.Waitall([mpi_comm.Isend(send, dest=after, tag=7), mpi_comm.Irecv(receive, source=before, tag=7)])
+            MPI.Request.Waitall([mpi_comm.Isend(send, dest=after, tag=7),
+                                 mpi_comm.Irecv(receive, source=before, tag=7)])
         times.append(mpi_comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
     return streams * nbytes / statistics.median(times[1:])

@@ -327,7 +327,7 @@ class CostModel:
     net_alpha: float = 50e-6
     mpi_net_alpha: float = 32e-6
     net_beta: float = 8.43e-9
-    message: float = None
+    message: float | None = None
 
 
 SHIPPED_MODEL = CostModel()

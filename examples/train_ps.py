@@ -35,8 +35,9 @@ import collectives as cc
 from collectives.ps import ParameterServer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _data.py and train_numpy.py sit next to this file
-import _data  # noqa: E402
 from train_numpy import backward, init_params, predict  # noqa: E402
+
+import _data  # noqa: E402
 
 
 def parse_args(size):
@@ -53,7 +54,8 @@ def parse_args(size):
     elif args.max_staleness is not None and (args.mode != "async" or args.max_staleness < 0):
         problem = "--max-staleness needs --mode async and a non-negative K"
     elif args.compression != "none" or args.accumulate != 1:
-        problem = "--compression and --accumulate are train_numpy.py's; the parameter server sends gradients as they are"
+        problem = ("--compression and --accumulate are train_numpy.py's; the parameter server sends gradients "
+                   "as they are")
     if problem:
         if MPI.COMM_WORLD.Get_rank() == 0:
             print(f"error: {problem}", file=sys.stderr)

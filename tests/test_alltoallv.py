@@ -12,6 +12,7 @@ import pytest
 from mpi4py import MPI
 
 import collectives as cc
+
 from conftest import ALL_DTYPES, agree, rank_input
 
 WORLD = MPI.COMM_WORLD
@@ -150,7 +151,8 @@ def test_bad_arguments_raise_before_any_message(comm):
     x = np.ones((size, 2))
     ones = [1] * size
     cases = [
-        (lambda: comm.alltoallv(x, ones[:-1] if size > 1 else [1, 0]), ValueError, "send_counts must have one count per rank"),
+        (lambda: comm.alltoallv(x, ones[:-1] if size > 1 else [1, 0]), ValueError,
+         "send_counts must have one count per rank"),
         (lambda: comm.alltoallv(x, [-1] + ones[1:] if size > 1 else [-1]), ValueError, "non-negative integers"),
         (lambda: comm.alltoallv(x, [1.5] * size), ValueError, "non-negative integers"),
         (lambda: comm.alltoallv(x, 3), TypeError, "send_counts must be a sequence"),

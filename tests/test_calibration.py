@@ -23,6 +23,7 @@ import collectives as cc
 import collectives.tuning as tuning
 from collectives import calibration
 from collectives.calibration import Calibration
+
 from conftest import agree
 
 WORLD = MPI.COMM_WORLD

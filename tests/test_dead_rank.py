@@ -24,9 +24,8 @@ import os
 import sys
 import time
 
-import pytest
-
 import launch
+import pytest
 
 pytestmark = pytest.mark.serial
 

@@ -12,13 +12,13 @@ import json
 import numpy as np
 import pytest
 from mpi4py import MPI
+from test_collectives import run_and_compare
 
 import collectives as cc
 import collectives.tuning as tuning
 from collectives.topology import Topology
 
 from conftest import agree, counts_for, ops_for
-from test_collectives import run_and_compare
 
 TWO_LEVEL = [(c, a) for c in cc.COLLECTIVES for a in cc.algorithms(c) if a.startswith("hierarchical")]
 
@@ -180,7 +180,8 @@ def test_a_layout_table_is_used_only_over_its_link(mpi_comm, tmp_path, monkeypat
     key = topology.key()
     path = tmp_path / f"tuning-{mpi_comm.Get_rank()}.json"
     path.write_text(json.dumps({"format": 1, "tables": {"allreduce": {key: [[0, "ring"]]}},
-                                "measured": {key: {"fingerprint": {**tuning.fingerprint(topology), "link_MBps": 0.001}}}}))
+                                "measured": {key: {"fingerprint": {**tuning.fingerprint(topology),
+                                                                   "link_MBps": 0.001}}}}))
     monkeypatch.setenv("COLLECTIVES_TUNING", str(path))
     problems = []
     slow = cc.Communicator(mpi_comm, nodes=labels)

@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 
 import collectives.horovod.torch as hvd  # noqa: E402
 from collectives import CollectiveMismatchError  # noqa: E402
+
 from conftest import GLOBAL_BATCH, UFUNC, agree, identical_everywhere, rank_input, same  # noqa: E402
 from torch_reference import close  # noqa: E402
 

@@ -13,9 +13,9 @@ is missing.
 
 import ctypes
 import functools
-from concurrent.futures import ThreadPoolExecutor
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np

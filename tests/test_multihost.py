@@ -248,9 +248,11 @@ def test_a_job_whose_messages_do_not_cross_the_links_fails_naming_the_hosts():
     from collectives.tools import testbed
 
     result = testbed.run("2x1", [sys.executable, "-c", "pass"], timeout=60)
-    assert result.returncode == 0 and re.match(r"the job ran on 2 hosts but host 0 \(cctb-h0\) sent \d+ B", result.link_error), \
+    assert result.returncode == 0 and re.match(r"the job ran on 2 hosts but host 0 \(cctb-h0\) sent \d+ B",
+                                               result.link_error), \
         vars(result)
-    command = subprocess.run([sys.executable, "-m", "collectives.tools.testbed", "run", "--layout", "2x1", "--", sys.executable,
+    command = subprocess.run([sys.executable, "-m", "collectives.tools.testbed", "run", "--layout", "2x1", "--",
+                              sys.executable,
                               "-c", "pass"], capture_output=True, text=True, timeout=120)
     assert command.returncode != 0 and "testbed: FAILED: the job ran on 2 hosts" in command.stderr, command
 

@@ -8,6 +8,7 @@ import pytest
 from mpi4py import MPI
 
 import collectives as cc
+
 from conftest import ALL_DTYPES, agree, rank_input
 
 WORLD = MPI.COMM_WORLD

@@ -11,6 +11,7 @@ from mpi4py import MPI
 import collectives as cc
 import collectives.sim as sim
 from collectives.algorithms.shm import REGISTERED
+
 from conftest import ALL_DTYPES, agree, expected_result, ops_for, rank_input, serial_fold
 
 WORLD = MPI.COMM_WORLD

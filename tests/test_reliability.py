@@ -15,6 +15,7 @@ import pytest
 from mpi4py import MPI
 
 import collectives as cc
+
 from conftest import agree, runs_here
 
 WORLD = MPI.COMM_WORLD

@@ -13,6 +13,7 @@ from mpi4py import MPI
 
 import collectives as cc
 from collectives.algorithms import SHARED_MEMORY
+
 from conftest import agree, expected_result, ops_for, rank_input
 
 WORLD = MPI.COMM_WORLD

@@ -23,6 +23,7 @@ from mpi4py import MPI
 import collectives as cc
 from collectives import mpi_library
 from collectives.transport import lean, tags
+
 from conftest import agree
 
 WORLD = MPI.COMM_WORLD

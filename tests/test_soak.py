@@ -13,6 +13,7 @@ from mpi4py import MPI
 
 import collectives as cc
 from collectives.tools import soak
+
 from conftest import agree
 
 # Runs in `make test` serially and at 2-4 ranks, in `make test-long` at 5-8.

@@ -70,7 +70,8 @@ def test_the_ssh_stand_in_refuses_a_host_outside_the_testbed():
 
 def test_without_root_or_iproute2_one_line_says_what_is_missing(tmp_path):
     env = dict(os.environ, PATH=str(tmp_path))  # no ip, no tc
-    done = subprocess.run([sys.executable, "-m", "collectives.tools.testbed", "down"], capture_output=True, text=True, env=env)
+    done = subprocess.run([sys.executable, "-m", "collectives.tools.testbed", "down"], capture_output=True, text=True,
+                          env=env)
     assert done.returncode == 2
     assert done.stderr.strip() == "collectives.tools.testbed needs iproute2: ip and tc not found on PATH"
 

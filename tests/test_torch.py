@@ -14,7 +14,8 @@ torch = pytest.importorskip("torch")
 
 import collectives.torch as cct  # noqa: E402
 from collectives.training import TrainingError  # noqa: E402
-from conftest import GLOBAL_BATCH, agree, identical_everywhere, shard  # noqa: E402
+
+from conftest import agree, identical_everywhere, shard  # noqa: E402
 from torch_reference import STEPS, batch, close, loss_fn, make_model, single_process  # noqa: E402
 
 torch.set_num_threads(1)  # up to 8 ranks share 2 cores

@@ -26,7 +26,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import collectives.torch  # noqa: E402,F401  (registers the backend)
 from collectives import torch_backend  # noqa: E402
-from conftest import agree, reference, rank_input, shard  # noqa: E402
+
+from conftest import agree, rank_input, reference, shard  # noqa: E402
 from torch_reference import STEPS, batch, close, loss_fn, make_model, single_process  # noqa: E402
 
 torch.set_num_threads(1)  # up to 8 ranks share 2 cores

@@ -16,6 +16,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import collectives.torch  # noqa: E402,F401  (registers the backend)
+
 from conftest import agree, rank_input, shard  # noqa: E402
 from torch_reference import STEPS, batch, close, loss_fn, make_model, single_process  # noqa: E402
 

@@ -26,6 +26,7 @@ from collectives.training import (
     check_parameters,
     plan_buckets,
 )
+
 from conftest import GLOBAL_BATCH, agree, identical_everywhere, shard
 
 STEPS = 3
@@ -81,7 +82,6 @@ def single_process(steps, dtype=np.float64):
     return history
 
 
-from conftest import GLOBAL_BATCH, agree, identical_everywhere, shard
 
 STEPS = 3
 

@@ -40,16 +40,16 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from .. import device
 from ..algorithms import block_bounds
 from ..communicator import Communicator
-from ..errors import CollectiveTimeoutError
-from .. import device
 from ..device import DeviceArray
 from ..device import ops as device_ops
-from .training import _host_copy, named_arrays
-from ..transport.liveness import ranks as rank_list
+from ..errors import CollectiveTimeoutError
 from ..options import check_timeout, env_seconds
+from ..transport.liveness import ranks as rank_list
 from ..transport.progress import yield_cpu
+from .training import _host_copy, named_arrays
 
 MODES = ("sync", "async")
 TAG_PUSH = 1  # worker -> server: a gradient shard, or an empty message for "finished"

@@ -209,7 +209,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, comm=None, *, backwar
 
     Returns an optimizer of a subclass of ``optimizer``'s class sharing its attributes
     (parameter groups, state, hooks: ``state_dict()``/``load_state_dict()`` work as
-    before); use it instead of ``optimizer``, and create LR schedulers on it. Every gradient is handed over by an autograd hook
+    before); use it instead of ``optimizer``, and create LR schedulers on it. Every gradient is handed over by an
+    autograd hook
     as soon as backward has accumulated it, and its bucket's allreduce starts when the
     bucket is full, overlapping the rest of backward. Options as in
     :class:`collectives.training.GradientReducer` (``backward_passes_per_step=k``:

@@ -615,11 +615,11 @@ for _name in ("allreduce", "allreduce_coalesced", "reduce", "reduce_scatter", "r
               "all_gather_single_coalesced", "gather", "scatter", "alltoall", "all_to_all_single", "barrier", "send",
               "recv", "recv_anysource"):
     setattr(ProcessGroup, _name, _serialized(getattr(ProcessGroup, _name)))
-# torch's other names for the same calls
-ProcessGroup._reduce_scatter_base = ProcessGroup.reduce_scatter_single
-ProcessGroup._allgather_base = ProcessGroup.all_gather_single
-ProcessGroup.allgather_into_tensor_coalesced = ProcessGroup.all_gather_single_coalesced
-ProcessGroup.alltoall_base = ProcessGroup.all_to_all_single
+# torch's other names for the same calls (torch's stubs type them for its own class)
+ProcessGroup._reduce_scatter_base = ProcessGroup.reduce_scatter_single  # type: ignore[method-assign,assignment]
+ProcessGroup._allgather_base = ProcessGroup.all_gather_single  # type: ignore[method-assign,assignment]
+ProcessGroup.allgather_into_tensor_coalesced = ProcessGroup.all_gather_single_coalesced  # type: ignore[method-assign,assignment]
+ProcessGroup.alltoall_base = ProcessGroup.all_to_all_single  # type: ignore[method-assign,assignment]
 
 
 def _create(dist_backend_opts, backend_options):

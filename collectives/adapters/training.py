@@ -46,11 +46,11 @@ from mpi4py import MPI
 from .. import device
 from .. import ops as ops_layer
 from ..algorithms import check_algorithm, check_ordered
-from ..dtypes import EXTRA_DTYPES, is_extra
 from ..communicator import Communicator
-from ..options import check_nbytes, check_root
 from ..device import DeviceArray
 from ..device import ops as device_ops
+from ..dtypes import EXTRA_DTYPES, is_extra
+from ..options import check_nbytes, check_root
 
 FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
@@ -370,7 +370,8 @@ class GradientReducer:
                 raise TypeError(f"compression={compression!r} sends 16-bit floats, for float32 or float64 gradients; "
                                 f"params[{name!r}] is {array.dtype}: leave compression off")
         self.algorithm = check_algorithm("allreduce", algorithm)
-        if self.algorithm == "native" and ((wire is not None and is_extra(wire)) or any(is_extra(a.dtype) for _, a in named)):
+        if self.algorithm == "native" and (
+                (wire is not None and is_extra(wire)) or any(is_extra(a.dtype) for _, a in named)):
             raise ValueError("algorithm 'native' cannot reduce bfloat16 (the MPI library has no type for it); "
                              "use one of the library's algorithms or 'auto'")
         if isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)) or not poll_interval >= 0:

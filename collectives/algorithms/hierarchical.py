@@ -192,7 +192,8 @@ def allgather(rank, size, count, *, topology=None, **_):
     embed(s, binomial.gather(place.local, k, count, root=0), place.node,
           {"in": ("in", 0), "out": (buf, at + order.segments[place.node_index]), "tmp": ("tmp", 0)})
     if place.local == 0 and len(place.leaders) > 1:
-        allgather_ring(s, place.node_index, len(place.leaders), [at + x for x in order.segments], place.leaders, buf=buf)
+        allgather_ring(s, place.node_index, len(place.leaders), [at + x for x in order.segments], place.leaders,
+                       buf=buf)
     embed(s, binomial.broadcast(place.local, k, size * count, root=0), place.node, {"out": (buf, at)})
     if not order.contiguous:
         for r in range(size):

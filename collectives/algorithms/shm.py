@@ -59,10 +59,10 @@ reduce_scatter: n read, n/p written; allgather: n in and out; broadcast: n (the 
 nothing). Copies from ``reg`` cost m·β in the simulator, as copies to ``shm`` do.
 """
 
-REGISTERED = ("allreduce", "reduce_scatter", "allgather", "broadcast")  # collectives with a registered form
-
 from ..schedule import Schedule, sl
 from ._layout import block_bounds, segments
+
+REGISTERED = ("allreduce", "reduce_scatter", "allgather", "broadcast")  # collectives with a registered form
 
 DEFAULT_SLOT_BYTES = 1 << 20  # one rank's slot in one bank: the segment of a long call
 

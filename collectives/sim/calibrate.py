@@ -17,9 +17,8 @@ nodes cost their own α′ and β′ and share the node's link. Where any row ha
 nodes the fit has five parameters, (α, β, γ, α′, β′): the node's and the network's.
 """
 
-import re
-
 import json
+import re
 
 import numpy as np
 

@@ -14,7 +14,8 @@ import math
 from ..algorithms import BUILDERS, SHARED_MEMORY
 from ..algorithms.hierarchical import pipeline_pieces
 from .closed_form import allreduce_time as closed_form
-from .simulate import DEFAULT_SEGMENT_SIZE as SEGMENT, costs, symmetry, timed_ranks
+from .simulate import DEFAULT_SEGMENT_SIZE as SEGMENT
+from .simulate import costs, symmetry, timed_ranks
 
 # Projections are of clusters (p up to 4096 over links): the shared-memory algorithms,
 # which run only among the ranks of one node (and whose plans grow as p²), are left out.

@@ -267,7 +267,8 @@ def _simulate(graph, model):
                 started.add(key)
                 _, i, src, dst, j = key
                 inter = len(held) > 2
-                end = now + (inter_alpha if inter else model.alpha) + nbytes[src][i] * (inter_beta if inter else model.beta)
+                alpha, beta = (inter_alpha, inter_beta) if inter else (model.alpha, model.beta)
+                end = now + alpha + nbytes[src][i] * beta
                 in_flight[src, i] = key
                 heapq.heappush(events, (end, src, i))
                 heapq.heappush(events, (end, dst, j))

@@ -19,15 +19,16 @@ import argparse
 import json
 import sys
 
-from .bench.cli import parse_bytes, sizes
 from ..sim import calibrate, project
+from .bench.cli import parse_bytes, sizes
 
 DEFAULTS = dict(alpha=2e-6, beta=1 / 12.5e9, gamma=1 / 10e9)  # 100 Gb/s links, 10 GB/s reductions
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m collectives.tools.sim", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
     model = p.add_argument_group("the model (seconds; seconds per byte)")
     model.add_argument("--alpha", type=float, help=f"latency per message (default {DEFAULTS['alpha']:g})")
     model.add_argument("--beta", type=float, help=f"time per byte on a link (default {DEFAULTS['beta']:g})")

@@ -160,7 +160,8 @@ def run(program, comm, tag, buffers, op_name, describe, abandon, look=None):
                     unmatched = {entry[4] for entry in probes.entries} if probes else ()
                     pending = scheduler.pending
                     _stray(strays, _awaited(program, lambda i: _slice_bytes(slices[i], arrays),
-                                            lambda i: pending[i] > 0 or i in unmatched
+                                            lambda i, pending=pending, unmatched=unmatched, posted=posted:
+                                            pending[i] > 0 or i in unmatched
                                             or (i in posted and requests[posted[i]] != MPI.REQUEST_NULL)),
                            describe, len(kinds))
                 continue
@@ -375,7 +376,8 @@ class PersistentProgram:
                         strays = tags_module.Strays(self.comm, self.tag, tags_module.layout())
                     pending = scheduler.pending
                     _stray(strays, _awaited(self.program, sizes.__getitem__,
-                                            lambda i: pending[i] > 0 or i in in_flight), describe, len(kinds))
+                                            lambda i, pending=pending: pending[i] > 0 or i in in_flight),
+                           describe, len(kinds))
         except MPI.Exception as exc:
             self._give_up(in_flight)
             peer = peers[i] if i >= 0 and kinds[i] == RECV else -1

@@ -4,7 +4,8 @@ Messages go as raw bytes (``MPI.BYTE``: no pickling, no datatype mapping) on the
 communicator's private duplicate, tagged with the call's base tag (from its number)
 plus the message's size code (:mod:`.tags`), so library traffic never matches user
 messages, two collectives in flight never match each other's, and a message of the
-wrong size never lands in a buffer it does not fit. ``native`` calls the MPI library's own non-blocking collective instead
+wrong size never lands in a buffer it does not fit. ``native`` calls the MPI library's own non-blocking collective
+instead
 (:class:`RequestHandle`). Both are driven by the communicator's progress engine
 (:mod:`.progress`).
 """
@@ -12,10 +13,10 @@ wrong size never lands in a buffer it does not fit. ``native`` calls the MPI lib
 from mpi4py import MPI
 
 from ..errors import MessageSizeError, TransportError
+from ..schedule import Recv, Send
 from . import tags
 from .liveness import ranks
 from .progress import Handle, at
-from ..schedule import Recv, Send
 from .scheduler import Scheduler, program_of
 
 

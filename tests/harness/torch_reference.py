@@ -16,7 +16,8 @@ def make_model(seed):
 
 def batch(step):
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(GLOBAL_BATCH, 12, generator=g, dtype=torch.float64), torch.randint(0, 5, (GLOBAL_BATCH,), generator=g)
+    return (torch.randn(GLOBAL_BATCH, 12, generator=g, dtype=torch.float64),
+            torch.randint(0, 5, (GLOBAL_BATCH,), generator=g))
 
 
 def loss_fn(model, x, y):

@@ -49,10 +49,11 @@ os.environ["BACKEND"] = BACKEND  # read by distributed_test.py at import
 os.environ.setdefault("INIT_METHOD", "env://")
 os.environ.setdefault("COLLECTIVES_QUIET", "1")  # the untuned-table hint, once per group
 
-import collectives.torch  # noqa: E402,F401 - registers the backend; MASTER_ADDR, RANK, WORLD_SIZE from MPI
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.testing._internal.common_distributed import TEST_SKIPS, DistTestCases  # noqa: E402
+
+import collectives.torch  # noqa: E402,F401 - registers the backend; MASTER_ADDR, RANK, WORLD_SIZE from MPI
 
 # The backend's features, declared where the test file looks them up (before its import:
 # some of its skip decorators read them at class definition).

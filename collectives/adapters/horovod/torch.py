@@ -125,11 +125,12 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import torch as cct
-from .. import training
 from ...communicator import Communicator
 from ...errors import CollectiveError, CollectiveMismatchError
-from ..tensors import BFLOAT16 as _BFLOAT16, to_array, torch_stream
+from .. import torch as cct
+from .. import training
+from ..tensors import BFLOAT16 as _BFLOAT16
+from ..tensors import to_array, torch_stream
 
 HorovodInternalError = CollectiveError
 
@@ -155,7 +156,7 @@ class ProcessSet:
     ranks, registered by :func:`add_process_set` (or ``init(process_sets=...)``), which
     gives it ``process_set_id``; then passed as ``process_set=`` to any call."""
 
-    process_set_id = None
+    process_set_id: int | None = None
     ranks = None
     mpi_comm = None
 

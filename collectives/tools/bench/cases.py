@@ -11,8 +11,8 @@ import copy
 import numpy as np
 from mpi4py import MPI
 
-from ..demo import collective_input, native_result
 from ...sim.simulate import alltoallv_counts
+from ..demo import collective_input, native_result
 
 MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN, "band": MPI.BAND, "bor": MPI.BOR,
            "bxor": MPI.BXOR}
@@ -209,7 +209,8 @@ class Case:
         import torch
         import torch.distributed as dist
 
-        if self.op not in ("sum", "max", "min", "prod") or self.collective not in ("allreduce", "broadcast", "allgather"):
+        if (self.op not in ("sum", "max", "min", "prod")
+                or self.collective not in ("allreduce", "broadcast", "allgather")):
             return None
         reduce_op = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
                      "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[self.op]

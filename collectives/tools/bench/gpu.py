@@ -32,8 +32,8 @@ from ... import Communicator
 from ...device import kernels as kernel_names
 from . import timing
 from .cli import parse_bytes
-from .report import human_bytes
 from .devices import BenchDevice
+from .report import human_bytes
 
 _PATHS = {"staged": {"cuda_ipc": False}, "ipc": {"cuda_ipc": True}}
 
@@ -100,9 +100,9 @@ def kernel_rows(device, args):
                                                       backend.reduce2(s, "sum", d, *x))
         a, b, dst = buffers["float32"]
         more = [backend.empty(a.size, a.dtype) for _ in range(2)]
-        contenders["reduce_n sum float32, 4 inputs"] = (5 * nbytes, lambda s: backend.reduce_n(
-            s, "sum", np.dtype("float32"), dst, [a, b] + more))
-        contenders["device-to-device copy"] = (2 * nbytes, lambda s: backend.copy(dst, a, s))
+        contenders["reduce_n sum float32, 4 inputs"] = (5 * nbytes, lambda s, dst=dst, ins=[a, b] + more:
+                                                           backend.reduce_n(s, "sum", np.dtype("float32"), dst, ins))
+        contenders["device-to-device copy"] = (2 * nbytes, lambda s, dst=dst, a=a: backend.copy(dst, a, s))
         for _, work in contenders.values():  # warm up (compiles the kernels)
             work(device.stream)
         device.sync()
@@ -144,7 +144,8 @@ def collective_rows(device, args, world):
         device.upload(x, np.full(n, world.Get_rank() + 1, np.float32))
         calls = {}
         for name, comm in contenders.items():
-            calls[name] = (lambda c=comm: (c.allreduce(x, algorithm=args.algorithm, out=x), device.sync()))
+            calls[name] = (lambda c=comm, x=x: (c.allreduce(x, algorithm=args.algorithm, out=x),
+                                                   device.sync()))
         for call in calls.values():
             call()
         samples = timing.interleaved(world, calls, {name: args.iters * args.rounds for name in calls}, args.rounds)

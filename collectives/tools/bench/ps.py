@@ -180,7 +180,8 @@ def main(argv=None):
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     if size < 2:
-        sys.exit("python -m collectives.tools.bench.ps: needs at least 2 ranks (a server and a worker): run under mpiexec")
+        sys.exit("python -m collectives.tools.bench.ps: needs at least 2 ranks (a server and a worker): "
+                 "run under mpiexec")
     limits = threadpool_limits(1) if threadpool_limits is not None else None  # noqa: F841 (kept alive)
     servers = [s for s in args.servers if s < size]
     problem = check_sync_step(world, servers[0])

@@ -25,7 +25,8 @@ from .cli import parse_bytes
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m collectives.tools.bench.reliability", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m collectives.tools.bench.reliability",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="8,1K,64K,1M,16M", help="comma-separated buffer sizes (default 8,1K,64K,1M,16M)")
     p.add_argument("--algorithms", default="ring,auto", help="allreduce algorithms (default ring,auto)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")

@@ -38,7 +38,8 @@ def parser():
     r.add_argument("--layout", required=True, help="HOSTSxRANKS, e.g. 2x4 (ranks host-major)")
     r.add_argument("--timeout", type=float, help="seconds before the job is killed (exit 124)")
     r.add_argument("--min-link-bytes", type=int, default=job.DEFAULT_MIN_LINK_BYTES,
-                   help=f"fail if a host sends fewer bytes over its link (default {job.DEFAULT_MIN_LINK_BYTES}; 0: off)")
+                   help="fail if a host sends fewer bytes over its link "
+                        f"(default {job.DEFAULT_MIN_LINK_BYTES}; 0: off)")
     r.add_argument("--counters", help="write the per-host link bytes and the outcome to this JSON file")
     r.add_argument("argv", nargs=argparse.REMAINDER, help="-- program and arguments")
     s = sub.add_parser("set-rate", help="shape one host's link now: set-rate HOST RATE")
