@@ -80,7 +80,11 @@ NATIVE_SIZES = (64 << 10, 1 << 20, 4 << 20)
 # byte here (1.3 ns/B at 64 MiB and 4 ranks against 0.64 at 4 MiB), which no line
 # through the smaller sizes foresees.
 LARGEST = 16 << 20
-NATIVE = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
+# The collectives whose MPI's own is measured -> the sizes it is timed at (bytes as the
+# tuning tables count them); the calls that time it are _NATIVE_CALLS'.
+NATIVE_AT = {"allreduce": NATIVE_SIZES + (LARGEST,), "reduce_scatter": NATIVE_SIZES, "allgather": NATIVE_SIZES,
+             "broadcast": NATIVE_SIZES, "reduce": NATIVE_SIZES}
+NATIVE = tuple(NATIVE_AT)
 SLOW_CALL = 0.03  # seconds: a native size (past the second) whose call would take longer is not measured
 REPEATS = 3  # timings per figure, the least kept (twice as many for the smallest, 2 for the largest)
 
@@ -396,15 +400,15 @@ def _ring_time(comm, ring_comm, tag, algorithm="ring"):
 
 
 def _measure_native(comm, size):
-    """MPI's own collectives at NATIVE_SIZES (bytes as the tuning tables count them),
-    largest sizes left out where the previous one's time says a call would take over
-    ``SLOW_CALL`` (two sizes at least): ``{collective: [[bytes, seconds], ...]}``."""
+    """MPI's own collectives at their ``NATIVE_AT`` sizes (bytes as the tuning tables
+    count them), largest sizes left out where the previous one's time says a call would
+    take over ``SLOW_CALL`` (two sizes at least): ``{collective: [[bytes, seconds], ...]}``."""
     from mpi4py import MPI
 
     found = {}
-    for collective in NATIVE:
+    for collective, sizes in NATIVE_AT.items():
         points = []
-        for nbytes in NATIVE_SIZES + ((LARGEST,) if collective == "allreduce" else ()):
+        for nbytes in sizes:
             if len(points) >= 2 and points[-1][1] * nbytes / points[-1][0] > SLOW_CALL:
                 break
             call = _native_call(comm, collective, nbytes, size, MPI)
@@ -413,19 +417,40 @@ def _measure_native(comm, size):
     return found
 
 
+# MPI's own collective as a call to time: (comm, n, p, MPI) -> a function of no
+# arguments that runs it once on n float32s (a multiple of the world size, p) counted as
+# the tuning tables count bytes: the input, or for allgather the gathered output.
+
+def _native_allreduce(comm, n, p, MPI):
+    x, out = np.ones(n, np.float32), np.empty(n, np.float32)
+    return lambda: comm.Allreduce(x, out, MPI.SUM)
+
+
+def _native_reduce_scatter(comm, n, p, MPI):
+    x, out = np.ones(n, np.float32), np.empty(n // p, np.float32)
+    return lambda: comm.Reduce_scatter_block(x, out, MPI.SUM)
+
+
+def _native_allgather(comm, n, p, MPI):
+    x, out = np.ones(n // p, np.float32), np.empty(n, np.float32)
+    return lambda: comm.Allgather(x, out)
+
+
+def _native_broadcast(comm, n, p, MPI):
+    x = np.ones(n, np.float32)
+    return lambda: comm.Bcast(x, 0)
+
+
+def _native_reduce(comm, n, p, MPI):
+    x, out = np.ones(n, np.float32), np.empty(n, np.float32)
+    return lambda: comm.Reduce(x, out, MPI.SUM, 0)
+
+
+# collective -> its timed call; one for each collective of NATIVE_AT.
+_NATIVE_CALLS = {"allreduce": _native_allreduce, "reduce_scatter": _native_reduce_scatter,
+                 "allgather": _native_allgather, "broadcast": _native_broadcast, "reduce": _native_reduce}
+
+
 def _native_call(comm, collective, nbytes, size, MPI):
     n = max(size, (nbytes // 4) // size * size)  # float32s, a multiple of the world size
-    if collective == "allreduce":
-        x, out = np.ones(n, np.float32), np.empty(n, np.float32)
-        return lambda: comm.Allreduce(x, out, MPI.SUM)
-    if collective == "reduce_scatter":
-        x, out = np.ones(n, np.float32), np.empty(n // size, np.float32)
-        return lambda: comm.Reduce_scatter_block(x, out, MPI.SUM)
-    if collective == "allgather":  # nbytes: the gathered output
-        x, out = np.ones(n // size, np.float32), np.empty(n, np.float32)
-        return lambda: comm.Allgather(x, out)
-    if collective == "broadcast":
-        x = np.ones(n, np.float32)
-        return lambda: comm.Bcast(x, 0)
-    x, out = np.ones(n, np.float32), np.empty(n, np.float32)  # reduce
-    return lambda: comm.Reduce(x, out, MPI.SUM, 0)
+    return _NATIVE_CALLS[collective](comm, n, size, MPI)

@@ -78,8 +78,8 @@ from pathlib import Path
 
 from . import calibration as calibration_module
 from . import mpi_library as mpi_library_module
-from .cache import BoundedCache
 from .algorithms import BUILDERS, COLLECTIVES, ORDERED, algorithms, check_ordered, cost_model_choice, two_level
+from .cache import BoundedCache
 
 FORMAT = 1
 DEFAULT_TABLE = Path(__file__).parent / "data" / "tuning.json"
@@ -438,43 +438,138 @@ def _bruck(model, net, n, ours, alltoall=False):
     return sum(_step(model, ours, m, c) for m, c in steps)
 
 
-def _binomial(model, net, n, ours, kind):
-    """broadcast: n at each step, far partners first; reduce: n reduced at each step,
-    near partners first; gather or scatter (n = the whole): d blocks at distance d."""
-    ds = [1 << i for i in range(_lg(net.p))]
-    if kind == "broadcast":
-        return sum(_step(model, ours, n, net.tree(d)) for d in ds)
-    if kind == "reduce":
-        return sum(_step(model, ours, n, net.tree(d), n) for d in ds)
-    return sum(_step(model, ours, min(d, net.p - d) * n / net.p, net.tree(d)) for d in ds)
+def _tree_distances(p):
+    """1, 2, 4, … below p: the ⌈lg p⌉ steps of a binomial tree."""
+    return [1 << i for i in range(_lg(p))]
+
+
+def _binomial_broadcast(model, net, n, ours):  # n at each step, far partners first
+    return sum(_step(model, ours, n, net.tree(d)) for d in _tree_distances(net.p))
+
+
+def _binomial_reduce(model, net, n, ours):  # n reduced at each step, near partners first
+    return sum(_step(model, ours, n, net.tree(d), n) for d in _tree_distances(net.p))
+
+
+def _binomial_gather(model, net, n, ours):  # gather or scatter (n: the whole): d blocks at distance d
+    return sum(_step(model, ours, min(d, net.p - d) * n / net.p, net.tree(d)) for d in _tree_distances(net.p))
 
 
 def _pairwise(model, net, n, ours):  # alltoall: p - 1 steps; on average k(N-1)/N of a node's ranks cross
     return (net.p - 1) * _step(model, ours, n / net.p, net.k * (net.N - 1) / net.N)
 
 
-def _two_level(collective, model, net, n):
-    """This library's two-level algorithms (docs/algorithms.md's second table; N nodes,
-    k ranks per node: the smallest node's for ``hierarchical`` allreduce, which folds
-    the others' extra ranks in first)."""
+# == what predict times, per collective ================================================
+# Each function takes the model, the layout (_Net) and n, the bytes as a tuning table
+# counts them, and returns (native, ours): the times of the classic schedules MPI's own
+# collective may run, at MPI's cost per message and flat (predict keeps the least), and
+# {algorithm: seconds} of this library's flat algorithms (where two tie, the rules take
+# the one listed first).
+
+def _allreduce_times(model, net, n):
+    p = net.p
+    native = [_recursive_doubling(model, net, n, False), _halving(model, net, n, False, True, True),
+              _ring(model, net, n, False, p - 1, p - 1)]
+    ours = {"recursive_doubling": _recursive_doubling(model, net, n, True),
+            "recursive_halving": _halving(model, net, n, True, False, True),
+            "ring": _ring(model, net, n, True, p - 1, p - 1),
+            "direct": _direct(model, net, n, True, 2, (p - 1) / p * n)}
+    return native, ours
+
+
+def _reduce_scatter_times(model, net, n):
+    p = net.p
+    native = [_halving(model, net, n, False, False, False), _ring(model, net, n, False, p - 1, 0)]
+    ours = {"recursive_halving": _halving(model, net, n, True, False, False),
+            "ring": _ring(model, net, n, True, p - 1, 0),
+            "direct": _direct(model, net, n, True, 1, (p - 1) / p * n)}
+    return native, ours
+
+
+def _allgather_times(model, net, n):  # n: the gathered size
+    p = net.p
+    native = [_doubling_gather(model, net, n, False), _bruck(model, net, n, False),
+              _ring(model, net, n, False, 0, p - 1)]
+    ours = {"recursive_doubling": _doubling_gather(model, net, n, True), "bruck": _bruck(model, net, n, True),
+            "ring": _ring(model, net, n, True, 0, p - 1), "direct": _direct(model, net, n, True, 1, 0)}
+    return native, ours
+
+
+def _broadcast_times(model, net, n):
+    p = net.p
+    scatter_allgather = [_binomial_gather(model, net, n, mine) + _ring(model, net, n, mine, 0, p - 1)
+                         for mine in (False, True)]
+    native = [_binomial_broadcast(model, net, n, False), scatter_allgather[0]]
+    ours = {"binomial": _binomial_broadcast(model, net, n, True), "scatter_allgather": scatter_allgather[1]}
+    return native, ours
+
+
+def _reduce_times(model, net, n):  # MPI's long-message reduce: reduce_scatter, then a binomial gather
+    p = net.p
+    native = [_binomial_reduce(model, net, n, False),
+              _halving(model, net, n, False, True, False) + _binomial_gather(model, net, n, False)]
+    ours = {"binomial": _binomial_reduce(model, net, n, True),
+            "direct": _direct(model, net, n, True, 2, (p - 1) / p * n)}
+    return native, ours
+
+
+def _gather_times(model, net, n):  # gather (n: the gathered size) and scatter (the root's buffer) alike
+    return [_binomial_gather(model, net, n, False)], {"binomial": _binomial_gather(model, net, n, True)}
+
+
+def _alltoall_times(model, net, n):  # n: a rank's whole input
+    native = [_pairwise(model, net, n, False), _bruck(model, net, n, False, alltoall=True)]
+    ours = {"pairwise": _pairwise(model, net, n, True), "bruck": _bruck(model, net, n, True, alltoall=True)}
+    return native, ours
+
+
+def _alltoallv_times(model, net, n):  # as alltoall's equal blocks
+    return [_pairwise(model, net, n, False)], {"pairwise": _pairwise(model, net, n, True)}
+
+
+# collective -> its flat times; ``tree`` and ``pipeline`` are left out (not modelled).
+FLAT_TIMES = {"allreduce": _allreduce_times, "reduce_scatter": _reduce_scatter_times, "allgather": _allgather_times,
+              "broadcast": _broadcast_times, "reduce": _reduce_times, "gather": _gather_times,
+              "scatter": _gather_times, "alltoall": _alltoall_times, "alltoallv": _alltoallv_times}
+
+
+# This library's two-level algorithms (docs/algorithms.md's second table; N nodes, k
+# ranks per node: the smallest node's, m, for ``hierarchical`` allreduce, which folds
+# the others' extra ranks in first): {algorithm: seconds}.
+
+def _allreduce_two_level(model, net, n):
+    a, an, b, bn, g = model.alpha, model.net_alpha, model.beta, model.net_beta, model.gamma
+    N, k, m = net.N, net.k, net.m
+    hier = 2 * (m - 1) * (a + n / m * b) + 2 * (N - 1) * (an + n / N * bn) \
+        + ((m - 1) / m + (N - 1) / (m * N)) * n * g
+    if k != m:  # the fold onto the smallest node's size, and the result handed back
+        hier += 2 * (a + n * b) + n * g
+    leader = 2 * _lg(k) * (a + n * b) + _lg(N) * (an + n * bn) + (_lg(k) + _lg(N)) * n * g
+    return {"hierarchical": hier, "hierarchical_leader": leader}
+
+
+def _broadcast_two_level(model, net, n):
+    a, an, b, bn = model.alpha, model.net_alpha, model.beta, model.net_beta
+    N, k = net.N, net.k
+    return {"hierarchical": (_lg(N) + N - 1) * an + 2 * (N - 1) / N * n * bn + _lg(k) * (a + n * b)}
+
+
+def _allgather_two_level(model, net, n):
+    a, an, b, bn = model.alpha, model.net_alpha, model.beta, model.net_beta
+    N, k, p = net.N, net.k, net.p
+    return {"hierarchical": _lg(k) * a + (k - 1) / p * n * b + (N - 1) * (an + n / N * bn) + _lg(k) * (a + n * b)}
+
+
+def _reduce_scatter_two_level(model, net, n):
     a, an, b, bn, g = model.alpha, model.net_alpha, model.beta, model.net_beta, model.gamma
     N, k, p = net.N, net.k, net.p
-    if collective == "allreduce":
-        m = net.m
-        hier = 2 * (m - 1) * (a + n / m * b) + 2 * (N - 1) * (an + n / N * bn) \
-            + ((m - 1) / m + (N - 1) / (m * N)) * n * g
-        if net.k != net.m:
-            hier += 2 * (a + n * b) + n * g
-        leader = 2 * _lg(k) * (a + n * b) + _lg(N) * (an + n * bn) + (_lg(k) + _lg(N)) * n * g
-        return {"hierarchical": hier, "hierarchical_leader": leader}
-    if collective == "broadcast":
-        return {"hierarchical": (_lg(N) + N - 1) * an + 2 * (N - 1) / N * n * bn + _lg(k) * (a + n * b)}
-    if collective == "allgather":
-        return {"hierarchical": _lg(k) * a + (k - 1) / p * n * b + (N - 1) * (an + n / N * bn) + _lg(k) * (a + n * b)}
-    if collective == "reduce_scatter":
-        return {"hierarchical": _lg(k) * (a + n * b + n * g) + (N - 1) * (an + n / N * (bn + g))
-                + (k - 1) * (a + n / p * b)}
-    return {}
+    return {"hierarchical": _lg(k) * (a + n * b + n * g) + (N - 1) * (an + n / N * (bn + g))
+            + (k - 1) * (a + n / p * b)}
+
+
+# collective -> its two-level times; the collectives not here have no two-level algorithm.
+TWO_LEVEL_TIMES = {"allreduce": _allreduce_two_level, "broadcast": _broadcast_two_level,
+                   "allgather": _allgather_two_level, "reduce_scatter": _reduce_scatter_two_level}
 
 
 def predict(collective, nbytes, size, topology=None, model=SHIPPED_MODEL):
@@ -485,47 +580,15 @@ def predict(collective, nbytes, size, topology=None, model=SHIPPED_MODEL):
     library's algorithms the model covers (``tree`` and ``pipeline`` it leaves out),
     the two-level ones where there are several nodes with more than one rank on some.
     ``nbytes`` as for a tuning table (allgather and gather: the gathered size; scatter:
-    the root's buffer; alltoall: a rank's whole input)."""
-    net, n, p = _Net(size, topology), float(nbytes), size
-    if collective == "allreduce":
-        native = [_recursive_doubling(model, net, n, False), _halving(model, net, n, False, True, True),
-                  _ring(model, net, n, False, p - 1, p - 1)]
-        ours = {"recursive_doubling": _recursive_doubling(model, net, n, True),
-                "recursive_halving": _halving(model, net, n, True, False, True),
-                "ring": _ring(model, net, n, True, p - 1, p - 1),
-                "direct": _direct(model, net, n, True, 2, (p - 1) / p * n)}
-    elif collective == "reduce_scatter":
-        native = [_halving(model, net, n, False, False, False), _ring(model, net, n, False, p - 1, 0)]
-        ours = {"recursive_halving": _halving(model, net, n, True, False, False),
-                "ring": _ring(model, net, n, True, p - 1, 0),
-                "direct": _direct(model, net, n, True, 1, (p - 1) / p * n)}
-    elif collective == "allgather":
-        native = [_doubling_gather(model, net, n, False), _bruck(model, net, n, False),
-                  _ring(model, net, n, False, 0, p - 1)]
-        ours = {"recursive_doubling": _doubling_gather(model, net, n, True), "bruck": _bruck(model, net, n, True),
-                "ring": _ring(model, net, n, True, 0, p - 1), "direct": _direct(model, net, n, True, 1, 0)}
-    elif collective == "broadcast":
-        scatter_allgather = [_binomial(model, net, n, mine, "scatter") + _ring(model, net, n, mine, 0, p - 1)
-                             for mine in (False, True)]
-        native = [_binomial(model, net, n, False, "broadcast"), scatter_allgather[0]]
-        ours = {"binomial": _binomial(model, net, n, True, "broadcast"), "scatter_allgather": scatter_allgather[1]}
-    elif collective == "reduce":  # MPI's long-message reduce: reduce_scatter, then a binomial gather
-        native = [_binomial(model, net, n, False, "reduce"),
-                  _halving(model, net, n, False, True, False) + _binomial(model, net, n, False, "gather")]
-        ours = {"binomial": _binomial(model, net, n, True, "reduce"),
-                "direct": _direct(model, net, n, True, 2, (p - 1) / p * n)}
-    elif collective in ("gather", "scatter"):
-        native = [_binomial(model, net, n, False, "gather")]
-        ours = {"binomial": _binomial(model, net, n, True, "gather")}
-    elif collective == "alltoall":
-        native = [_pairwise(model, net, n, False), _bruck(model, net, n, False, alltoall=True)]
-        ours = {"pairwise": _pairwise(model, net, n, True), "bruck": _bruck(model, net, n, True, alltoall=True)}
-    elif collective == "alltoallv":
-        native, ours = [_pairwise(model, net, n, False)], {"pairwise": _pairwise(model, net, n, True)}
-    else:
+    the root's buffer; alltoall: a rank's whole input). The formulas are the
+    collective's entries in ``FLAT_TIMES`` and ``TWO_LEVEL_TIMES``."""
+    net, n = _Net(size, topology), float(nbytes)
+    times = FLAT_TIMES.get(collective)
+    if times is None:
         raise ValueError(f"collective must be one of {', '.join(BUILDERS)}; got {collective!r}")
-    if two_level(topology):
-        ours.update(_two_level(collective, model, net, n))
+    native, ours = times(model, net, n)
+    if two_level(topology) and collective in TWO_LEVEL_TIMES:
+        ours.update(TWO_LEVEL_TIMES[collective](model, net, n))
     return min(native), ours
 
 
