@@ -118,14 +118,14 @@ def test_errors_derive_from_collective_error():
 def test_algorithms_lists_native_and_auto():
     assert cc.algorithms("allreduce") == (
         "ring", "tree", "recursive_halving", "recursive_doubling", "direct", "hierarchical", "hierarchical_leader",
-        "shm", "native", "auto")
-    assert cc.algorithms("reduce_scatter") == ("ring", "recursive_halving", "direct", "hierarchical", "shm", "native",
-                                               "auto")
+        "shm", "one_shot", "two_shot", "native", "auto")
+    assert cc.algorithms("reduce_scatter") == ("ring", "recursive_halving", "direct", "hierarchical", "shm",
+                                               "one_shot", "native", "auto")
     assert cc.algorithms("allgather") == ("ring", "recursive_doubling", "bruck", "direct", "hierarchical", "shm",
-                                          "native", "auto")
+                                          "one_shot", "native", "auto")
     assert cc.algorithms("broadcast") == ("binomial", "pipeline", "scatter_allgather", "direct", "hierarchical",
-                                          "shm", "native", "auto")
-    assert cc.algorithms("reduce") == ("binomial", "direct", "shm", "native", "auto")
+                                          "shm", "one_shot", "native", "auto")
+    assert cc.algorithms("reduce") == ("binomial", "direct", "shm", "one_shot", "native", "auto")
     assert cc.algorithms("gather") == cc.algorithms("scatter") == ("binomial", "native", "auto")
     assert cc.algorithms("alltoall") == ("pairwise", "bruck", "native", "auto")
     assert cc.algorithms("alltoallv") == ("pairwise", "native", "auto")

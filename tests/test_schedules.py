@@ -215,7 +215,7 @@ def test_device_plans_equal_the_plain_ones_bit_for_bit(collective, algorithm, or
                 def schedule_of(r):
                     mine = None if matrix is None else (tuple(matrix[r].tolist()), tuple(matrix[:, r].tolist()))
                     return build(collective, algorithm, r, size, count, root=size - 1, segment=3, ordered=ordered,
-                                 counts=mine)
+                                 counts=mine, inplace=inplace)
 
                 plain_plans = [compile_plan(schedule_of(r), inplace=inplace) for r in range(size)]
                 plain = run_collective(collective, algorithm, [x.copy() for x in inputs], "sum", size - 1, 3,

@@ -7,8 +7,8 @@ from functools import cached_property
 import numpy as np
 
 from .. import ops as ops_layer
-from ..algorithms import (BUILDERS, NODE_SYMMETRIC, SEGMENTED, SHARED_MEMORY, SYMMETRIC, TOPOLOGICAL, VARIABLE,
-                          build, check_ordered)
+from ..algorithms import (BUILDERS, NODE_SYMMETRIC, PEER_READS, SEGMENTED, SHARED_MEMORY, SYMMETRIC, TOPOLOGICAL,
+                          VARIABLE, build, check_ordered)
 from ..algorithms.shm import DEFAULT_SLOT_BYTES, REGISTERED
 from ..algorithms.hierarchical import pipeline_pieces
 from ..dtypes import check_dtype
@@ -214,10 +214,10 @@ def _check_args(collective, algorithm, world_size, count, dtype, op, root, param
             )
     elif "servers" in params:
         raise TypeError(f"servers is a parameter of the parameter_server baseline, not of {algorithm}")
-    if params.get("registered"):
+    if params.get("registered") and (collective, algorithm) not in PEER_READS:
         if (collective, algorithm) not in SHARED_MEMORY or collective not in REGISTERED:
-            raise ValueError(f"registered: only the shm algorithm of {', '.join(REGISTERED)} reads registered "
-                             f"buffers; got {collective} {algorithm!r}")
+            raise ValueError(f"registered: only the shm algorithm of {', '.join(REGISTERED)} and the peer-read "
+                             f"ones read registered buffers; got {collective} {algorithm!r}")
     for flag in ("inplace", "ordered", "registered"):
         if not isinstance(params.get(flag, False), (bool, np.bool_)):
             raise ValueError(f"{flag} must be True or False; got {params[flag]!r}")
@@ -226,7 +226,8 @@ def _check_args(collective, algorithm, world_size, count, dtype, op, root, param
     if params.get("ordered"):
         check_ordered(collective, algorithm)
     layout = topology_of(world_size, params.get("nodes"))  # raises on a bad layout
-    if (collective, algorithm) in SHARED_MEMORY and layout is not None and layout.node_count > 1:
+    if ((collective, algorithm) in SHARED_MEMORY or (collective, algorithm) in PEER_READS) and layout is not None \
+            and layout.node_count > 1:
         raise ValueError(f"algorithm {algorithm!r} runs on the ranks of one node only; nodes gives {layout.describe()}")
     if "counts" in params:
         if collective not in VARIABLE:
@@ -272,7 +273,8 @@ def plan_maker(collective, algorithm, world_size, count, dtype="float32", root=0
     """``plan_of(rank)``: one virtual rank's compiled plan (the arguments checked first)."""
     _check_args(collective, algorithm, world_size, count, dtype, None, root, params)
     world_size, count, root = int(world_size), int(count), int(root)  # NumPy integers too
-    registered = bool(params.get("registered", False))
+    # the peer-read algorithms always read the others' inputs in place: the flag changes nothing there
+    registered = bool(params.get("registered", False)) and (collective, algorithm) not in PEER_READS
     spec = SPECS[collective]
     inplace = bool(params.get("inplace", False)) or spec.one_buffer or (registered and spec.inplace)
     if (collective, algorithm) in BASELINES:
@@ -292,7 +294,7 @@ def plan_maker(collective, algorithm, world_size, count, dtype="float32", root=0
         counts = None if matrix is None else (tuple(matrix[r].tolist()), tuple(matrix[:, r].tolist()))
         return compile_plan(build(collective, algorithm, r, world_size, count, root=root, segment=segment,
                                   ordered=ordered, counts=counts, topology=topology,
-                                  registered=(count, 0) if registered else None), inplace)
+                                  registered=(count, 0) if registered else None, inplace=inplace), inplace)
 
     return plan_of
 

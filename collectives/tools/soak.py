@@ -5,11 +5,11 @@
 
 Every rank draws the same sequence of calls from one NumPy generator seeded with
 ``--seed`` (nothing in the draws depends on the rank): the collective, an algorithm
-from ``collectives.algorithms(collective)`` (``native`` and ``auto`` included), a dtype,
-an op defined for it, an element count (mostly 0..4096, sometimes up to 256K, zero
-included), a root, sync or async, and for some allreduce/reduce calls ``out=x`` (in
-place). Async calls stay in flight in a window whose depth (1..8) is redrawn now and
-then; when the window is full one of them, picked at random, is waited for, some are
+from ``collectives.algorithms(collective)`` (``native`` and ``auto`` included, the
+device-only peer reads left out), a dtype, an op defined for it, an element count
+(mostly 0..4096, sometimes up to 256K, zero included), a root, sync or async, and for
+some allreduce/reduce calls ``out=x`` (in place). Async calls stay in flight in a
+window whose depth (1..8) is redrawn now and then; when the window is full one of them, picked at random, is waited for, some are
 only ``test()``-ed, and ``comm.poll()`` is called now and then, so up to eight calls of
 different collectives and algorithms progress together with the sync calls made
 meanwhile. The communicator has a timeout (``--timeout``, 120 s), so a hang ends as a
@@ -53,7 +53,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives as cc
-from collectives.algorithms import ROOTED
+from collectives.algorithms import PEER_READS, ROOTED
 from collectives.reference import expected
 from collectives.specs import SPECS
 
@@ -85,7 +85,7 @@ class Call:
 def draw(rng, index, size):
     """The next call from ``rng`` (the same draws on every rank)."""
     collective = cc.COLLECTIVES[int(rng.integers(len(cc.COLLECTIVES)))]
-    names = cc.algorithms(collective)
+    names = [a for a in cc.algorithms(collective) if (collective, a) not in PEER_READS]  # host arrays here
     algorithm = names[int(rng.integers(len(names)))]
     dtype = DTYPES[int(rng.integers(len(DTYPES)))]
     choices = cc.ops_for(dtype)

@@ -20,7 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ... import Communicator
-from ...algorithms import COLLECTIVES, ORDERED, SHARED_MEMORY, VARIABLE, algorithms
+from ...algorithms import COLLECTIVES, ORDERED, PEER_READS, SHARED_MEMORY, VARIABLE, algorithms
 from ...algorithms.shm import REGISTERED
 from ...dtypes import SUPPORTED_DTYPES
 from ...ops import OPS, check_op
@@ -144,7 +144,8 @@ def contenders(collective, args, one_node=True):
     else:
         wanted = args.algorithms
     names = ["native"] + [a for a in wanted if a in algorithms(collective) and a != "native"
-                          and not ((args.device != "host" or not one_node) and (collective, a) in SHARED_MEMORY)]
+                          and not ((args.device != "host" or not one_node) and (collective, a) in SHARED_MEMORY)
+                          and not ((args.device == "host" or not one_node) and (collective, a) in PEER_READS)]
     if "gloo" in args.peers and collective in ("allreduce", "broadcast", "allgather") and args.op != "avg":
         names.append("gloo")
     if args.deterministic and collective in ORDERED:
