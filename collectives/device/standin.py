@@ -213,6 +213,34 @@ class SharedEvent(Event):
 
 
 
+class _FenceKernel:
+    """A fence kernel queued on a stand-in stream: it starts (writes its flags) when it
+    reaches the head of its stream, and is done once every peer's flag has come, or its
+    time limit has passed."""
+
+    def __init__(self, table, flags, rank, epoch, limit, late, late_index):
+        self.table, self.flags, self.rank, self.epoch, self.limit = table, flags, rank, epoch, limit
+        self.late, self.late_index = late, late_index
+        self.started = None
+
+    def _waiting(self):
+        mine = self.flags._memory.view(np.uint32)
+        return [q for q in range(len(self.table)) if q != self.rank and not _cyclic_geq(mine[q], self.epoch)]
+
+    def ready(self):
+        if self.started is None:  # the kernel runs: its writes first
+            for q, flags in enumerate(self.table):
+                if q != self.rank:
+                    _check(flags)
+                    flags._memory.view(np.uint32)[self.rank] = self.epoch
+            self.started = time.monotonic()
+        return not self._waiting() or time.monotonic() - self.started > self.limit
+
+    def finish(self):
+        for q in self._waiting():
+            self.late[self.late_index + q] = 1
+
+
 class _Heap:
     """One process's stand-in device memory: a sparse file in ``/dev/shm`` mapped once,
     whose head holds a buffer id per granule (0: free) that other processes read to
@@ -290,17 +318,18 @@ class _Segment:
 
 
 class _Block:
-    """An array's memory in the pool; given back when the last array on it goes."""
+    """An array's memory in the pool; given back when the last array on it goes, once
+    the last operation queued on it (``last_use``, its number) has run."""
 
-    __slots__ = ("device", "segment", "start", "nbytes")
+    __slots__ = ("device", "segment", "start", "nbytes", "last_use")
 
     def __init__(self, device, segment, start, nbytes):
         self.device, self.segment, self.start, self.nbytes = device, segment, start, nbytes
+        self.last_use = 0
 
     def __del__(self):
         try:
-            with self.device._lock:
-                self.segment.give(self.start, self.nbytes)
+            self.device._free(self)
         except Exception:  # noqa: BLE001 - at interpreter exit the device may be half torn down
             pass
 
@@ -328,6 +357,9 @@ class StandInDevice:
         self._ipc_paths = {}
         self._heap = None  # made at the first allocation
         self._segments = []
+        self._queued = 0  # operations queued so far (each is numbered)
+        self._pending = {}  # the numbers of the queued operations not run yet, oldest first
+        self._freed = deque()  # blocks no array refers to, not reusable yet
         self._peer_heaps = {}  # path -> (mapping, bytes) of another process's heap
         self.copies = deque(maxlen=1 << 16)  # (direction, bytes) of the latest copies queued, for tests
         # What the device was asked to make, for tests that a warm call makes nothing:
@@ -349,6 +381,7 @@ class StandInDevice:
         if nbytes == 0:
             return StandInArray(self, np.empty(shape, dtype))
         with self._lock:
+            self._reuse()
             size = -(-nbytes // ALIGNMENT) * ALIGNMENT
             for segment in self._segments:
                 start = segment.take(size)
@@ -369,6 +402,7 @@ class StandInDevice:
         """Give the segments no array lies in back to the heap (``cupy``'s
         ``MemoryPool.free_all_blocks``): their ranges may be carved again, under new ids."""
         with self._lock:
+            self._reuse()
             keep = []
             for segment in self._segments:
                 if segment.used:
@@ -376,6 +410,24 @@ class StandInDevice:
                 else:
                     self._heap.release(segment.offset, segment.length)
             self._segments = keep
+
+    def _free(self, block):
+        """A block no array refers to any more: reusable once the last operation queued
+        on it has run (a pool hands memory out again in stream order, never under work
+        still queued on it)."""
+        with self._lock:
+            self._freed.append(block)
+
+    def _reuse(self):
+        """Give back the freed blocks that no queued operation touches any more."""
+        if self._freed:
+            keep = deque()
+            for block in self._freed:
+                if block.last_use in self._pending:
+                    keep.append(block)
+                else:
+                    block.segment.give(block.start, block.nbytes)
+            self._freed = keep
 
     def allocation(self, array):
         """``(base, nbytes, buffer id)`` of the segment ``array`` lies in (the allocation
@@ -454,12 +506,12 @@ class StandInDevice:
     def record(self, event, stream):
         with self._lock:
             generation = event._bump()
-            stream.queue.append(("record", event, generation))
+            self._push(stream, ("record", event, generation))
 
     def wait(self, stream, event):
         """``stream`` runs nothing more until the work ``event`` marks now has run."""
         with self._lock:
-            stream.queue.append(("wait", event, event._generation()))
+            self._push(stream, ("wait", event, event._generation()))
 
     def query(self, event):
         """Whether ``event``'s work has run. Runs a few queued operations first, chosen
@@ -492,7 +544,7 @@ class StandInDevice:
         dst_memory, src_memory = self._bytes(dst, "dst"), self._bytes(src, "src")
         if dst_memory.size != src_memory.size:
             raise ValueError(f"copy of {src_memory.size} bytes into {dst_memory.size}")
-        where = ("device" if isinstance(src, StandInArray) else "host", "device" if isinstance(dst, StandInArray) else "host")
+        where = tuple("device" if isinstance(x, StandInArray) else "host" for x in (src, dst))
         self.copies.append(("->".join(where), dst_memory.size))
         self._enqueue(stream, lambda: np.copyto(dst_memory, src_memory), dst, src)
 
@@ -504,19 +556,16 @@ class StandInDevice:
         d, inputs = self._typed(dst, dtype), [self._typed(s, dtype) for s in sources]
 
         def run():
-            for source in sources:
-                _check(source)
-            _check(dst)
             acc = inputs[0].copy()
             for x in inputs[1:]:
                 ops_layer.combine(op, acc, x, acc)
             np.copyto(d, acc)
 
-        self._enqueue(stream, run)
+        self._enqueue(stream, run, dst, *sources)
 
     def divide(self, stream, dtype, x, divisor):
         target = self._typed(x, dtype)
-        self._enqueue(stream, lambda: np.divide(target, divisor, out=target) if target.size else None)
+        self._enqueue(stream, lambda: np.divide(target, divisor, out=target) if target.size else None, x)
 
     def cast_divide(self, stream, src_dtype, dst_dtype, dst, src, divisor):
         d, s = self._typed(dst, dst_dtype), self._typed(src, src_dtype)
@@ -525,17 +574,17 @@ class StandInDevice:
             value = np.divide(s, divisor) if divisor != 1 else s
             np.copyto(d, value, casting="unsafe")
 
-        self._enqueue(stream, run)
+        self._enqueue(stream, run, dst, src)
 
     def pack(self, stream, dst, src):
         """dst (contiguous) = the elements of the strided view ``src``, in C order."""
         d, s = dst._memory, src._memory
-        self._enqueue(stream, lambda: np.copyto(d, s.reshape(-1) if s.flags.c_contiguous else s.ravel()))
+        self._enqueue(stream, lambda: np.copyto(d, s.reshape(-1) if s.flags.c_contiguous else s.ravel()), dst, src)
 
     def unpack(self, stream, dst, src):
         """The elements of the strided view ``dst`` = contiguous ``src``."""
         d, s = dst._memory, src._memory
-        self._enqueue(stream, lambda: np.copyto(d, s.reshape(d.shape)))
+        self._enqueue(stream, lambda: np.copyto(d, s.reshape(d.shape)), dst, src)
 
     def enqueue(self, stream, function):
         """Queue arbitrary "device work" on ``stream`` (for tests that play a user
@@ -558,12 +607,27 @@ class StandInDevice:
         value &= 0xFFFFFFFF
         self._enqueue(stream, lambda: words.__setitem__(index, value))
 
+    def pointer_table(self, arrays):
+        """What :meth:`fence_kernel` takes for the ranks' flags (a GPU: their device
+        addresses in device memory; here the arrays)."""
+        return list(arrays)
+
+    def fence_kernel(self, stream, table, flags, rank, epoch, limit, late, late_index):
+        """The fence kernel of ``kernels/collectives.cu``, once ``stream`` gets there:
+        writes ``epoch`` into word ``rank`` of every other rank's flags (``table[q]``),
+        then waits until every other rank q has written it into word q of ``flags``, at
+        most ``limit`` seconds from its start; a rank it gave up on gets ``late[late_index
+        + q] = 1``."""
+        with self._lock:
+            self._push(stream, ("fence", _FenceKernel(table, flags, rank, epoch & 0xFFFFFFFF, limit, late,
+                                                      late_index), None))
+
     def wait_value(self, stream, words, index, value):
         """``stream`` runs nothing more until ``(int32)(words[index] - value) >= 0``
         (``cuStreamWaitValue32`` with ``CU_STREAM_WAIT_VALUE_GEQ``); the word may be
         written by another process."""
         with self._lock:
-            stream.queue.append(("value", (words, index), value & 0xFFFFFFFF))
+            self._push(stream, ("value", (words, index), value & 0xFFFFFFFF))
 
     # -- MPI and IPC -----------------------------------------------------------------------------
     def mpi_buffer(self, array):
@@ -641,9 +705,17 @@ class StandInDevice:
         memory = x._memory
         return memory.view(dtype) if memory.dtype != dtype else memory
 
+    def _push(self, stream, entry):
+        """Queue ``entry`` on ``stream``, numbered: memory freed after it is reused only
+        once it has run (see :meth:`_reuse`)."""
+        self._queued += 1
+        self._pending[self._queued] = None
+        stream.queue.append(entry + (self._queued,))
+
     def _enqueue(self, stream, function, *operands):
-        """Queue ``function`` on ``stream``; ``operands`` that map another process's
-        memory are checked (not freed since) when it runs."""
+        """Queue ``function`` on ``stream``. The pool blocks of the device arrays among
+        its ``operands`` are not handed out again before it has run; the operands that
+        map another process's memory are checked (not freed since) when it runs."""
         if any(isinstance(x, StandInArray) and x._valid is not None for x in operands):
             inner = function
 
@@ -653,7 +725,10 @@ class StandInDevice:
                 inner()
 
         with self._lock:
-            stream.queue.append(("run", function, None))
+            self._push(stream, ("run", function, None))
+            for x in operands:
+                if isinstance(x, StandInArray) and x._owner is not None:
+                    x._owner.last_use = self._queued
 
     def _ready(self, entry):
         kind = entry[0]
@@ -673,7 +748,8 @@ class StandInDevice:
         if not ready:
             return False
         stream = self._rng.choice(ready)
-        kind, what, generation = stream.queue.popleft()
+        kind, what, generation, number = stream.queue.popleft()
+        del self._pending[number]
         if kind == "run":
             what()
         elif kind == "record":
