@@ -31,7 +31,7 @@ from .dtypes import check_dtype, is_extra
 from .errors import TransportError
 from .gate import gate
 from .options import check_root
-from .routes import NATIVE_BLOCKING, ROUTES, SHARED, route_for
+from .routes import NATIVE_BLOCKING, PEER, ROUTES, SHARED, route_for
 from .routes.base import collectives_in_flight, finish_in_flight
 from .specs import SPECS
 
@@ -279,10 +279,20 @@ def _check_shared_memory(ctx: Any, algorithm: str, device: bool) -> None:
 
 
 # -- the calls beside the collectives -----------------------------------------------------
-def barrier(ctx: Any, timeout: Any) -> None:
-    """Block until every rank has called ``barrier`` (collectives in flight go on)."""
+def barrier(ctx: Any, timeout: Any, device: Any = None) -> None:
+    """Block until every rank has called ``barrier`` (collectives in flight go on); with
+    ``device``, until every rank's device work queued before it has run too."""
     timeout = ctx.options.timeout_for(timeout)
+    backend = None
+    if device is not None:
+        from .device import as_device_array, is_device
+        from .registered import device_backend
+
+        backend = as_device_array(device, "device").backend if is_device(device) else device_backend(device)
     gate(ctx, "barrier", timeout)
+    if backend is not None:
+        PEER.barrier(ctx, backend, timeout)
+        return
     ctx.request("barrier", ctx.comm.Ibarrier, timeout)
 
 

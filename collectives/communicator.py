@@ -364,6 +364,13 @@ class Communicator:
         progress.drain()
         return len(progress.active)
 
-    def barrier(self, *, timeout: float | None = None) -> None:
-        """Block until every rank has called ``barrier`` (collectives in flight go on)."""
-        calls.barrier(self._ctx, timeout)
+    def barrier(self, *, timeout: float | None = None, device: Any = None) -> None:
+        """Block until every rank has called ``barrier`` (collectives in flight go on).
+
+        ``device`` (a device array, or ``"cuda"``, ``"cuda:N"``, ``"standin"``): a barrier of
+        the devices' work too: it returns once every rank's device work queued on its
+        current stream before the call has run. On one node whose ranks can open each
+        other's device memory it is one fence of the peer-read executor (what
+        ``make bench-gpu`` times as the synchronisation floor); elsewhere each rank
+        waits for its stream, then the ranks meet in MPI. Every rank passes ``device``."""
+        calls.barrier(self._ctx, timeout, device)

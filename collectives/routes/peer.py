@@ -126,6 +126,35 @@ class PeerRead(Route):
         handle = PeerHandle(ctx.progress, describe, finish, run, call.timeout, ctx.sequence).start()
         return handle.wait() if call.blocking else handle
 
+    def barrier(self, ctx, backend, timeout):
+        """``Communicator.barrier(device=...)`` (numbered already): one fence of this
+        executor, a plan of nothing else, where the node's ranks can open each other's
+        memory; else each rank waits for its current stream and the ranks meet in MPI."""
+        import numpy as np
+
+        from ..transport.device_node import PeerCall, PeerHandle
+
+        device = device_context(ctx, backend, timeout)
+        if not device.ipc_everywhere or ctx.size == 1:
+            backend.synchronize_stream(backend.current_stream())
+            ctx.request("barrier", ctx.comm.Ibarrier, timeout)
+            return
+        node = peer_node(ctx, device, timeout)
+        started = node.take_event()
+        backend.record(started, backend.current_stream())
+        nothing = node.nothing
+        describe = f"barrier(device={backend.kind}) call #{ctx.sequence}"
+        run = PeerCall(node, _BARRIER, {"in": nothing, "out": nothing, "tmp": nothing}, 1, "-", np.dtype(np.uint8),
+                       (ctx.sequence, _BARRIER_CODE, 0, 0), describe, started,
+                       limit=None if timeout is None else 0.8 * timeout)
+        PeerHandle(ctx.progress, describe, _nothing, run, timeout, ctx.sequence).start().wait()
+
+
+def _barrier_plan() -> Any:
+    from ..schedule import Fence, Schedule, compile_plan
+
+    return compile_plan(Schedule([Fence()]))
+
 
 def _instead(ctx: Any, collective: str, nbytes: int) -> str:
     """What ``auto`` runs where the peer-read algorithms cannot: the cost model's
@@ -135,4 +164,10 @@ def _instead(ctx: Any, collective: str, nbytes: int) -> str:
     return cost_model_choice(collective, nbytes, ctx.size, own=True, topology=ctx.topology)
 
 
+def _nothing() -> None:
+    return None
+
+
+_BARRIER = _barrier_plan()  # a fence and nothing else
+_BARRIER_CODE = zlib.crc32(b"barrier/peer") & 0x7FFFFFFF
 PEER = PeerRead()

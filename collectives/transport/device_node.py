@@ -235,6 +235,7 @@ class PeerNode:
         self.fence_event = self.backend.event()
         self.end_event = self.backend.event()
         self.slot, self._slots = None, []  # this rank's window slot (device bytes), and every one made
+        self.nothing = self.backend.empty(0, np.uint8)  # the buffers of a call that moves nothing (a barrier)
         self.counters = Counter()  # calls, fences, host fences
 
     def take_event(self):
