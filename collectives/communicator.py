@@ -48,7 +48,11 @@ class Communicator:
     and ``cuda_aware`` (True/False; None: ``COLLECTIVES_CUDA_IPC``,
     ``COLLECTIVES_CUDA_AWARE``, else detected) choose how device messages move, and
     ``ipc_memory`` bounds the IPC send slots (``COLLECTIVES_IPC_MEMORY``, 256 MiB). Every
-    rank passes device arrays to a call, or every rank host arrays.
+    rank passes device arrays to a call, or every rank host arrays. On one node whose
+    ranks can open each other's device memory, the peer-read algorithms (``one_shot``,
+    ``two_shot``) read the others' buffers in place, two fences a call; ``device_fence``
+    (``COLLECTIVES_DEVICE_FENCE``: ``auto``, ``host``, ``stream`` or ``kernel``) says how
+    a fence meets (see :mod:`collectives.transport.device_node`).
 
     Every rank must call the same collectives in the same order, as with MPI. What
     protects against the ways that goes wrong (see docs/guides/troubleshooting.md):

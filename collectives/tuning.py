@@ -71,8 +71,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .algorithms import (BUILDERS, COLLECTIVES, ORDERED, PEER_READS, algorithms, check_ordered, cost_model_choice,
-                         two_level)
+from .algorithms import BUILDERS, COLLECTIVES, ORDERED, algorithms, check_ordered, cost_model_choice, two_level
 
 FORMAT = 1
 DEFAULT_TABLE = Path(__file__).parent / "data" / "tuning.json"
@@ -612,9 +611,10 @@ class Selector:
     if this job's link is the one its entry holds) and returns their bitwise AND over
     the ranks (the :class:`~collectives.Communicator` passes an allreduce); where 4 or
     8 survives, every rank measures the link and agrees once more on bits 1 and 2.
-    ``rule`` answers where no table does: ``"conservative"`` or ``"cost-model"``. ``measure_link`` (collective: bytes per second, the same on
-    every rank) is called where every rank's entry of several nodes holds a link
-    (see the module's docstring); ``link`` is then what it measured."""
+    ``rule`` answers where no table does: ``"conservative"`` or ``"cost-model"``.
+    ``measure_link`` (collective: bytes per second, the same on every rank) is called
+    where every rank's entry of several nodes holds a link (see the module's
+    docstring); ``link`` is then what it measured."""
 
     def __init__(self, world_size, table=None, overrides=None, device_table=None, deterministic=False, topology=None,
                  *, fingerprint=None, unstamped=True, agree=None, rule="conservative", measure_link=None):
@@ -672,7 +672,8 @@ class Selector:
             return False, f"{table.source} was measured over a {measured:g} MB/s link; this job's was not measured"
         here = link_stamp(self.link)
         if not measured / LINK_TOLERANCE <= here <= measured * LINK_TOLERANCE:
-            return False, f"{table.source} was measured over a {measured:g} MB/s link; this job's measures {here:g} MB/s"
+            return False, (f"{table.source} was measured over a {measured:g} MB/s link; this job's measures "
+                           f"{here:g} MB/s")
         return True, None
 
     @classmethod

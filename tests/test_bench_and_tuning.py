@@ -995,7 +995,8 @@ def test_auto_keeps_float16_reductions_off_native_from_64_kib(comm):
             chosen, why = always_native.choose(collective, big, dtype="float16")
             assert chosen != "native" and "float16" in why
             assert resolve(always_native._ctx, collective, "auto", big, f16) == chosen
-            assert resolve(always_native._ctx, collective, "auto", big - 2, f16) == "native"  # small: MPI's latency wins
+            # small: MPI's latency wins
+            assert resolve(always_native._ctx, collective, "auto", big - 2, f16) == "native"
             assert always_native.choose(collective, big, dtype="float32")[0] == "native"
             assert resolve(always_native._ctx, collective, "native", big, f16) == "native"  # asked for: given
         assert always_native.choose("broadcast", big, dtype="float16")[0] == "native"  # no reduction

@@ -7,7 +7,6 @@ failure on one rank fails the test everywhere instead of leaving the others wait
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 import collectives as cc
 
@@ -66,7 +65,8 @@ def run_and_compare(comm, mpi, collective, algorithm, dtype, op, count, root=0, 
         if got is not None:
             problems.append(f"{label}: non-root got {type(got).__name__}, expected None")
     elif not (same(got, want) and same(got, native)):
-        problems.append(f"{label}: got {np.asarray(got).ravel()[:5]}, numpy {want.ravel()[:5]}, mpi {native.ravel()[:5]}")
+        problems.append(f"{label}: got {np.asarray(got).ravel()[:5]}, numpy {want.ravel()[:5]}, "
+                        f"mpi {native.ravel()[:5]}")
     if collective != "broadcast" and not same(x, x_before):
         problems.append(f"{label}: the input was modified")
     return got
@@ -304,7 +304,8 @@ def test_user_messages_never_match_library_messages(comm, mpi_comm):
         received = np.empty(4, "int64")
         mpi_comm.Recv(received, (comm.rank - 1) % comm.size, tag=1)
         request.Wait()
-        if not same(got, np.full(10, comm.size, "int64")) or not same(received, np.full(4, (comm.rank - 1) % comm.size)):
+        if not same(got, np.full(10, comm.size, "int64")) or \
+                not same(received, np.full(4, (comm.rank - 1) % comm.size)):
             problems.append("user and library messages got mixed")
     agree(mpi_comm, problems)
 

@@ -186,7 +186,8 @@ def test_gather_out_is_checked_on_the_root_only(comm):
 def test_alltoall_arguments(comm):
     size = comm.size
     for x in (np.ones((size + 1, 2)), np.ones(()), np.ones(size + 2)):
-        with pytest.raises(ValueError, match=rf"x must have shape \(size, \*s\) = \({size}, \.\.\.\), one row per rank"):
+        with pytest.raises(ValueError,
+                           match=rf"x must have shape \(size, \*s\) = \({size}, \.\.\.\), one row per rank"):
             comm.alltoall(x)
     with pytest.raises(ValueError, match=rf"out must have shape \({size}, 3\); got \({size}, 4\)"):
         comm.alltoall(np.ones((size, 3)), out=np.empty((size, 4)))

@@ -409,7 +409,8 @@ def invalid_call(comm, case):
         return lambda: call(comm, c, args.pop("x", x), **args)
 
     if defect == "unknown op":
-        return make(op=choose(["mean", "SUM", "", None, 3, "avg "])), ValueError, "op must be one of sum, prod, max, min, avg, band, bor, bxor; got"
+        return (make(op=choose(["mean", "SUM", "", None, 3, "avg "])), ValueError,
+                "op must be one of sum, prod, max, min, avg, band, bor, bxor; got")
     if defect == "avg on integers":
         dtype = choose(INT_NAMES)
         return (make(x=np.ones(count, dtype), op="avg"), TypeError,

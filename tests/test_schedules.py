@@ -79,7 +79,8 @@ def test_alltoallv_with_any_counts(data):
     assert not check("alltoallv", "pairwise", size, 0, dtype, counts=counts)
 
 
-@pytest.mark.parametrize("collective,algorithm", [ca for ca in ALGORITHMS if ca[0] in ("allreduce", "reduce_scatter", "reduce")])
+@pytest.mark.parametrize("collective,algorithm",
+                         [ca for ca in ALGORITHMS if ca[0] in ("allreduce", "reduce_scatter", "reduce")])
 def test_every_dtype_and_op(collective, algorithm):
     problems = []
     for dtype in ALL_DTYPES:

@@ -184,7 +184,8 @@ def expected_counters(collective, algorithm, p, count, root=0, segments=1):
         elif key in (("allgather", "one_shot"), ("broadcast", "one_shot")):
             row = (0, 0, 0, 0)
         elif key == ("reduce", "direct"):  # reduce_scatter, then every block to the root
-            row = (p - 1, (p - 1) * b, 2 * (p - 1) * b, (p - 1) * b) if r == root else (p, p * b, (p - 1) * b, (p - 1) * b)
+            row = (p - 1, (p - 1) * b, 2 * (p - 1) * b, (p - 1) * b) if r == root else \
+                (p, p * b, (p - 1) * b, (p - 1) * b)
         else:
             raise AssertionError(f"no formula for {key}")
         rows.append(row)
@@ -733,7 +734,8 @@ def test_inexact_floats_give_the_same_bits_on_every_rank(algorithm, p, count, dt
     rng = np.random.default_rng(p * 1000 + count)
     plans = sim.simulate.plans_for("allreduce", algorithm, p, count, dtype, segment_size=8 * 16)
     with np.errstate(over="ignore", invalid="ignore"):  # float16 overflows to inf on purpose
-        inputs = [(rng.choice([-1e6, 1e6, 1e-2, -1e-2, 3.3], count) * rng.random(count)).astype(dtype) for _ in range(p)]
+        inputs = [(rng.choice([-1e6, 1e6, 1e-2, -1e-2, 3.3], count) * rng.random(count)).astype(dtype)
+                  for _ in range(p)]
         got = run_collective("allreduce", algorithm, inputs, op, plans=plans)
     assert len({g.tobytes() for g in got}) == 1
 

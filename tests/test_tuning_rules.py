@@ -202,8 +202,8 @@ def test_the_ranks_agree_on_the_table(tmp_path, clean_environment):
     # the device tables follow the same rule; without one, device arrays take the device cost model
     outvoted = Selector.from_environment(4, environ, agree=lambda bits: bits & 1)
     choice, why = outvoted.explain("allreduce", 1 << 20, device=True)
-    assert (choice, why) == (tuning.device_choice("allreduce", 1 << 20, 4)[0],
-                             tuning.device_choice("allreduce", 1 << 20, 4)[1] + " (no measured table for device arrays)")
+    model_choice, model_why = tuning.device_choice("allreduce", 1 << 20, 4)
+    assert (choice, why) == (model_choice, model_why + " (no measured table for device arrays)")
     assert choice in ("one_shot", "two_shot") and why.startswith("device cost model on one node (predicted: ")
 
 
@@ -229,7 +229,8 @@ def test_a_table_of_several_nodes_is_used_only_over_the_link_it_was_measured_on(
         if used:
             assert (choice, why) == ("ring", f"measured table {path} (layout 2x4)")
         else:
-            assert f"{path} was measured over a 118 MB/s link; this job's measures {tuning.link_stamp(rate):g} MB/s" in why
+            stamped = tuning.link_stamp(rate)
+            assert f"{path} was measured over a 118 MB/s link; this job's measures {stamped:g} MB/s" in why
     # another rank's entry holds no link (or none of its own): nobody measures, nobody uses it
     measured = []
     outvoted = Selector.from_environment(8, environ, topology=layout, agree=lambda bits: bits & ~4,

@@ -4,8 +4,8 @@ Every algorithm is a function ``build(rank, size, count, *, root, segment) ->
 Schedule`` (see ``collectives.schedule``); ``count`` is the element count of the
 input (for allgather and gather: of one rank's contribution; for scatter: of the block
 each rank receives; for alltoall: of one block, a rank's input holding ``size`` of
-them; for alltoallv: unused, the per-peer ``counts`` say it all). ``native`` is not here: it is the MPI library's own collective, which the
-transport calls directly.
+them; for alltoallv: unused, the per-peer ``counts`` say it all). ``native`` is not
+here: it is the MPI library's own collective, which the transport calls directly.
 """
 
 from ._layout import block_bounds  # noqa: F401 (used by the communicator)
@@ -128,7 +128,8 @@ NODE_SYMMETRIC = frozenset({("allreduce", "hierarchical"), ("allgather", "hierar
                             ("reduce_scatter", "hierarchical")})
 
 # Algorithms cut into pipelining segments; their default segment size in bytes.
-SEGMENTED = {("allreduce", "tree"): tree.DEFAULT_SEGMENT_BYTES, ("broadcast", "pipeline"): pipeline.DEFAULT_SEGMENT_BYTES}
+SEGMENTED = {("allreduce", "tree"): tree.DEFAULT_SEGMENT_BYTES,
+             ("broadcast", "pipeline"): pipeline.DEFAULT_SEGMENT_BYTES}
 
 SMALL = 64 * 1024  # bytes: below this, latency (message count) dominates
 LARGE = 1024 * 1024  # bytes

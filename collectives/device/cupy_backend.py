@@ -315,14 +315,8 @@ class CupyDevice:
     # -- peer reads: any allocation shared, stream memory operations --------------------------
     def allocation(self, array):
         """``(base, size, buffer id)`` of the allocation ``array`` lies in."""
-        d = driver()
-        ptr = ctypes.c_uint64(_ptr(array))
-        base, size, buffer_id = ctypes.c_uint64(), ctypes.c_size_t(), ctypes.c_uint64()
         with cupy.cuda.Device(self.id):
-            d.check(d.pointer_attribute(ctypes.byref(base), _RANGE_START, ptr), "the allocation's start")
-            d.check(d.pointer_attribute(ctypes.byref(size), _RANGE_SIZE, ptr), "the allocation's size")
-            d.check(d.pointer_attribute(ctypes.byref(buffer_id), _BUFFER_ID, ptr), "the allocation's buffer id")
-        return int(base.value), int(size.value), int(buffer_id.value)
+            return driver().allocation(_ptr(array))
 
     def export(self, base):
         """An IPC handle of the allocation at ``base`` (64 bytes)."""
@@ -411,16 +405,28 @@ class _Driver:
     def __init__(self):
         lib = ctypes.CDLL("libcuda.so.1")
         u64, u32, c_uint = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint
-        self.pointer_attribute = lib.cuPointerGetAttribute
-        self.pointer_attribute.argtypes = [ctypes.c_void_p, ctypes.c_int, u64]
+        self.pointer_attributes = lib.cuPointerGetAttributes
+        self.pointer_attributes.argtypes = [c_uint, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_void_p), u64]
         self.write_value = _first(lib, "cuStreamWriteValue32_v2", "cuStreamWriteValue32")
         self.write_value.argtypes = [ctypes.c_void_p, u64, u32, c_uint]
         self.wait_value = _first(lib, "cuStreamWaitValue32_v2", "cuStreamWaitValue32")
         self.wait_value.argtypes = [ctypes.c_void_p, u64, u32, c_uint]
         self.host_device_pointer = _first(lib, "cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer")
         self.host_device_pointer.argtypes = [ctypes.POINTER(u64), ctypes.c_void_p, c_uint]
-        for function in (self.pointer_attribute, self.write_value, self.wait_value, self.host_device_pointer):
+        for function in (self.pointer_attributes, self.write_value, self.wait_value, self.host_device_pointer):
             function.restype = ctypes.c_int
+        # cuPointerGetAttributes' arguments, made once: where the start, size and buffer id land
+        self.base, self.size, self.buffer_id = ctypes.c_uint64(), ctypes.c_size_t(), ctypes.c_uint64()
+        self.attributes = (ctypes.c_int * 3)(_RANGE_START, _RANGE_SIZE, _BUFFER_ID)
+        self.into = (ctypes.c_void_p * 3)(*(ctypes.cast(ctypes.byref(v), ctypes.c_void_p)
+                                            for v in (self.base, self.size, self.buffer_id)))
+        self.lock = threading.Lock()  # ctypes lets go of the GIL: one caller of those at a time
+
+    def allocation(self, ptr):
+        """``(start, size, buffer id)`` of the allocation holding device address ``ptr``."""
+        with self.lock:
+            self.check(self.pointer_attributes(3, self.attributes, self.into, ptr), "cuPointerGetAttributes")
+            return int(self.base.value), int(self.size.value), int(self.buffer_id.value)
 
     def check(self, result, what):
         if result != 0:

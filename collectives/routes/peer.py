@@ -9,6 +9,7 @@ everywhere), and one that named the algorithm raises before any message."""
 from __future__ import annotations
 
 import zlib
+from functools import lru_cache
 from typing import Any
 
 from ..algorithms import ORDERED, PEER_READS, cost_model_choice
@@ -54,6 +55,7 @@ def register(ctx: Any, device: Any, array: Any, nbytes: int, timeout: float | No
             node.open(rank, words, "registered array")
 
 
+@lru_cache(maxsize=1024)
 def call_code(spec: Any, algorithm: str, dtype: Any, op: str) -> int:
     """A number naming a call's kind, which the ranks compare at its first fence."""
     op = op if spec.reduces else "-"

@@ -186,7 +186,8 @@ def _check_args(collective, algorithm, world_size, count, dtype, op, root, param
     if algorithm not in names:
         raise ValueError(
             f"algorithm for {collective} must be one of {', '.join(names)} in the simulator; got {algorithm!r}"
-            + (" (native is the MPI library's own, and auto picks among these)" if algorithm in ("native", "auto") else "")
+            + (" (native is the MPI library's own, and auto picks among these)"
+               if algorithm in ("native", "auto") else "")
         )
     if not _is_int(world_size) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer; got {world_size!r}")
@@ -384,9 +385,9 @@ def run(collective, algorithm, world_size, count, dtype="float32", op="sum", roo
     """Run ``collective`` with ``algorithm`` for ``world_size`` virtual ranks in this
     process, on integer-valued NumPy inputs of ``count`` elements per rank (allgather and
     gather: each rank's contribution; scatter and alltoall: each block; alltoallv: the
-    mean block, its blocks as ``counts`` says, default :func:`alltoallv_counts`), and check every rank's result against NumPy's reduction
-    of the same inputs: equal values (+0 and -0 alike), and for allreduce the same
-    bits on every rank.
+    mean block, its blocks as ``counts`` says, default :func:`alltoallv_counts`), and
+    check every rank's result against NumPy's reduction of the same inputs: equal
+    values (+0 and -0 alike), and for allreduce the same bits on every rank.
 
     ``params``: ``segment_size`` (bytes, for the pipelined ``tree`` and ``pipeline``, and the
     shared-memory algorithms' slot),
@@ -411,8 +412,8 @@ def run(collective, algorithm, world_size, count, dtype="float32", op="sum", roo
     inputs = [make_input(r, world_size, per_rank if matrix is None else int(matrix[r].sum()), dtype, op)
               for r in range(world_size)]
     inplace = bool(params.get("inplace", False))
-    got = local.run_collective(collective, algorithm, [x.copy() for x in inputs], op, root, inplace=inplace, plans=plans,
-                               counts=matrix, registered=bool(params.get("registered", False)))
+    got = local.run_collective(collective, algorithm, [x.copy() for x in inputs], op, root, inplace=inplace,
+                               plans=plans, counts=matrix, registered=bool(params.get("registered", False)))
     contributors = range(world_size)
     if baseline:  # servers hold no data and get no result
         contributors = range(int(params.get("servers", 1)), world_size)
@@ -421,11 +422,13 @@ def run(collective, algorithm, world_size, count, dtype="float32", op="sum", roo
     for r in range(world_size):
         expected = None if (baseline and r not in contributors) else want[r - contributors.start]
         _check_equal(r, got[r], expected, collective, algorithm)
-    if spec.reduces and not (spec.root_result or spec.scatters):  # one reduction per element, then copies: the same bits
+    # one reduction per element, then copies: the same bits on every rank
+    if spec.reduces and not (spec.root_result or spec.scatters):
         first = got[contributors.start]
         for r in contributors:
             if got[r].tobytes() != first.tobytes():
-                raise CollectiveError(f"{collective}/{algorithm}: ranks {contributors.start} and {r} got different bits")
+                raise CollectiveError(f"{collective}/{algorithm}: ranks {contributors.start} and {r} got "
+                                      "different bits")
     return SimResult(got, collective, algorithm, world_size, count, dtype, root, plans.__getitem__)
 
 

@@ -236,6 +236,7 @@ class PeerNode:
         self.end_event = self.backend.event()
         self.slot, self._slots = None, []  # this rank's window slot (device bytes), and every one made
         self.nothing = self.backend.empty(0, np.uint8)  # the buffers of a call that moves nothing (a barrier)
+        self._buffers = {}  # the peers' buffers seen, typed (peer_buffer)
         self.counters = Counter()  # calls, fences, host fences
 
     def take_event(self):
@@ -281,6 +282,20 @@ class PeerNode:
         return self.memory.view(self.window.pids[rank], base, buffer_id & (2 ** 64 - 1),
                                 words[:_HANDLE_WORDS].tobytes(), size, offset, nbytes)
 
+    def peer_buffer(self, rank, words, what, storage):
+        """Rank ``rank``'s buffer that ``words`` describes, typed ``storage`` (a
+        :class:`_Sliced`; None for nothing). Kept: the same buffer in a later call costs
+        a lookup, and its slices too (the peer's allocation stays open anyway)."""
+        key = (rank, words.tobytes(), storage)
+        found = self._buffers.get(key, False)
+        if found is False:
+            raw = self.open(rank, words, what)
+            found = None if raw is None else _Sliced(raw.view(storage))
+            if len(self._buffers) >= 256:
+                self._buffers.clear()
+            self._buffers[key] = found
+        return found
+
     def release(self):
         """Let this rank's stream pass every stream fence it may wait at (after a failure,
         so that its queued work does not wait for ever)."""
@@ -306,6 +321,26 @@ class PeerNode:
 
 def _ptr(array):
     return array.ptr if hasattr(array, "ptr") else array.data.ptr
+
+
+class _Sliced:
+    """A device array and the slices of it asked for so far (slicing a CuPy array costs
+    microseconds; a peer's buffer is sliced alike call after call)."""
+
+    __slots__ = ("array", "parts")
+
+    def __init__(self, array):
+        self.array, self.parts = array, {}
+
+    def part(self, lo, hi):
+        if lo == 0 and hi == self.array.size:
+            return self.array
+        found = self.parts.get((lo, hi))
+        if found is None:
+            if len(self.parts) >= 64:
+                self.parts.clear()
+            found = self.parts[(lo, hi)] = self.array[lo:hi]
+        return found
 
 
 def choose_mechanism(backend, exchange):
@@ -543,19 +578,21 @@ class PeerCall:
         for q in range(window.size):
             if q == window.rank:
                 continue
-            inp = node.open(q, window.descriptor_of(q, self.parity, 0), "input")
-            slot = node.open(q, window.descriptor_of(q, self.parity, 1), "window slot") if self.slot else None
-            self.peers[q] = (None if inp is None else inp.view(storage), None if slot is None else slot.view(storage))
+            inp = node.peer_buffer(q, window.descriptor_of(q, self.parity, 0), "input", storage)
+            slot = node.peer_buffer(q, window.descriptor_of(q, self.parity, 1), "window slot",
+                                    storage) if self.slot else None
+            self.peers[q] = (inp, slot)
         if self.slot:
-            self.own_slot = node.slot[: self.slot * storage.itemsize].view(storage)
+            self.own_slot = _Sliced(node.slot[: self.slot * storage.itemsize].view(storage))
 
     def _view(self, spec):
         buf, q, lo, hi = spec
         if buf == "reg":
-            return self.peers[q][0][lo:hi]
+            return self.peers[q][0].part(lo, hi)
         if buf == "shm":
-            return (self.own_slot if q == self.window.rank else self.peers[q][1])[lo:hi]
-        return self.arrays[buf][lo:hi]
+            return (self.own_slot if q == self.window.rank else self.peers[q][1]).part(lo, hi)
+        array = self.arrays[buf]
+        return array if lo == 0 and hi == array.size else array[lo:hi]
 
     def _enqueue(self, k):
         backend, stream, view = self.backend, self.node.stream, self._view

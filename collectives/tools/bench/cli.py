@@ -54,7 +54,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="collectives-bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-c", "--collectives", default="all",
-                   help=f"comma-separated, from {','.join(COLLECTIVES + VARIABLE)}; or 'all' (default: all but {','.join(VARIABLE)})")
+                   help=f"comma-separated, from {','.join(COLLECTIVES + VARIABLE)}; or 'all' "
+                        f"(default: all but {','.join(VARIABLE)})")
     p.add_argument("-a", "--algorithms", default="all",
                    help="comma-separated algorithm names, each run where the collective has it; "
                         "'all' (default) is every algorithm plus native and auto")
@@ -236,7 +237,8 @@ def check_outputs(args, world):
     problem = None
     if world.Get_rank() == 0:
         try:
-            for option, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot), ("--tune", args.tune)):
+            outputs = (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot), ("--tune", args.tune))
+            for option, path in outputs:
                 if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
                     raise ValueError(f"{option} {path}: the folder does not exist")
             if args.plot:
