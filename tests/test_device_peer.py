@@ -540,8 +540,10 @@ WORKLOAD = [("allreduce", "one_shot"), ("allreduce", "two_shot"), ("reduce_scatt
 def _workload(comm, mpi_comm, rounds):
     """``rounds`` of every peer-read collective, each input written by work queued on the
     user's stream just before the call (on rank 0 held back for 20 ms by a word the
-    stream waits for, while every rank polls the call) and overwritten just after it
-    returns (as a caller may); returns (wrong results, an error) as every rank saw them."""
+    stream waits for, while every rank polls the call: the others would read rank 0's
+    input too early), and overwritten just after it returns, as a caller may (the
+    others then wait 10 ms before they go on: they would read rank 0's input too late);
+    returns (wrong results, an error) as every rank saw them."""
     wrong, error = 0, None
     user, dev = D.new_stream(), D.si.device()
     gate = np.zeros(1, np.uint32)  # host memory the user's stream waits on (a stream wait value)
@@ -561,14 +563,16 @@ def _workload(comm, mpi_comm, rounds):
                     while time.monotonic() < until:
                         comm.poll()
                     gate[0] += 1
+                    if comm.rank != 0:  # rank 0 may now finish and write its input again while the others
+                        time.sleep(0.01)  # do nothing: their reads of it run after that, unless a fence holds it
                     got = handle.wait()
                     host = None if got is None else D.asnumpy(got, stream=user)
                     D.copy_async(x, np.full(n, -7.0, np.float32), user)  # the caller writes its input again
                     D.asnumpy(x[:1], stream=user)  # (and the stand-in runs that now)
                     want = expected_result(collective, comm.rank, comm.size, xs, "sum", root)
                     wrong += differs(want, host) is not None
-                except Exception as exc:  # noqa: BLE001 - a timeout, a broken communicator, a stale read
-                    error = error or f"{type(exc).__name__}: {exc}"[:200]
+                except (cc.CollectiveError, D.si.StaleMapping) as exc:  # a timeout, a mismatch, a stale read
+                    error = error or f"{type(exc).__name__}: {exc}"[:300]
                 if mpi_comm.allreduce(error is not None, op=MPI.LOR):
                     return mpi_comm.allreduce(wrong), error or "another rank's call failed"
     return mpi_comm.allreduce(wrong), error
@@ -599,6 +603,8 @@ def test_taking_out_any_synchronisation_makes_the_workload_fail(mpi_comm, monkey
     wrong, error = _workload(comm, mpi_comm, 6)
     monkeypatch.undo()
     assert wrong or error, f"{mutation}: every result right, no error: the stand-in let it pass"
+    if error and "timed out" in error and "another rank" not in error:
+        assert " for rank" in error, f"{mutation}: a timeout that names no rank: {error}"
 
 
 @pytest.mark.mpi(min_size=2)
@@ -659,4 +665,25 @@ def test_the_benchmark_measures_tunes_and_reports_on_the_stand_in(mpi_comm, tmp_
                        "auto on device arrays", "not measured"):
             if needle not in targets:
                 problems.append(f"targets.md has no {needle!r}")
+    agree(mpi_comm, problems)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_stall_warning_names_the_rank_a_fence_waits_for(mpi_comm, caplog):
+    """stall_warn: while rank 0 keeps the others waiting at the first fence, they log
+    which rank they wait for, and the call then completes with the right result."""
+    import logging
+
+    comm = communicator("host", stall_warn=0.2)
+    comm.allreduce(D.asarray(np.ones(10, np.float32)), algorithm="one_shot")  # the window is made
+    x = D.asarray(np.full(100, comm.rank + 1.0, np.float32))
+    if comm.rank == 0:
+        time.sleep(0.8)
+    with caplog.at_level(logging.WARNING, logger="collectives"):
+        got = comm.allreduce(x, algorithm="one_shot")
+    problems = [] if np.array_equal(D.asnumpy(got), np.full(100, comm.size * (comm.size + 1) / 2)) else ["wrong"]
+    if comm.rank != 0 and not any("waiting at fence 1 of 2 for rank 0 to arrive" in r.getMessage()
+                                  for r in caplog.records):
+        problems.append(f"no stall warning naming rank 0: {[r.getMessage() for r in caplog.records]}")
+    comm.free()
     agree(mpi_comm, problems)

@@ -149,7 +149,7 @@ class PeerWindow:
         """The index (in ``inbox``) of the word ``writer`` writes into ``owner``'s row."""
         return owner * self.row + writer
 
-    def late(self, value):
+    def behind_on_device(self, value):
         """The ranks whose word in this rank's row has not reached ``value``."""
         row = self.rank * self.row
         return [q for q in range(self.size)
@@ -237,6 +237,7 @@ class PeerNode:
         self.slot, self._slots = None, []  # this rank's window slot (device bytes), and every one made
         self.nothing = self.backend.empty(0, np.uint8)  # the buffers of a call that moves nothing (a barrier)
         self._buffers = {}  # the peers' buffers seen, typed (peer_buffer)
+        self._flag_stream = None  # kernel: where flags_now copies the flags out
         self.counters = Counter()  # calls, fences, host fences
 
     def take_event(self):
@@ -281,6 +282,16 @@ class PeerNode:
             return None
         return self.memory.view(self.window.pids[rank], base, buffer_id & (2 ** 64 - 1),
                                 words[:_HANDLE_WORDS].tobytes(), size, offset, nbytes)
+
+    def flags_now(self):
+        """kernel: this rank's flags as they are now, on the host (for messages; the copy
+        runs on a stream of its own beside the fence kernel that spins on them)."""
+        if self._flag_stream is None:
+            self._flag_stream = self.backend.stream("flags")
+        host = np.empty(self.window.size, np.uint32)
+        self.backend.copy(host, self.flags, self._flag_stream)
+        self.backend.synchronize_stream(self._flag_stream)
+        return host
 
     def peer_buffer(self, rank, words, what, storage):
         """Rank ``rank``'s buffer that ``words`` describes, typed ``storage`` (a
@@ -581,6 +592,9 @@ class PeerCall:
             inp = node.peer_buffer(q, window.descriptor_of(q, self.parity, 0), "input", storage)
             slot = node.peer_buffer(q, window.descriptor_of(q, self.parity, 1), "window slot",
                                     storage) if self.slot else None
+            if (inp is None and self.arrays["in"].size) or (slot is None and self.slot):
+                raise CollectiveMismatchError(f"{self.describe}: rank {q} published no buffer for this call where "
+                                              "this rank needs one (a different call there, or a broken exchange)")
             self.peers[q] = (inp, slot)
         if self.slot:
             self.own_slot = _Sliced(node.slot[: self.slot * storage.itemsize].view(storage))
@@ -628,10 +642,20 @@ class PeerCall:
         return f"waiting for {ranks(window.behind(_ANNOUNCED, self.number))} to start it"
 
     def _late_on_device(self):
-        if self.node.mechanism != "stream":
+        """Which ranks this rank's device waits for, read from the words the others
+        write (stream) or from its flags (kernel: copied to the host, on a stream of
+        their own)."""
+        mechanism, window = self.node.mechanism, self.window
+        if mechanism == "host":
             return ""
+        flags = self.node.flags_now() if mechanism == "kernel" else None
         for k in range(1, self.fences + 1):
-            late = self.window.late((self.base + k) & 0xFFFFFFFF)
+            epoch = (self.base + k) & 0xFFFFFFFF
+            if flags is None:
+                late = window.behind_on_device(epoch)
+            else:
+                late = [q for q in range(window.size)
+                        if q != window.rank and ((int(flags[q]) - epoch) & 0xFFFFFFFF) >= 0x80000000]
             if late:
                 return f" (at fence {k} of {self.fences} it waits for {ranks(late)} to arrive)"
         return ""
