@@ -438,7 +438,7 @@ class PeerCall:
         self.announced = False
         self.ended = False
         self.done = False
-        self.peers = None  # rank -> (its input, its window slot) as typed device arrays
+        self.peers = None  # rank -> (its input, its window slot), each a _Sliced typed device array
 
     # -- the steps ------------------------------------------------------------------------------
     def step(self):
