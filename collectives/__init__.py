@@ -13,6 +13,7 @@ framework adapters (``cc.training``, ``cc.ps``, ``collectives.torch``,
 
 import importlib
 
+from . import mpi_library  # first: importing it prepares MPI's environment, before mpi4py.MPI loads
 from . import _aliases, device
 from .algorithms import COLLECTIVES, algorithms
 from .dtypes import SUPPORTED_DTYPES
@@ -58,6 +59,7 @@ __all__ = [
     "TransportError",
     "algorithms",
     "device",
+    "mpi_library",
     "ops_for",
     "ps",
     "sim",

@@ -14,16 +14,18 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from . import calibration, mpi_library
 from . import topology as topology_module
 from .cache import BoundedCache
 from .options import Options
 from .routes.base import finish_in_flight
 from .topology import Topology
 from .transport import liveness as liveness_module
+from .transport import native, tags
 from .transport.liveness import Liveness
 from .transport.mpi import RequestHandle
 from .transport.progress import Progress
-from .tuning import Selector
+from .tuning import LINK_TOLERANCE, Selector
 
 def _nothing() -> None:
     return None
@@ -91,11 +93,17 @@ class Context:
         self.selector = Selector.from_environment(
             self.size, deterministic=options.deterministic, topology=self.topology,
             agree=lambda bits: self.comm.allreduce(bits, op=MPI.BAND), hint=self.rank == 0,
-            measure_link=self.measure_link)
-        tag_ub = self.comm.Get_attr(MPI.TAG_UB)
-        self.tag_limit = tag_ub  # calls are numbered mod this: their messages' tags, 0 … TAG_UB - 1
-        self.blocking_tag = tag_ub  # every call that runs alone: see routes.plans
+            measure_link=self.measure_link, calibrate=self.calibrate)
+        tag_ub = mpi_library.tag_ub()  # MPI_COMM_WORLD's: Open MPI gives Split's and Create's communicators none
+        self.tag_limit = tag_ub  # calls are numbered mod this
+        self.tags = tags.layout()  # a call's messages: its base tag (tags.call(sequence)) plus each one's size code
+        self.blocking_tag = self.tags.blocking  # the base tag of every call that runs alone: see routes.plans
         self.p2p_tag_limit = tag_ub + 1  # send/recv (their own communicator): any tag MPI allows
+        # MPI's own collectives whose ranks agree on the size first, where MPI would not
+        # stop on a mismatch by itself (transport.native); the non-blocking ones then go
+        # on a duplicate of their own, posted in call order once agreed.
+        self.native_checked = mpi_library.native_checked(native.CHECKED)
+        self.deferred = native.Deferred(mpi_comm.Dup()) if self.native_checked else None
         self.sequence = 0  # the newest call's number (its messages' tag)
         self.progress = Progress(Liveness(mpi_comm.Dup()), options.stall_warn)
         self.p2p_comm = mpi_comm.Dup()  # send/recv: never matched with a collective's messages
@@ -119,6 +127,17 @@ class Context:
             self.progress.liveness.connect([r for r in range(self.size) if r not in here])
         self.window: Any = None  # the node's shared window (transport.shm.NodeWindow), made at first use
         self.registrations: list[Any] = []  # what empty() and zeros() made, in the order every rank made them
+
+    def calibrate(self, fingerprint: Any, key: Any, link: Any) -> Any:
+        """``auto``'s cost model calibrated for these ranks (collective; see
+        :mod:`collectives.calibration`), before any call: its messages use the blocking
+        calls' base tag on the private communicator."""
+        return calibration.obtain(self.comm, self.topology, fingerprint, key, tags.layout().blocking, link=link,
+                                  link_tolerance=LINK_TOLERANCE)
+
+    def broken_by(self, error: Exception) -> None:
+        """Break the engine with ``error``, which every rank found alike (no notice sent)."""
+        self.progress.fail(error, notify=False)
 
     def measure_link(self) -> float:
         """The node-to-node rate, bytes per second (collective; see ``topology.measure_link``)."""
@@ -177,6 +196,8 @@ class Context:
             self.node_comm.Free()
         self.comm.Free()
         self.p2p_comm.Free()
+        if self.deferred is not None:
+            self.deferred.comm.Free()
         self.progress.liveness.free()
 
     def request(self, what: str, start: Any, timeout: float | None, nbytes: int = 0) -> None:

@@ -12,6 +12,7 @@ from . import check as check_mode
 from .algorithms import SHARED_MEMORY
 from .device import DeviceArray
 from .errors import CollectiveError
+from .routes.base import finish_in_flight
 
 
 def gate(ctx: Any, collective: str, timeout: float | None, algorithm: str = "-", op: str = "-", dtype: Any = None,
@@ -24,6 +25,8 @@ def gate(ctx: Any, collective: str, timeout: float | None, algorithm: str = "-",
                               f"({ctx.progress.broken}); make a new Communicator, though after a timeout "
                               "the job usually has to stop")
     sequence = ctx.next_call()
+    if len(ctx.progress.active) >= ctx.tags.calls - 2:  # its base tag would be a call's in flight
+        finish_in_flight(ctx)
     if ctx.options.check:
         alone = ctx.options.alone(blocking, timeout)
         if algorithm == "native":

@@ -58,7 +58,7 @@ def recv(ctx: Any, out: Any, src: Any, tag: Any, timeout: Any, blocking: bool) -
     if isinstance(target, DeviceArray):
         landing = np.empty(0, np.uint8) if not target.nbytes else target.backend.pinned(target.nbytes)
 
-        def finish():
+        def finish() -> Any:
             p2p.host_to_device(landing, target)
             return out
     elif target.flags.c_contiguous:
@@ -67,7 +67,7 @@ def recv(ctx: Any, out: Any, src: Any, tag: Any, timeout: Any, blocking: bool) -
         staged = np.empty(target.shape, target.dtype)
         landing = p2p.as_bytes(staged)
 
-        def finish():
+        def finish() -> Any:
             target[...] = staged
             return out
     source = MPI.ANY_SOURCE if src is None else src

@@ -49,45 +49,45 @@ def fold(op: str, inputs: Sequence[np.ndarray]) -> np.ndarray:
     return acc
 
 
-def allreduce(inputs, op="sum", root=0, counts=None):
+def allreduce(inputs: list[np.ndarray], op: str = "sum", root: int = 0, counts: Any = None) -> Results:
     total = fold(op, inputs)
     return [total.copy() for _ in inputs]
 
 
-def reduce_scatter(inputs, op="sum", root=0, counts=None):
+def reduce_scatter(inputs: list[np.ndarray], op: str = "sum", root: int = 0, counts: Any = None) -> Results:
     total = fold(op, inputs).reshape(-1)
     bounds = block_bounds(total.size, len(inputs))
     return [total[bounds[r] : bounds[r + 1]].copy() for r in range(len(inputs))]
 
 
-def allgather(inputs, op="sum", root=0, counts=None):
+def allgather(inputs: list[np.ndarray], op: str = "sum", root: int = 0, counts: Any = None) -> Results:
     return [np.stack(inputs) for _ in inputs]
 
 
-def broadcast(inputs, op="sum", root=0, counts=None):
+def broadcast(inputs: list[np.ndarray], op: str = "sum", root: int = 0, counts: Any = None) -> Results:
     return [inputs[root].copy() for _ in inputs]
 
 
-def reduce(inputs, op="sum", root=0, counts=None):
+def reduce(inputs: list[np.ndarray], op: str = "sum", root: int = 0, counts: Any = None) -> Results:
     total = fold(op, inputs)
     return [total if r == root else None for r in range(len(inputs))]
 
 
-def gather(inputs, op="sum", root=0, counts=None):
+def gather(inputs: list[np.ndarray], op: str = "sum", root: int = 0, counts: Any = None) -> Results:
     return [np.stack(inputs) if r == root else None for r in range(len(inputs))]
 
 
-def scatter(inputs, op="sum", root=0, counts=None):
+def scatter(inputs: list[np.ndarray], op: str = "sum", root: int = 0, counts: Any = None) -> Results:
     """Row r of the root's input (shape ``(size, *s)``) to rank r."""
     return [inputs[root][r].copy() for r in range(len(inputs))]
 
 
-def alltoall(inputs, op="sum", root=0, counts=None):
+def alltoall(inputs: list[np.ndarray], op: str = "sum", root: int = 0, counts: Any = None) -> Results:
     """Row j of rank i's input to rank j, stacked in rank order."""
     return [np.stack([x[r] for x in inputs]) for r in range(len(inputs))]
 
 
-def alltoallv(inputs, op="sum", root=0, counts=None):
+def alltoallv(inputs: list[np.ndarray], op: str = "sum", root: int = 0, counts: Any = None) -> Results:
     """``counts[i][j]`` rows of rank i's input (in order) to rank j; rank j gets rank
     0's rows first, then rank 1's, and so on."""
     size = len(inputs)
@@ -119,52 +119,52 @@ def _averaged(out: np.ndarray, op: str, size: int) -> np.ndarray:
     return out
 
 
-def _mpi_allreduce(mpi_comm, x, op, root):
+def _mpi_allreduce(mpi_comm: Any, x: np.ndarray, op: str, root: int) -> Any:
     out = np.empty_like(x)
     mpi_comm.Allreduce(x, out, _mpi_op(op))
     return _averaged(out, op, mpi_comm.Get_size())
 
 
-def _mpi_reduce_scatter(mpi_comm, x, op, root):
+def _mpi_reduce_scatter(mpi_comm: Any, x: np.ndarray, op: str, root: int) -> Any:
     size, rank = mpi_comm.Get_size(), mpi_comm.Get_rank()
     total = _mpi_allreduce(mpi_comm, x, op, root).reshape(-1)
     bounds = block_bounds(total.size, size)
     return total[bounds[rank] : bounds[rank + 1]].copy()
 
 
-def _mpi_allgather(mpi_comm, x, op, root):
+def _mpi_allgather(mpi_comm: Any, x: np.ndarray, op: str, root: int) -> Any:
     out = np.empty((mpi_comm.Get_size(),) + x.shape, x.dtype)
     mpi_comm.Allgather(x, out)
     return out
 
 
-def _mpi_broadcast(mpi_comm, x, op, root):
+def _mpi_broadcast(mpi_comm: Any, x: np.ndarray, op: str, root: int) -> Any:
     out = x.copy()
     mpi_comm.Bcast(out, root)
     return out
 
 
-def _mpi_reduce(mpi_comm, x, op, root):
+def _mpi_reduce(mpi_comm: Any, x: np.ndarray, op: str, root: int) -> Any:
     here = mpi_comm.Get_rank() == root
     out = np.empty_like(x)
     mpi_comm.Reduce(x, out if here else None, _mpi_op(op), root)
     return _averaged(out, op, mpi_comm.Get_size()) if here else None
 
 
-def _mpi_gather(mpi_comm, x, op, root):
+def _mpi_gather(mpi_comm: Any, x: np.ndarray, op: str, root: int) -> Any:
     here = mpi_comm.Get_rank() == root
     out = np.empty((mpi_comm.Get_size(),) + x.shape, x.dtype)
     mpi_comm.Gather(x, out if here else None, root)
     return out if here else None
 
 
-def _mpi_scatter(mpi_comm, x, op, root):  # x: (size, *s) everywhere; the root's rows are sent
+def _mpi_scatter(mpi_comm: Any, x: np.ndarray, op: str, root: int) -> Any:  # x: (size, *s); the root's rows go
     out = np.empty(x.shape[1:], x.dtype)
     mpi_comm.Scatter(x if mpi_comm.Get_rank() == root else None, out, root)
     return out
 
 
-def _mpi_alltoall(mpi_comm, x, op, root):
+def _mpi_alltoall(mpi_comm: Any, x: np.ndarray, op: str, root: int) -> Any:
     out = np.empty_like(x)
     mpi_comm.Alltoall(x, out)
     return out

@@ -20,7 +20,14 @@ In order, the first that answers:
    need not win on a 100 Gbit/s one. An entry without a
    fingerprint (a file written before fingerprints) is used only from a file named
    by ``COLLECTIVES_TUNING``: the user chose it;
-3. the conservative rule (:func:`conservative_choice`): ``native`` unless the cost
+3. where no host table matches, the cost model **calibrated on this machine**
+   (:mod:`collectives.calibration`; :func:`calibrated_choice`): measured by the ranks
+   together when the communicator is made, in well under a second, and cached per
+   user for the fingerprint and layout; ``native`` below 64 KiB, above it the
+   library's algorithm the model predicts fastest where MPI's own, measured, takes
+   1.1x as long. ``COLLECTIVES_CALIBRATE=0``, or choosing a rule with
+   ``COLLECTIVES_AUTO_RULE``, leaves it out;
+4. the conservative rule (:func:`conservative_choice`): ``native`` unless the cost
    model predicts at least ``GAIN_NEEDED`` (2x) for one of the library's algorithms.
    ``COLLECTIVES_AUTO_RULE=cost-model`` asks for the older rule of
    :func:`collectives.algorithms.cost_model_choice` here instead (latency- then
@@ -38,8 +45,9 @@ In deterministic mode a choice that cannot reduce in rank order (see
 names one is refused. ``comm.choose(collective, nbytes)`` says which rule decided.
 
 Where no table matches, rank 0 of the first such communicator prints one line to
-stderr (once per process) saying so and how to tune; ``COLLECTIVES_QUIET=1`` (or
-choosing a rule with ``COLLECTIVES_AUTO_RULE``) hides it.
+stderr (once per process) saying so (and, where it calibrated, how long that took)
+and how to tune; ``COLLECTIVES_QUIET=1`` (or choosing a rule with
+``COLLECTIVES_AUTO_RULE``) hides it. A calibration read from the cache says nothing.
 
 A tuning file is what ``collectives-bench --tune`` writes::
 
@@ -71,6 +79,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import calibration as calibration_module
+from . import mpi_library as mpi_library_module
+from .cache import BoundedCache
 from .algorithms import BUILDERS, COLLECTIVES, ORDERED, algorithms, check_ordered, cost_model_choice, two_level
 
 FORMAT = 1
@@ -120,12 +131,19 @@ def cpu_model():
     return _squeeze(platform.processor() or platform.machine() or "unknown")
 
 
-@functools.lru_cache(maxsize=None)
 def mpi_library():
-    """``MPI.Get_library_version()``'s first line, spaces squeezed: "MPICH Version: 5.0.2"."""
-    from mpi4py import MPI
+    """The MPI library's family and version as fingerprints hold them: "MPICH 5.0.2",
+    "Open MPI 5.0.11", "Intel MPI 2021.18.1" (:mod:`collectives.mpi_library`)."""
+    return str(mpi_library_module.library())
 
-    return _squeeze(MPI.Get_library_version().split("\n")[0])
+
+def canonical(stamp):
+    """``stamp`` (a fingerprint) with its MPI library written as :func:`mpi_library`
+    writes it: a table stamped before fingerprints named the family ("MPICH Version:
+    5.0.2", the version string's first line) still matches the same library."""
+    if not isinstance(stamp, dict) or "mpi" not in stamp:
+        return stamp
+    return {**stamp, "mpi": str(mpi_library_module.parse(stamp["mpi"]))}
 
 
 def _layout(topology, world_size):
@@ -296,7 +314,14 @@ class CostModel:
     ``bench/results``: in a node, the joint fit at 2 and 4 ranks of
     ``epyc-2vcpu-mpich5/README.md`` (α 22 µs, rounded to 20; β 0.166 ns/B; γ 0.093 ns/B);
     between nodes, the two-level fit of ``testbed-1gbit/README.md`` (α′ 50 µs for ours,
-    MPI's taken as that less our extra 18 µs per message; β′ 8.43 ns/B, 1 Gbit/s)."""
+    MPI's taken as that less our extra 18 µs per message; β′ 8.43 ns/B, 1 Gbit/s).
+
+    ``alpha`` is a message that waits for the one before it (a step of a ring, say).
+    ``message``, where set, is one more of ours in the same round, sent while the
+    round's first is in flight (``direct``'s p - 1 at once): with more ranks than
+    cores a step costs a wait for the peer to be scheduled, which the messages of one
+    round share, so it is less than ``alpha`` there (:mod:`collectives.calibration`
+    measures both). None: ``alpha``, as the shipped model has it."""
 
     alpha: float = 20e-6
     mpi_alpha: float = 2e-6
@@ -305,6 +330,7 @@ class CostModel:
     net_alpha: float = 50e-6
     mpi_net_alpha: float = 32e-6
     net_beta: float = 8.43e-9
+    message: float = None
 
 
 SHIPPED_MODEL = CostModel()
@@ -391,10 +417,13 @@ def _ring(model, net, n, ours, reducing, plain):
 def _direct(model, net, n, ours, rounds, reduced):
     """``rounds`` rounds in which every rank sends a block of n/p to every other rank,
     one message at a time through its port; the node's link carries its ranks'
-    blocks for the other nodes."""
+    blocks for the other nodes. ``reduced``: bytes each rank reduces, (p-1)/p·n where
+    it reduces its own block of every other rank's (docs/algorithms.md)."""
     p, k, b = net.p, net.k, n / net.p
     alpha, net_alpha = (model.alpha, model.net_alpha) if ours else (model.mpi_alpha, model.mpi_net_alpha)
-    per_round = (k - 1) * alpha + (p - k) * net_alpha + max((p - 1) * b * model.beta, k * (p - k) * b * model.net_beta)
+    # The round's first message waits; the other k - 2 of the node go with it (model.message).
+    node = alpha + (k - 2) * (model.message if ours and model.message is not None else alpha) if k > 1 else 0.0
+    per_round = node + (p - k) * net_alpha + max((p - 1) * b * model.beta, k * (p - k) * b * model.net_beta)
     return rounds * per_round + reduced * model.gamma
 
 
@@ -466,11 +495,13 @@ def predict(collective, nbytes, size, topology=None, model=SHIPPED_MODEL):
                   _ring(model, net, n, False, p - 1, p - 1)]
         ours = {"recursive_doubling": _recursive_doubling(model, net, n, True),
                 "recursive_halving": _halving(model, net, n, True, False, True),
-                "ring": _ring(model, net, n, True, p - 1, p - 1), "direct": _direct(model, net, n, True, 2, n)}
+                "ring": _ring(model, net, n, True, p - 1, p - 1),
+                "direct": _direct(model, net, n, True, 2, (p - 1) / p * n)}
     elif collective == "reduce_scatter":
         native = [_halving(model, net, n, False, False, False), _ring(model, net, n, False, p - 1, 0)]
         ours = {"recursive_halving": _halving(model, net, n, True, False, False),
-                "ring": _ring(model, net, n, True, p - 1, 0), "direct": _direct(model, net, n, True, 1, n)}
+                "ring": _ring(model, net, n, True, p - 1, 0),
+                "direct": _direct(model, net, n, True, 1, (p - 1) / p * n)}
     elif collective == "allgather":
         native = [_doubling_gather(model, net, n, False), _bruck(model, net, n, False),
                   _ring(model, net, n, False, 0, p - 1)]
@@ -484,7 +515,8 @@ def predict(collective, nbytes, size, topology=None, model=SHIPPED_MODEL):
     elif collective == "reduce":  # MPI's long-message reduce: reduce_scatter, then a binomial gather
         native = [_binomial(model, net, n, False, "reduce"),
                   _halving(model, net, n, False, True, False) + _binomial(model, net, n, False, "gather")]
-        ours = {"binomial": _binomial(model, net, n, True, "reduce"), "direct": _direct(model, net, n, True, 2, n)}
+        ours = {"binomial": _binomial(model, net, n, True, "reduce"),
+                "direct": _direct(model, net, n, True, 2, (p - 1) / p * n)}
     elif collective in ("gather", "scatter"):
         native = [_binomial(model, net, n, False, "gather")]
         ours = {"binomial": _binomial(model, net, n, True, "gather")}
@@ -597,6 +629,35 @@ def device_choice(collective, nbytes, size, topology=None, model=SHIPPED_DEVICE_
     return best, f"device cost model on one node (predicted: {said})"
 
 
+def calibrated_choice(calibration, collective, nbytes, size, topology=None):
+    """``(algorithm, why)``: what the model calibrated on this machine picks
+    (:mod:`collectives.calibration`): ``native`` below ``calibration.SMALL`` and for
+    the collectives it did not measure MPI's own for; else the library's algorithm
+    :func:`predict` times fastest with the measured parameters (scaled by
+    ``calibration.correction`` at this size), where MPI's own, measured, takes at least
+    ``calibration.MARGIN`` (1.1x) as long; else ``native``."""
+    small, margin = calibration_module.SMALL, calibration_module.MARGIN
+    where = f"calibrated model ({describe_fingerprint(calibration.fingerprint)}): {calibration.describe()}"
+    if calibration.native_time(collective, nbytes) is None:
+        return "native", f"{where}; native (MPI's own {collective}: not modelled)"
+    if nbytes < small:
+        return "native", f"{where}; native below {small >> 10} KiB (MPI's latency)"
+    mpi = calibration.native_time(collective, nbytes)
+    model = CostModel(**calibration.parameters())
+    ours = predict(collective, nbytes, size, topology, model)[1]
+    if not ours:
+        return "native", f"{where}; native (none of the library's {collective} algorithms is modelled)"
+    # What the model leaves out at this size, measured on the library's ring allreduce.
+    factor = calibration.correction(lambda b: predict("allreduce", b, size, topology, model)[1]["ring"], nbytes)
+    ours = {name: seconds * factor for name, seconds in ours.items()}
+    best = min(ours, key=ours.get)
+    gain = mpi / ours[best] if ours[best] > 0 else 1.0
+    said = f"{best} predicted {ours[best] * 1e6:.0f} us against MPI's own, measured, {mpi * 1e6:.0f} us ({gain:.2f}x)"
+    if gain >= margin:
+        return best, f"{where}; {said}"
+    return "native", f"{where}; native, as {said} is under {margin:g}x"
+
+
 _hinted = False  # the one-line hint: printed once per process
 
 
@@ -614,10 +675,15 @@ class Selector:
     ``rule`` answers where no table does: ``"conservative"`` or ``"cost-model"``.
     ``measure_link`` (collective: bytes per second, the same on every rank) is called
     where every rank's entry of several nodes holds a link (see the module's
-    docstring); ``link`` is then what it measured."""
+    docstring); ``link`` is then what it measured. ``calibrate(fingerprint, key,
+    link)`` (collective; a :class:`~collectives.calibration.Calibration`, the same on
+    every rank) is called where no host table is usable and every rank passed one (bit
+    16 of the agreement): the calibrated model then answers before ``rule``
+    (:mod:`collectives.calibration`)."""
 
     def __init__(self, world_size, table=None, overrides=None, device_table=None, deterministic=False, topology=None,
-                 *, fingerprint=None, unstamped=True, agree=None, rule="conservative", measure_link=None):
+                 *, fingerprint=None, unstamped=True, agree=None, rule="conservative", measure_link=None,
+                 calibrate=None):
         if rule not in RULES:
             raise ValueError(f"{RULE_ENV} must be one of {', '.join(RULES)}; got {rule!r}")
         self.world_size = world_size
@@ -632,13 +698,14 @@ class Selector:
         # A table keyed by the world size alone was measured on one node; several
         # nodes need one keyed by their layout ("2x4", "3+1").
         self.key = topology.key() if self.several else world_size
-        self.fingerprint = dict(fingerprint) if fingerprint is not None else _this_fingerprint(
+        self.fingerprint = canonical(dict(fingerprint)) if fingerprint is not None else _this_fingerprint(
             topology if self.several else None, world_size)
         agree = agree or (lambda bits: bits)
         here = [self._usable(table, ""), self._usable(device_table, " device")]
         # Bits 0-1: usable; bits 2-3: usable if this job's link is the one measured there.
         agreed = agree(sum(1 << i for i, (ok, _) in enumerate(here) if ok is True)
-                       + sum(4 << i for i, (ok, _) in enumerate(here) if ok == "link"))
+                       + sum(4 << i for i, (ok, _) in enumerate(here) if ok == "link")
+                       + (16 if calibrate is not None else 0))
         self.link = None
         if agreed & 12:  # every rank is waiting on the link: every rank measures it, together
             self.link = measure_link() if measure_link is not None else None
@@ -649,7 +716,11 @@ class Selector:
         self._why_not = [why if ok is False else None if self.in_use[i] else "another rank's machine or layout "
                          f"differs from the one {(table, device_table)[i].source} was measured on"
                          for i, (ok, why) in enumerate(here)]
-        self._cache = {}
+        # No host table here: calibrate the cost model on this machine (every rank, or none).
+        self.calibration = None
+        if agreed & 16 and not self.in_use[0] and world_size > 1 and set(BUILDERS) - set(self.overrides):
+            self.calibration = calibrate(self.fingerprint, self.key, self.link)
+        self._cache = BoundedCache(4096)  # (collective, nbytes, device) -> choice
 
     def _usable(self, table, suffix):
         """``(usable, why not)`` for ``table`` on this rank alone."""
@@ -658,9 +729,10 @@ class Selector:
         stamp = table.stamp(f"{self.key}{suffix}")
         if stamp is None:
             return self.unstamped, f"{table.source} has no fingerprint, so only a file named by {TUNING_ENV} is used"
-        if stamp == self.fingerprint:
+        same = canonical(stamp)  # an MPI written as before fingerprints named the family counts as that family's
+        if same == self.fingerprint:
             return True, None
-        if LINK in stamp and {k: v for k, v in stamp.items() if k != LINK} == self.fingerprint:
+        if LINK in same and {k: v for k, v in same.items() if k != LINK} == self.fingerprint:
             return "link", None  # the same machines and layout: the link decides (_link_verdict)
         return False, f"{table.source} was measured on {describe_fingerprint(stamp)}"
 
@@ -678,11 +750,12 @@ class Selector:
 
     @classmethod
     def from_environment(cls, world_size, environ=None, deterministic=False, topology=None, *, fingerprint=None,
-                         agree=None, hint=False, measure_link=None):
+                         agree=None, hint=False, measure_link=None, calibrate=None):
         """The selector the environment asks for (see the module's docstring). ``agree``,
-        ``fingerprint`` and ``measure_link`` as for :class:`Selector`; ``hint``: this
-        process may print the one-line note where no table matches (rank 0 of a
-        communicator)."""
+        ``fingerprint``, ``measure_link`` and ``calibrate`` as for :class:`Selector`
+        (``calibrate`` is passed on unless ``COLLECTIVES_CALIBRATE=0`` or a rule is
+        chosen with ``COLLECTIVES_AUTO_RULE``); ``hint``: this process may print the
+        one-line note where no table matches (rank 0 of a communicator)."""
         environ = os.environ if environ is None else environ
         overrides = {}
         for collective in BUILDERS:  # alltoallv too
@@ -704,8 +777,10 @@ class Selector:
         path = named or (DEFAULT_TABLE if DEFAULT_TABLE.exists() else "")
         table = TuningTable.load(path) if path else None
         device_table = TuningTable.load(path, "device_tables") if path else None
+        if not calibration_module.wanted(environ) or environ.get(RULE_ENV, "").strip():
+            calibrate = None
         selector = cls(world_size, table, overrides, device_table, deterministic, topology, fingerprint=fingerprint,
-                       unstamped=bool(named), agree=agree, rule=rule, measure_link=measure_link)
+                       unstamped=bool(named), agree=agree, rule=rule, measure_link=measure_link, calibrate=calibrate)
         quiet = environ.get(QUIET_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
         if hint and not quiet and not environ.get(RULE_ENV, "").strip():
             global _hinted
@@ -721,6 +796,14 @@ class Selector:
         nothing is left to choose: one rank, every collective forced)."""
         if self.rule != "conservative" or self.in_use[0] or self.world_size < 2 or set(BUILDERS) <= set(self.overrides):
             return None
+        calibrated = self.calibration
+        if calibrated is not None:  # said once, where it was measured now (a cached one says nothing)
+            if calibrated.source != "measured now":
+                return None
+            return (f"collectives: no tuning table measured on this machine and layout "
+                    f"({describe_fingerprint(self.fingerprint)}); auto's cost model was calibrated here in "
+                    f"{calibrated.seconds:.2f} s (cached for later jobs; {calibration_module.CALIBRATE_ENV}=0 turns "
+                    f"it off). `make tune` measures a full table; {QUIET_ENV}=1 hides this.")
         return (f"collectives: no tuning table measured on this machine and layout "
                 f"({describe_fingerprint(self.fingerprint)}); auto uses MPI's own collectives unless the cost "
                 f"model predicts a {GAIN_NEEDED:g}x gain. Run `make tune` (or collectives-bench --tune FILE, then "
@@ -730,10 +813,7 @@ class Selector:
         key = (collective, nbytes, device)
         choice = self._cache.get(key)
         if choice is None:
-            choice = self.explain(collective, nbytes, device)[0]
-            if len(self._cache) > 4096:  # many distinct sizes: do not grow without bound
-                self._cache.clear()
-            self._cache[key] = choice
+            choice = self._cache.put(key, self.explain(collective, nbytes, device)[0])
         return choice
 
     def explain(self, collective, nbytes, device=False):
@@ -758,6 +838,9 @@ class Selector:
             if self.several:
                 why += f" for {self.topology.describe()}"
             return choice, why
+        if self.calibration is not None:
+            return calibrated_choice(self.calibration, collective, nbytes, self.world_size,
+                                     self.topology if self.several else None)
         if self.rule == "cost-model":
             why = "cost-model rule" + (f" for {self.topology.describe()}" if self.several else "")
             return cost_model_choice(collective, nbytes, self.world_size, topology=self.topology), why

@@ -468,7 +468,7 @@ def test_a_rank_that_does_not_call_is_named_by_the_others_timeout(mpi_comm, mech
     if comm.rank != 0:
         wait = "waiting at fence 1 of 2 for rank 0 to arrive" if mechanism == "host" else "waiting for rank 0 to start"
         # (stream and kernel fences: the hosts meet at the first fence to say where their buffers are)
-        with pytest.raises(cc.CollectiveTimeoutError, match=f"timed out after .*{wait}"):
+        with pytest.raises(cc.CollectiveTimeoutError, match=f"Timed out after .*{wait}"):
             comm.allreduce(D.asarray(np.ones(1000, np.float32)), algorithm="two_shot", timeout=1.0)
     mpi_comm.Barrier()  # (the communicator is broken on the ranks that waited: not freed)
 
@@ -603,7 +603,7 @@ def test_taking_out_any_synchronisation_makes_the_workload_fail(mpi_comm, monkey
     wrong, error = _workload(comm, mpi_comm, 6)
     monkeypatch.undo()
     assert wrong or error, f"{mutation}: every result right, no error: the stand-in let it pass"
-    if error and "timed out" in error and "another rank" not in error:
+    if error and "Timed out" in error and "another rank" not in error:
         assert " for rank" in error, f"{mutation}: a timeout that names no rank: {error}"
 
 

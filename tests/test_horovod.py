@@ -7,8 +7,10 @@ library's own collectives through mpi4py, and, for the Horovod training script
 examples/train_horovod.py, single-process PyTorch training on the global batch.
 """
 
+import contextlib
 import functools
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -20,6 +22,7 @@ from mpi4py import MPI
 torch = pytest.importorskip("torch")
 
 import collectives.horovod.torch as hvd  # noqa: E402
+from collectives import CollectiveMismatchError  # noqa: E402
 from conftest import GLOBAL_BATCH, UFUNC, agree, identical_everywhere, rank_input, same  # noqa: E402
 from torch_reference import close  # noqa: E402
 
@@ -355,10 +358,12 @@ def test_bad_arguments_raise_before_any_message():
         hvd.broadcast(x, root_rank=P)
     with pytest.raises(ValueError, match="root_rank must be"):
         hvd.broadcast_parameters({"x": x}, root_rank=-1)
-    with pytest.raises(TypeError, match="splits must hold integers"):
+    with pytest.raises(ValueError, match="splits must hold integers"):  # Horovod's class for it
         hvd.alltoall(x, splits=torch.ones(P))
-    with pytest.raises(TypeError, match="sparse tensor"):
+    with pytest.raises(TypeError, match="sparse tensor.*sparse_allreduce_async"):
         hvd.allreduce(torch.eye(2).to_sparse())
+    with pytest.raises(ValueError, match="op must be hvd.Average or hvd.Sum for a sparse allreduce"):
+        hvd.sparse_allreduce_async(torch.eye(2).to_sparse(), "s", hvd.Max)
     with pytest.raises(ValueError, match="reducescatter: tensor must have at least one dimension"):
         hvd.reducescatter(torch.tensor(1.0))
     with pytest.raises(ValueError, match="invalid params of type: Tensor"):
@@ -368,20 +373,396 @@ def test_bad_arguments_raise_before_any_message():
 
 
 def test_shape_errors_raise_on_every_rank():
-    """Shapes that may legitimately differ between ranks (allgather's and alltoall's first
-    dimension) are agreed on first: a bad one anywhere raises everywhere, no rank hangs."""
-    with pytest.raises(ValueError, match=r"allgather: tensor must have at least one dimension.*rank\(s\) 0 passed"):
+    """What only the ranks together can see (allgather's and alltoall's shapes beyond
+    dimension 0, a 0-d tensor on one rank) raises on every rank, as Horovod's
+    negotiation does, with its exception class; what a rank can see alone raises there,
+    before anything is queued (Horovod's ValueError)."""
+    mismatch = (hvd.HorovodInternalError, RuntimeError, CollectiveMismatchError)
+    with pytest.raises(mismatch, match=r"rank\(s\) 0 tried to allgather a rank-zero tensor"):
         hvd.allgather(torch.tensor(1.0) if ME == 0 else torch.ones(1))
     if P > 1:
-        with pytest.raises(ValueError, match=rf"same shape beyond dimension 0 on every rank; rank\(s\) {P - 1} differ"):
+        with pytest.raises(CollectiveMismatchError, match=rf"Mismatched allgather tensor shapes: rank\(s\) 0.* "
+                                                          rf"dimension 1 equal to 3, but rank\(s\) {P - 1} sent a "
+                                                          "tensor with dimension 1 equal to 4"):
             hvd.allgather(torch.ones(2, 4 if ME == P - 1 else 3))
-        with pytest.raises(ValueError, match=r"alltoall: (splits must have one entry per rank|rank\(s\) 0 passed)"):
-            hvd.alltoall(torch.ones(P, 2), splits=[1] * (P + 1 if ME == 0 else P))
+        with pytest.raises(CollectiveMismatchError, match="Mismatched alltoall tensor shapes"):
+            hvd.alltoall(torch.ones(P, 2 + (ME == 0)))
+    with pytest.raises(ValueError, match="splits must have one entry per rank"):
+        hvd.alltoall(torch.ones(P, 2), splits=[1] * (P + 1))
     with pytest.raises(ValueError, match="splits add up to"):
         hvd.alltoall(torch.ones(P, 2), splits=[2] * P)
     with pytest.raises(ValueError, match="must be a multiple of the number of ranks" if P > 1 else "0-d"):
         hvd.alltoall(torch.ones(P + 1, 2) if P > 1 else torch.tensor(1.0))
     assert torch.equal(hvd.allgather(torch.ones(1)), torch.ones(P))  # still usable
+
+
+# -- Horovod's negotiation ----------------------------------------------------------------------
+def _others(*ranks):
+    """Every rank but ``ranks``, as the messages list them."""
+    return ", ".join(str(r) for r in range(P) if r not in ranks)
+
+
+def test_mismatched_calls_raise_on_every_rank_with_horovods_words():
+    """What Horovod's coordinator refuses (its messages: "Mismatched data types: ...")
+    raises on every rank, as HorovodInternalError (a RuntimeError), naming the ranks;
+    no data moves and the ranks carry on. An async call raises at synchronize."""
+    if P == 1:
+        return  # one rank cannot disagree with itself
+    last = P - 1
+    odd = ME == last
+    x = torch.ones(3)
+    cases = [
+        (lambda: hvd.allreduce(torch.ones(5 if odd else 4)),  # the issue's [3,3,3,3,2]
+         rf"Mismatched allreduce tensor shapes: rank\(s\) {_others(last)} sent a tensor of shape \[4\], but "
+         rf"rank\(s\) {last} sent a tensor of shape \[5\]\."),
+        (lambda: hvd.allreduce(torch.ones(3, dtype=torch.int32 if odd else torch.float32)),
+         rf"Mismatched data types: rank\(s\) {_others(last)} had type float32, but rank\(s\) {last} had type int32\."),
+        (lambda: hvd.allreduce(torch.ones(6).reshape((3, 2) if odd else (2, 3))),  # the same elements
+         r"Mismatched allreduce tensor shapes: .*\[2, 3\].*\[3, 2\]"),
+        (lambda: hvd.allreduce(x, op=hvd.Max if odd else hvd.Sum), "Mismatched reduction operation"),
+        (lambda: hvd.allreduce(x, prescale_factor=2.0 if odd else 1.0),
+         r"Mismatched prescale and/or postscale factors: .*\(1, 1\).*\(2, 1\)"),
+        (lambda: hvd.broadcast(x, root_rank=last if odd else 0),
+         rf"Mismatched broadcast root ranks: rank\(s\) {_others(last)} specified root rank 0, but rank\(s\) {last} "
+         rf"specified root rank {last}\."),
+        (lambda: hvd.broadcast(torch.ones(2, 3 + odd), root_rank=0), "Mismatched broadcast tensor shapes"),
+        (lambda: hvd.reducescatter(torch.ones(2 * P + odd)), "Mismatched reducescatter tensor shapes"),
+        (lambda: hvd.allgather(x) if odd else hvd.allreduce(x),
+         rf"Mismatched operations: rank\(s\) {_others(last)} did an allreduce, but rank\(s\) {last} did an allgather"),
+        (lambda: hvd.allreduce(x, name="b" if odd else "a"), rf"Mismatched names: rank\(s\) {last} named this"),
+        (lambda: hvd.synchronize(hvd.allreduce_async(torch.ones(5 if odd else 4))), "Mismatched allreduce tensor"),
+        (lambda: hvd.broadcast_object(ME, root_rank=last if odd else 0), "Mismatched broadcast_object root ranks"),
+    ]
+    problems = []
+    for i, (call, match) in enumerate(cases):
+        try:
+            call()
+            problems.append(f"case {i}: nothing raised")
+        except CollectiveMismatchError as exc:
+            if not (isinstance(exc, hvd.HorovodInternalError) and isinstance(exc, RuntimeError)):
+                problems.append(f"case {i}: {type(exc).__mro__} is not Horovod's class")
+            if not re.search(match, str(exc)):
+                problems.append(f"case {i}: {exc} does not match {match!r}")
+        if not torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(P))):
+            problems.append(f"case {i}: the next call went wrong")
+    agree(WORLD, problems)
+
+
+def test_a_name_in_flight_twice_is_an_error_and_calls_meet_across_a_barrier():
+    """Horovod's test pattern: rank 0 queues a named call and passes a barrier before
+    the others make theirs (a barrier does not start queued calls); a second call with
+    the name still in flight raises ValueError; the named calls still meet."""
+    x = torch.full((3,), float(ME + 1))
+    handle = None
+    problems = []
+    for turn in (0, 1):
+        if (ME == 0) == (turn == 0):
+            handle = hvd.allreduce_async(x, name="twice", op=hvd.Sum)
+            try:
+                hvd.allreduce_async(x, name="twice")
+                problems.append("a second call named 'twice' raised nothing")
+            except ValueError as exc:
+                if "already in flight" not in str(exc):
+                    problems.append(str(exc))
+        hvd.barrier()
+    if not torch.equal(hvd.synchronize(handle), torch.full((3,), P * (P + 1) / 2)):
+        problems.append(f"the calls paired wrongly: {hvd.synchronize(handle)}")
+    hvd.synchronize(hvd.allreduce_async(x, name="twice"))  # finished: the name is free again
+    agree(WORLD, problems)
+
+
+def test_negotiation_can_be_turned_off(monkeypatch):
+    """COLLECTIVES_HOROVOD_CHECK=0: no negotiation (calls are matched by order alone) and
+    no join; the calls still give Horovod's results."""
+    hvd.shutdown()
+    monkeypatch.setenv("COLLECTIVES_HOROVOD_CHECK", "0")
+    hvd.init()
+    try:
+        xs = everyones((4, 2), "float64")
+        assert same(hvd.allreduce(xs[ME]).numpy(), expected("avg", xs))
+        rows = hvd.allgather(torch.ones(ME + 1, 2))  # uneven: the sizes still travel
+        assert rows.shape == (P * (P + 1) // 2, 2)
+        with pytest.raises(ValueError, match="hvd.join needs negotiation"):
+            hvd.join()
+    finally:
+        hvd.shutdown()
+        monkeypatch.delenv("COLLECTIVES_HOROVOD_CHECK")
+        hvd.init()
+
+
+# -- process sets -------------------------------------------------------------------------------
+def test_process_sets_run_every_call_on_their_ranks():
+    """Every call with ``process_set=`` reduces, gathers, scatters over the set's ranks
+    only: NumPy on the members' inputs is the reference. ``root_rank`` is a global rank."""
+    evens, odds = list(range(0, P, 2)), list(range(1, P, 2))
+    if P == 1:  # the even ranks are every rank: the global set, which exists
+        with pytest.raises(ValueError, match="Attempted to add a duplicate process set"):
+            hvd.add_process_set(evens)
+        return
+    even = hvd.add_process_set(evens)
+    odd = hvd.add_process_set(hvd.ProcessSet(odds))
+    mine, members = (even, evens) if ME % 2 == 0 else (odd, odds)
+    other = odd if mine is even else even
+    problems = []
+    if not (mine.included() and mine.size() == len(members) and mine.rank() == members.index(ME)):
+        problems.append(f"{mine}: included {mine.included()}, size {mine.size()}, rank {mine.rank()}")
+    with pytest.raises(ValueError, match="Process is not part of provided process set"):
+        other.rank()
+    with pytest.raises(ValueError, match=f"rank {ME} is not part of"):
+        hvd.allreduce(torch.ones(1), process_set=other)
+    xs = everyones((len(members) * 2, 3), "int64")
+    ours = [xs[r] for r in members]
+    total = functools.reduce(np.add, [x.numpy() for x in ours])
+    root = members[-1]
+    results = {
+        "allreduce Sum": (hvd.allreduce(xs[ME], op=hvd.Sum, process_set=mine), total),
+        "allreduce Average": (hvd.allreduce(xs[ME], process_set=mine), np.trunc(total / len(members))),
+        "grouped_allreduce": (hvd.grouped_allreduce([xs[ME]], op=hvd.Sum, process_set=mine)[0], total),
+        "allgather": (hvd.allgather(xs[ME], process_set=mine), np.concatenate([x.numpy() for x in ours])),
+        "broadcast": (hvd.broadcast(xs[ME], root_rank=root, process_set=mine), xs[root].numpy()),
+        "alltoall": (hvd.alltoall(xs[ME], process_set=mine),
+                     np.concatenate([x.numpy()[2 * members.index(ME):2 * members.index(ME) + 2] for x in ours])),
+        "reducescatter": (hvd.reducescatter(xs[ME], op=hvd.Sum, process_set=mine),
+                          total[2 * members.index(ME):2 * members.index(ME) + 2]),
+    }
+    for what, (got, want) in results.items():
+        if not same(got.numpy(), want.astype(got.numpy().dtype)):
+            problems.append(f"{what}: {got.numpy().ravel()[:6]} != {want.ravel()[:6]}")
+    if hvd.broadcast_object({"from": ME}, root_rank=root, process_set=mine) != {"from": root}:
+        problems.append("broadcast_object")
+    if hvd.allgather_object(ME, process_set=mine) != members:
+        problems.append("allgather_object")
+    sparse = torch.sparse_coo_tensor([[ME % 3]], [float(ME + 1)], (3,), check_invariants=True)
+    summed = hvd.sparse_allreduce_async(sparse, "s", hvd.Sum, process_set=mine)().to_dense()
+    if not torch.equal(summed, sum(torch.sparse_coo_tensor([[r % 3]], [float(r + 1)], (3,), check_invariants=True)
+                                   .to_dense() for r in members)):
+        problems.append(f"sparse_allreduce_async: {summed}")
+    hvd.barrier(process_set=mine)
+    with pytest.raises(ValueError, match="Attempted to add a duplicate process set"):
+        hvd.add_process_set(evens)
+    assert hvd.remove_process_set(even) and not hvd.remove_process_set(even) and even.process_set_id is None
+    assert hvd.remove_process_set(odd)
+    assert not hvd.remove_process_set(hvd.global_process_set)
+    with pytest.raises(ValueError, match="is not registered"):
+        hvd.allreduce(torch.ones(1), process_set=mine)
+    agree(WORLD, problems)
+
+
+def test_init_registers_the_process_sets_it_is_given():
+    hvd.shutdown()
+    alone = hvd.ProcessSet([P - 1])  # the last rank by itself
+    try:
+        if P == 1:  # the last rank is every rank: the global set's ranks
+            with pytest.raises(ValueError, match="duplicate process set"):
+                hvd.init(process_sets=[alone])
+        else:
+            hvd.init(process_sets=[alone])
+            assert alone.process_set_id == 1 and alone.size() == 1 and alone.included() == (ME == P - 1)
+            if ME == P - 1:
+                assert torch.equal(hvd.allreduce(torch.full((2,), 5.0), op=hvd.Sum, process_set=alone),
+                                   torch.full((2,), 5.0))
+            hvd.barrier()
+    finally:
+        hvd.shutdown()
+        hvd.init()
+
+
+def test_distributed_optimizer_on_a_process_set():
+    """The set's ranks average their gradients over the set (single-process training on
+    their shards together); the others step alone on their own shard."""
+    evens = list(range(0, P, 2))
+    even = hvd.add_process_set(evens) if P > 1 else hvd.global_process_set  # one rank: every rank, the global set
+    model = _model(0)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters(), process_set=even)
+    x, y = _data(0)
+    share = GLOBAL_BATCH // P
+    mine = slice(ME * share, (ME + 1) * share)
+    optimizer.zero_grad()
+    _loss(model, x[mine], y[mine]).backward()
+    optimizer.step()
+    reference = _model(0)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    together = [r for r in evens] if ME in evens else [ME]
+    rows = torch.cat([torch.arange(r * share, (r + 1) * share) for r in together])
+    _loss(reference, x[rows], y[rows]).backward()
+    plain.step()
+    problems = [] if close(model, list(reference.parameters())) else ["differs from training on the set's shards"]
+    optimizer.close()
+    assert hvd.remove_process_set(even) == (P > 1)
+    agree(WORLD, problems)
+
+
+# -- join -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float64", "int32"])
+def test_join_ranks_that_joined_contribute_zeros(dtype):
+    """Horovod's join: while a rank has joined, the others' allreduces count it as zeros
+    (an Average still divides by every rank), barriers include it, and allgather and
+    broadcast raise on the others with Horovod's words; every rank gets the rank that
+    joined last, not the first one."""
+    problems = []
+    xs = everyones((5,), dtype)
+    for first in range(P):
+        if ME == first:
+            last = hvd.join()
+        else:
+            total = functools.reduce(np.add, [xs[r].numpy() for r in range(P) if r != first])
+            want = (total / P).astype(dtype) if dtype == "float64" else np.trunc(total / P).astype(dtype)
+            got = hvd.allreduce(xs[ME])
+            if not same(got.numpy(), want):
+                problems.append(f"first {first}: Average {got.numpy()} != {want}")
+            got = hvd.synchronize(hvd.allreduce_async(xs[ME], op=hvd.Sum, name="with join"))
+            if not same(got.numpy(), total):
+                problems.append(f"first {first}: Sum {got.numpy()} != {total}")
+            for call, words in ((lambda: hvd.allgather(xs[ME]), "Allgather is not supported with Join"),
+                                (lambda: hvd.broadcast(xs[ME], root_rank=ME), "Broadcast is not supported with Join")):
+                try:
+                    call()
+                    problems.append(f"first {first}: {words!r} not raised")
+                except CollectiveMismatchError as exc:
+                    if words not in str(exc):
+                        problems.append(str(exc))
+            hvd.barrier()
+            last = hvd.join()
+        lasts = hvd.allgather_object(last)
+        if len(set(lasts)) != 1 or (P > 1 and last == first):
+            problems.append(f"first {first}: join returned {lasts}")
+    agree(WORLD, problems)
+
+
+def test_join_with_uneven_data_and_the_distributed_optimizer():
+    """Rank r has r % 3 + 1 batches: the ranks still stepping average their gradients
+    with zeros from the ranks that joined (Horovod's semantics: divided by every rank);
+    each rank ends with the parameters of that computation after its own steps."""
+    steps = [r % 3 + 1 for r in range(P)]
+    model = _model(0)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2),
+                                         named_parameters=model.named_parameters())
+    for step in range(steps[ME]):
+        optimizer.zero_grad()
+        _loss(model, *_shard(*_data(step))).backward()
+        optimizer.step()
+    hvd.join()
+    optimizer.close()
+    reference = _model(0)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.2)
+    share = GLOBAL_BATCH // P
+    for step in range(steps[ME]):
+        x, y = _data(step)
+        plain.zero_grad()
+        for r in range(P):
+            if steps[r] > step:  # rank r still had data: its shard's mean loss, a P-th of the step
+                (_loss(reference, x[r * share:(r + 1) * share], y[r * share:(r + 1) * share]) / P).backward()
+        plain.step()
+    agree(WORLD, [] if close(model, list(reference.parameters())) else ["differs from the zeros-for-joined step"])
+
+
+# -- sparse -------------------------------------------------------------------------------------
+def _sparse_of(rank, shape=(9, 2)):
+    g = torch.Generator().manual_seed(rank)
+    dense = torch.randint(-3, 4, shape, generator=g).double() * (torch.rand(shape[0], 1, generator=g) < 0.4)
+    return dense.to_sparse(1)  # rows as entries (a hybrid tensor, like an embedding's gradient)
+
+
+def test_sparse_allreduce_async_equals_the_dense_reduction():
+    """Horovod's sparse allreduce (allgather of indices and values) gives the dense sum
+    or mean, as a sparse tensor; its name is in flight until the handle is called."""
+    dense = [_sparse_of(r).to_dense().numpy() for r in range(P)]
+    total = functools.reduce(np.add, dense)
+    problems = []
+    for op, want in ((hvd.Sum, total), (hvd.Average, total / P)):
+        handle = hvd.sparse_allreduce_async(_sparse_of(ME), name="grad", op=op)
+        with pytest.raises(ValueError, match="already in flight"):
+            hvd.sparse_allreduce_async(_sparse_of(ME), name="grad", op=op)
+        got = handle()
+        if not (got.is_sparse and np.allclose(got.to_dense().numpy(), want, rtol=1e-12, atol=0)):
+            problems.append(f"{op}: {got.to_dense().numpy().ravel()[:6]} != {want.ravel()[:6]}")
+    agree(WORLD, problems)
+
+
+class _Embedded(torch.nn.Module):
+    def __init__(self, sparse):
+        super().__init__()
+        torch.manual_seed(3)
+        self.embedding = torch.nn.Embedding(12, 4, sparse=sparse).double()
+        self.head = torch.nn.Linear(4, 3).double()
+
+    def forward(self, x):
+        return self.head(self.embedding(x).mean(dim=1))
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_distributed_optimizer_with_sparse_gradients(sparse_as_dense):
+    """nn.Embedding(sparse=True) under DistributedOptimizer trains as the same model with
+    dense gradients does in one process on the global batch; the embedding's gradient
+    stays sparse (sent as indices and values, or densified with sparse_as_dense)."""
+    model = _Embedded(sparse=True)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.3),
+                                         named_parameters=model.named_parameters(), sparse_as_dense=sparse_as_dense)
+    reference = _Embedded(sparse=False)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.3)
+    problems = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(50 + step)
+        x, y = torch.randint(0, 12, (GLOBAL_BATCH, 3), generator=g), torch.randint(0, 3, (GLOBAL_BATCH,), generator=g)
+        plain.zero_grad()
+        _loss(reference, x, y).backward()
+        plain.step()
+        optimizer.zero_grad()
+        _loss(model, *_shard(x, y)).backward()
+        optimizer.step()
+        if not model.embedding.weight.grad.is_sparse:
+            problems.append(f"step {step}: the embedding's gradient is no longer sparse")
+        if not close(model, list(reference.parameters())):
+            problems.append(f"step {step}: differs from dense single-process training")
+    optimizer.close()
+    agree(WORLD, problems)
+
+
+# -- Horovod's optimizer details -----------------------------------------------------------------
+def test_broadcast_optimizer_state_takes_horovods_zero_gradient_step():
+    """A fresh optimizer first takes one step on zero gradients (its own, not averaged),
+    which creates its state: Adam's step count is 1 on every rank and the moments
+    zero; a frozen parameter gets no gradient; the parameters do not move."""
+    model = _model(ME)
+    model[0].bias.requires_grad_(False)
+    before = [p.detach().clone() for p in model.parameters()]
+    for wrap in (False, True):
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        if wrap:
+            optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        state = optimizer.state_dict()["state"]
+        trainable = [i for i, p in enumerate(model.parameters()) if p.requires_grad]
+        assert sorted(state) == trainable
+        assert all(float(state[i]["step"]) == 1 and not state[i]["exp_avg"].any() for i in trainable)
+        assert model[0].bias.grad is None
+        assert all(not p.grad.any() for p in model.parameters() if p.requires_grad)
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        if wrap:
+            optimizer.close()
+
+
+def test_step_after_synchronize_warns_as_horovod_does():
+    model = _model(0)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+    for skip in (False, True):
+        optimizer.zero_grad()
+        _loss(model, *_shard(*_data(0))).backward()
+        optimizer.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with optimizer.skip_synchronize() if skip else contextlib.nullcontext():
+                optimizer.step()
+        texts = [str(w.message) for w in caught]
+        warned = any("optimizer.step() called without optimizer.skip_synchronize()" in t for t in texts)
+        assert warned != skip, texts
+    _loss(model, *_shard(*_data(1))).backward()
+    with pytest.raises(AssertionError, match="zero_grad\\(\\) was called after loss.backward\\(\\) but before"):
+        optimizer.zero_grad()
+    optimizer.step()
+    optimizer.close()
 
 
 @pytest.mark.serial
@@ -399,11 +780,10 @@ def test_compression_classes():
 
 @pytest.mark.serial
 def test_what_is_not_implemented_says_so():
-    for call in (lambda: hvd.join(), lambda: hvd.add_process_set([0]), lambda: hvd.remove_process_set(None),
-                 lambda: hvd.ProcessSet([0]), lambda: hvd.SyncBatchNorm(4), lambda: hvd.start_timeline("t.json"),
-                 lambda: hvd.stop_timeline(), lambda: hvd.sparse_allreduce_async(torch.ones(1), "s", hvd.Sum),
-                 lambda: hvd.elastic, lambda: hvd.init(comm=[0]), lambda: hvd.init(process_sets=[object()]),
-                 lambda: hvd.allreduce(torch.ones(1), process_set=object())):
+    for call in (lambda: hvd.SyncBatchNorm(4), lambda: hvd.start_timeline("t.json"), lambda: hvd.stop_timeline(),
+                 lambda: hvd.elastic, lambda: hvd.init(comm=[0]),
+                 lambda: hvd.add_process_set(hvd.ProcessSet(MPI.COMM_SELF)),
+                 lambda: hvd.init(process_sets=[hvd.ProcessSet(MPI.COMM_SELF)])):
         with pytest.raises(NotImplementedError, match="not implemented by collectives.horovod"):
             call()
     assert not hasattr(hvd, "elastic")
@@ -553,8 +933,12 @@ def test_distributed_optimizer_misuse():
         hvd.DistributedOptimizer(sgd, backward_passes_per_step=0)
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
         hvd.DistributedOptimizer(object())
-    with pytest.raises(NotImplementedError, match="process sets are not implemented"):
+    with pytest.raises(TypeError, match="process_set must be an hvd.ProcessSet"):
         hvd.DistributedOptimizer(sgd, process_set=object())
+    with pytest.raises(ValueError, match="names in named_parameters must be unique. Found duplicates: 0.bias"):
+        hvd.DistributedOptimizer(sgd, named_parameters=list(model.named_parameters())[:2] * 2)
+    with pytest.raises(ValueError, match="named_parameters was specified, but 2 model parameter"):
+        hvd.DistributedOptimizer(sgd, named_parameters=list(model.named_parameters())[:2])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         optimizer = hvd.DistributedOptimizer(sgd, num_groups=2, gradient_predivide_factor=2.0)  # names made up

@@ -222,7 +222,7 @@ def test_timeout_names_step_peers_bytes_and_the_absent_rank(algorithm):
     if comm.rank != LAST:
         if kind != "CollectiveTimeoutError":
             problems.append(f"{kind}: {message}")
-        for part in (f"rank {comm.rank}: allreduce(algorithm={algorithm!r}) call #1 timed out after 1.0 s",
+        for part in (f"rank {comm.rank}: allreduce(algorithm={algorithm!r}) call #1: Timed out after 1.0 s",
                      f"no answer within 0.5 s from rank {LAST}"):
             if part not in message:
                 problems.append(f"message lacks {part!r}: {message}")
@@ -252,7 +252,7 @@ def test_new_collectives_time_out_naming_the_absent_rank(collective, algorithm):
     kind, message, took = skipping_last_rank(call, 1.0)
     problems = []
     if comm.rank != LAST:
-        wanted = (f"rank {comm.rank}: {collective}(algorithm={algorithm!r}) call #1 timed out after 1.0 s",
+        wanted = (f"rank {comm.rank}: {collective}(algorithm={algorithm!r}) call #1: Timed out after 1.0 s",
                   f"no answer within 0.5 s from rank {LAST}")
         if kind != "CollectiveTimeoutError" or not all(part in message for part in wanted):
             problems.append(f"{kind}: {message}")

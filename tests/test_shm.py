@@ -236,7 +236,8 @@ def test_auto_and_overrides_where_memory_is_not_shared(monkeypatch):
     monkeypatch.setattr(comm._ctx.selector, "explain", lambda collective, nbytes, device: ("shm", "a stub table"))
     monkeypatch.setattr(comm._ctx.selector, "choose", lambda collective, nbytes, device: "shm")
     choice, why = comm.choose("allreduce", 1 << 20)
-    problems = [] if choice != "shm" and "host arrays of ranks that share memory" in why else [f"choose: {choice}, {why}"]
+    problems = ([] if choice != "shm" and "host arrays of ranks that share memory" in why
+                else [f"choose: {choice}, {why}"])
     # bfloat16 (ml_dtypes): MPI has no type for it, so the fallback must not be native either
     ml_dtypes = pytest.importorskip("ml_dtypes")
     got = comm.allreduce(np.ones(8, dtype=ml_dtypes.bfloat16))
@@ -280,7 +281,7 @@ def test_timeout_names_the_absent_rank(collective):
     took = time.monotonic() - start
     problems = []
     if comm.rank != LAST:
-        for part in (f"{collective}(algorithm='shm') call #2 timed out after 1.0 s",
+        for part in (f"{collective}(algorithm='shm') call #2: Timed out after 1.0 s",
                      f"in shared memory for rank {LAST} to arrive", f"no answer within 0.5 s from rank {LAST}"):
             if part not in message:
                 problems.append(f"{kind}: message lacks {part!r}: {message}")

@@ -10,7 +10,6 @@ tolerances of the adapter's tests.
 """
 
 import datetime
-import os
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import collectives.torch  # noqa: E402,F401  (registers the backend)
 from collectives import torch_backend  # noqa: E402
-from conftest import reference, rank_input, shard  # noqa: E402
+from conftest import agree, reference, rank_input, shard  # noqa: E402
 from torch_reference import STEPS, batch, close, loss_fn, make_model, single_process  # noqa: E402
 
 torch.set_num_threads(1)  # up to 8 ranks share 2 cores
@@ -354,7 +353,7 @@ def test_a_failed_call_fails_its_future(gloo):
     if dist.get_rank() == 0:
         future = group.recv([torch.empty(4)], 1, 99).get_future()  # rank 1 never sends tag 99
         start = time.monotonic()
-        with pytest.raises(Exception, match="timed out"):
+        with pytest.raises(Exception, match=" Timed out "):
             future.wait()
         assert time.monotonic() - start < 10
     MPI.COMM_WORLD.Barrier()  # the group is broken by the timeout: not reused, only dropped
@@ -394,6 +393,116 @@ def test_what_has_no_mapping_says_so(gloo):
     with pytest.raises(ValueError, match="split sizes must have one entry per rank"):
         dist.all_to_all_single(torch.empty(1), torch.ones(1), [1] * (dist.get_world_size() + 1),
                                [1] * (dist.get_world_size() + 1))
+
+
+def sparse_rank_tensor(rank, dtype, dense=(), size=7):
+    """A sparse COO tensor of rank ``rank``, not coalesced: repeated indices (rank 1's
+    twice), some shared with other ranks, none at all on rank 2; ``dense``: the shape
+    of each entry (a hybrid tensor)."""
+    rows = [] if rank == 2 else [rank % size, (rank * 3 + 1) % size, 0, rank % size]
+    values = torch.from_numpy(rank_input(rank, len(rows) * int(np.prod(dense, dtype=np.int64)), "float32"))
+    values = values.reshape(len(rows), *dense).to(dtype)
+    return torch.sparse_coo_tensor(torch.tensor([rows], dtype=torch.int64).reshape(1, len(rows)), values,
+                                   (size, *dense), check_invariants=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("dense", [(), (3,)], ids=["1-d", "hybrid"])
+def test_sparse_all_reduce_against_gloo(gloo, dtype, dense):
+    """gloo's semantics: the sum, coalesced, written into the tensor itself."""
+    rank = dist.get_rank()
+    results, problems = [], []
+    for group in (gloo, None):
+        x = sparse_rank_tensor(rank, dtype, dense)
+        handle = id(x)
+        dist.all_reduce(x, group=group, async_op=True).wait()
+        if not (id(x) == handle and x.is_sparse and x.is_coalesced()):
+            problems.append(f"{'gloo' if group else 'collectives'}: not a coalesced sparse tensor in place: {x}")
+        results.append(x)
+    want, got = results
+    for part in ("_indices", "_values", "to_dense"):
+        w, g = getattr(want, part)(), getattr(got, part)()
+        if not (w.dtype == g.dtype and w.shape == g.shape and torch.equal(w, g)):
+            problems.append(f"{part}: gloo gave {w}, collectives gave {g}")
+    agree(MPI.COMM_WORLD, problems)
+
+
+def test_sparse_all_reduce_refusals_raise_before_data_moves(gloo):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    with pytest.raises(ValueError, match="op must be SUM \\(as with gloo\\); got AVG"):
+        dist.all_reduce(sparse_rank_tensor(rank, torch.float32), op=dist.ReduceOp.AVG)
+    with pytest.raises(ValueError, match="one sparse COO tensor per call"):
+        dist.distributed_c10d._get_default_group().allreduce([sparse_rank_tensor(rank, torch.float32),
+                                                              torch.ones(3)])
+    if size > 1:  # the last rank's tensor is longer: every rank hears of it
+        x = sparse_rank_tensor(rank, torch.float32, size=7 + (rank == size - 1))
+        with pytest.raises(ValueError, match=f"same size, dtype and sparse dimensions; rank\\(s\\) {size - 1} differ"):
+            dist.all_reduce(x)
+    x = sparse_rank_tensor(rank, torch.float32)  # the group is fine after
+    dist.all_reduce(x)
+    assert torch.equal(x.to_dense(), sum(sparse_rank_tensor(r, torch.float32).to_dense() for r in range(size)))
+
+
+class SparseEmbeddingModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.embedding = torch.nn.Embedding(10, 4, sparse=True).double()
+        self.head = torch.nn.Linear(4, 3).double()
+
+    def forward(self, x):
+        return self.head(self.embedding(x).sum(dim=1))
+
+
+def test_ddp_with_sparse_gradients_equals_gloo(gloo):
+    """DDP with ``nn.Embedding(sparse=True)``: its gradient is a sparse tensor, all_reduced
+    as one; the parameters after each step equal DDP's on gloo (same inputs, same
+    initial weights), and so does every sparse gradient (bit for bit at the first step,
+    where the weights are the same)."""
+    rank = dist.get_rank()
+    histories, sparse_grads = [], []
+    for group in (gloo, None):
+        model = DDP(SparseEmbeddingModel(), process_group=group)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        history = []
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x, y = torch.randint(0, 10, (4, 3), generator=g), torch.randint(0, 3, (4,), generator=g)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            grad = model.module.embedding.weight.grad
+            assert grad.is_sparse and grad.is_coalesced()
+            sparse_grads.append(grad.clone())
+            optimizer.step()
+            history.append([p.detach().clone() for p in model.parameters()])
+        histories.append(history)
+    for step, (want, got) in enumerate(zip(*histories)):  # the dense layer's sums may round in another order
+        assert close(got, want, rtol=1e-12), f"step {step}: DDP on collectives differs from gloo beyond rtol 1e-12"
+    for step, (want, got) in enumerate(zip(sparse_grads[:STEPS], sparse_grads[STEPS:])):
+        assert torch.equal(want._indices(), got._indices())
+        if step == 0:  # the same weights everywhere: the same sums, bit for bit
+            assert torch.equal(want._values(), got._values())
+        assert torch.allclose(want._values(), got._values(), rtol=1e-12, atol=1e-12)
+
+
+def test_monitored_barrier_on_the_group_says_what_to_use(gloo):
+    with pytest.raises(NotImplementedError, match="monitored_barrier is gloo's.*use barrier\\(\\)"):
+        dist.group.WORLD.monitored_barrier(datetime.timedelta(seconds=1))
+
+
+def test_a_timed_out_barrier_says_timed_out_as_gloo_does(gloo):
+    """torch's own tests (and users) match " (Timed out|closed|timeout) " in a timeout
+    error: the library's CollectiveTimeoutError says "Timed out", as gloo's errors do."""
+    if dist.get_world_size() < 2:
+        return
+    group = dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=1))
+    if dist.get_rank() == 0:  # the others never come
+        start = time.monotonic()
+        with pytest.raises(collectives.CollectiveTimeoutError, match=" (Timed out|closed|timeout) ") as caught:
+            dist.barrier(group=group)
+        assert time.monotonic() - start >= 1.0
+        assert "Timed out after 1.0 s" in str(caught.value)
+    MPI.COMM_WORLD.Barrier()  # the group is broken by the timeout: not reused, only dropped
 
 
 def test_all_gather_coalesced_is_rank_major(gloo):
@@ -579,16 +688,14 @@ print("NO ERROR")
 def test_ranks_disagreeing_with_mpi_are_a_clear_error_on_every_rank(tmp_path, views, message):
     """RANK/WORLD_SIZE set per process against MPI's: init_process_group raises on every
     rank, naming the disagreement, and nothing hangs."""
-    mpiexec = os.environ.get("MPIEXEC") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    import launch  # tests/harness/launch.py: each launcher's flags
+
     script = tmp_path / "job.py"
     script.write_text(JOB)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "MPIR_", "HYDRA_"))}
+    env = launch.environment()
     env.pop("MASTER_ADDR", None), env.pop("MASTER_PORT", None)
-    command = [mpiexec]
-    for rank, size in views:
-        command += ["-n", "1", "-env", "RANK", str(rank), "-env", "WORLD_SIZE", str(size), sys.executable,
-                    str(script), ":"]
-    job = subprocess.run(command[:-1], capture_output=True, text=True, timeout=120, env=env)
+    parts = [(1, {"RANK": rank, "WORLD_SIZE": size}, [sys.executable, script]) for rank, size in views]
+    job = subprocess.run(launch.command(parts), capture_output=True, text=True, timeout=120, env=env)
     assert job.returncode == 0, job.stderr
     # (the ranks' lines may interleave in the launcher's output: count, do not split)
     assert job.stdout.count("RAISED") == len(views) and "NO ERROR" not in job.stdout, job.stdout + job.stderr

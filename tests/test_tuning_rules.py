@@ -76,8 +76,8 @@ def test_fingerprint_of_this_machine_and_layout():
                 break
     if want_cpu is None:
         want_cpu = platform.processor() or platform.machine()
-    mpi = " ".join(MPI.Get_library_version().splitlines()[0].split())
-    machine = {"cpu": want_cpu, "cpus": os.cpu_count(), "mpi": mpi}
+    vendor, version = MPI.get_vendor()  # mpi4py's own reading: "MPICH", (5, 0, 2)
+    machine = {"cpu": want_cpu, "cpus": os.cpu_count(), "mpi": f"{vendor} {'.'.join(map(str, version))}"}
     assert tuning.fingerprint(world_size=4) == {**machine, "nodes": 1, "ranks_per_node": 4}
     assert tuning.fingerprint(Topology.single(3)) == {**machine, "nodes": 1, "ranks_per_node": 3}
     assert tuning.fingerprint(Topology.uniform(8, 4)) == {**machine, "nodes": 2, "ranks_per_node": 4}
@@ -229,8 +229,8 @@ def test_a_table_of_several_nodes_is_used_only_over_the_link_it_was_measured_on(
         if used:
             assert (choice, why) == ("ring", f"measured table {path} (layout 2x4)")
         else:
-            stamped = tuning.link_stamp(rate)
-            assert f"{path} was measured over a 118 MB/s link; this job's measures {stamped:g} MB/s" in why
+            assert (f"{path} was measured over a 118 MB/s link; this job's measures {tuning.link_stamp(rate):g} MB/s"
+                    in why)
     # another rank's entry holds no link (or none of its own): nobody measures, nobody uses it
     measured = []
     outvoted = Selector.from_environment(8, environ, topology=layout, agree=lambda bits: bits & ~4,
@@ -294,6 +294,10 @@ def closed_forms(collective, p, n, alpha, beta, gamma):
         ("allreduce", "ring"): 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta + (p - 1) / p * n * gamma,
         ("allreduce", "recursive_halving"): 2 * lg * alpha + 2 * (p - 1) / p * n * beta + (p - 1) / p * n * gamma,
         ("allreduce", "recursive_doubling"): lg * (alpha + n * beta + n * gamma),
+        ("allreduce", "direct"): 2 * (p - 1) * (alpha + n / p * beta) + (p - 1) / p * n * gamma,
+        ("reduce_scatter", "direct"): (p - 1) * (alpha + n / p * beta) + (p - 1) / p * n * gamma,
+        ("allgather", "direct"): (p - 1) * (alpha + n / p * beta),
+        ("reduce", "direct"): 2 * (p - 1) * (alpha + n / p * beta) + (p - 1) / p * n * gamma,
         ("reduce_scatter", "ring"): (p - 1) * alpha + (p - 1) / p * n * (beta + gamma),
         ("reduce_scatter", "recursive_halving"): lg * alpha + (p - 1) / p * n * (beta + gamma),
         ("allgather", "ring"): (p - 1) * alpha + (p - 1) / p * n * beta,
@@ -322,6 +326,21 @@ def test_the_model_is_the_documented_closed_forms_on_one_node(p):
         native, _ = tuning.predict("allreduce", n, p)
         assert native == pytest.approx(min(mpi["allreduce", a] for a in ("ring", "recursive_halving",
                                                                          "recursive_doubling")), rel=1e-12)
+
+
+@serial
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_direct_s_messages_of_a_round_cost_message_after_the_first(p):
+    """CostModel.message: a round of direct pays alpha for its first message and
+    ``message`` for each other; the ring's messages each wait (alpha)."""
+    alpha, message, beta, gamma, n = 300e-6, 20e-6, 0.2e-9, 0.1e-9, 4 << 20
+    model = tuning.CostModel(alpha=alpha, message=message, beta=beta, gamma=gamma)
+    _, ours = tuning.predict("allreduce", n, p, model=model)
+    rounds = 2 * (alpha + (p - 2) * message + (p - 1) * n / p * beta)
+    assert ours["direct"] == pytest.approx(rounds + (p - 1) / p * n * gamma, rel=1e-12)
+    assert ours["ring"] == pytest.approx(closed_forms(None, p, n, alpha, beta, gamma)["allreduce", "ring"], rel=1e-12)
+    if p > 2:
+        assert ours["direct"] < ours["ring"]
 
 
 @serial

@@ -99,8 +99,9 @@ class ParameterServer:
     - ``params``: a mapping (or ``(name, array)`` pairs) of arrays of one floating
       dtype, NumPy or device arrays (CuPy, torch CUDA tensors: every worker copies its
       parameters and gradients through host memory, one copy each way per step; the
-      servers keep their shards and run ``update`` on the host). The first server's values are the starting point: they are copied into every
-      rank's arrays here. On workers :meth:`pull` writes the current values into them.
+      servers keep their shards and run ``update`` on the host). The first server's
+      values are the starting point: they are copied into every rank's arrays here. On
+      workers :meth:`pull` writes the current values into them.
     - ``servers``: how many server ranks (the first ones) or which ranks.
     - ``mode``: ``"sync"`` (every step averages all active workers' gradients: data-
       parallel SGD) or ``"async"`` (each gradient, divided by the number of workers, is
@@ -525,7 +526,7 @@ def _time_out(requests, peers, timeout, what, kind, receives):
         if request != MPI.REQUEST_NULL:
             request.Cancel()
     missing = f"{rank_list(pending)} not heard from" if pending else "not all of them arrived"
-    raise CollectiveTimeoutError(f"{what} timed out after {timeout:g} s waiting for {kind} ({missing})")
+    raise CollectiveTimeoutError(f"{what}: Timed out after {timeout:g} s waiting for {kind} ({missing})")
 
 
 # -- checks --------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ import socket
 import threading
 import time
 import warnings
+import zlib
 
 import numpy as np
 import torch
@@ -45,7 +46,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from ..communicator import Communicator
-from .tensors import BFLOAT16, to_array
+from .tensors import BFLOAT16, BIT_TWINS, to_array
 
 BACKEND = "collectives"
 
@@ -354,9 +355,62 @@ class ProcessGroup(dist.ProcessGroup):
 
     # -- reductions -----------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
-        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce")
+        reduce_op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        if any(tensor.layout == torch.sparse_coo for tensor in tensors):
+            return self._sparse_allreduce(tensors, reduce_op)
+        op = _op(reduce_op, "all_reduce")
         arrays = [_array(tensor, "all_reduce", reduced=True) for tensor in tensors]  # every check first
         return Work([self.comm.allreduce_async(x, op=op, out=x) for x in arrays], result=tensors)
+
+    def _sparse_allreduce(self, tensors, reduce_op):
+        """gloo's sparse all_reduce: the sum of every rank's sparse COO tensor (coalesced
+        first, then added in rank order), coalesced, written into the tensor in place.
+        The ranks first allgather what their tensors
+        are (dimensions, size, dtype, number of entries), so tensors that differ raise on
+        every rank before any data moves; then every rank's indices and values, each
+        padded to the most entries any rank has."""
+        if reduce_op != dist.ReduceOp.SUM:
+            name = str(getattr(reduce_op, "op", reduce_op)).split(".")[-1]
+            raise ValueError(f"all_reduce of a sparse tensor: op must be SUM (as with gloo); got {name}")
+        if len(tensors) != 1 or tensors[0].layout != torch.sparse_coo:
+            raise ValueError("all_reduce of sparse tensors: one sparse COO tensor per call (not mixed with dense "
+                             "ones)")
+        tensor = tensors[0]
+        if tensor.device.type != "cpu":
+            raise NotImplementedError(f"all_reduce of a sparse {tensor.device.type} tensor: sparse tensors are "
+                                      "reduced on the CPU only")
+        local = tensor.detach().coalesce()
+        indices, values = local.indices(), local.values()
+        nnz = indices.shape[1]
+        kind = zlib.crc32(repr((str(tensor.dtype), tuple(tensor.shape), tensor.sparse_dim())).encode())
+        everyone = self.comm.allgather(np.array([nnz, kind], np.int64))
+        differ = [r for r in range(self.comm.size) if everyone[r, 1] != everyone[0, 1]]
+        if differ:
+            raise ValueError(f"all_reduce of a sparse tensor: every rank's tensor must have the same size, dtype and "
+                             f"sparse dimensions; rank(s) {', '.join(map(str, differ))} differ from rank 0 (here on "
+                             f"rank {self.comm.rank}: size {tuple(tensor.shape)}, {tensor.dtype}, "
+                             f"{tensor.sparse_dim()} sparse dimension(s))")
+        counts = [int(n) for n in everyone[:, 0]]
+        longest = max(counts)
+        padded_indices = indices.new_zeros((indices.shape[0], longest))
+        padded_indices[:, :nnz] = indices
+        padded_values = values.new_zeros((longest, *values.shape[1:]))
+        padded_values[:nnz] = values
+        wire = padded_values.view(BIT_TWINS.get(values.dtype, values.dtype))  # moved as bits, summed by torch below
+        gathered_indices = self.comm.allgather_async(padded_indices.numpy())
+        gathered_values = self.comm.allgather_async(wire.numpy())
+
+        def after():
+            all_indices = torch.from_numpy(gathered_indices.wait())
+            all_values = torch.from_numpy(gathered_values.wait()).view(values.dtype)
+            total = None
+            for r, n in enumerate(counts):  # summed in rank order, as gloo does (the same bits)
+                part = torch.sparse_coo_tensor(all_indices[r, :, :n], all_values[r, :n], tuple(tensor.shape),
+                                               check_invariants=False)  # every rank's tensor was valid
+                total = part if total is None else total + part
+            tensor.copy_(total.coalesce())
+
+        return Work([gathered_indices, gathered_values], after=after, result=tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
@@ -511,6 +565,14 @@ class ProcessGroup(dist.ProcessGroup):
     def barrier(self, opts=None):
         self.comm.barrier()
         return Work()
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        """Not gloo's monitored barrier: a clear error (torch's ``dist.monitored_barrier``
+        itself refuses every backend but gloo before reaching the group)."""
+        raise NotImplementedError(
+            "monitored_barrier is gloo's (torch allows it on gloo groups only); on a 'collectives' group use "
+            "barrier(): with the group's timeout (timeout= of init_process_group or new_group) a barrier that "
+            "some ranks do not reach raises CollectiveTimeoutError naming them")
 
     # -- point to point -------------------------------------------------------------------
     def send(self, tensors, dst, tag):

@@ -8,6 +8,8 @@ them; for alltoallv: unused, the per-peer ``counts`` say it all). ``native`` is 
 here: it is the MPI library's own collective, which the transport calls directly.
 """
 
+from typing import Any
+
 from ._layout import block_bounds  # noqa: F401 (used by the communicator)
 from . import (alltoall, binomial, bruck, direct, hierarchical, peer, pipeline, recursive_doubling, recursive_halving,
                ring, scatter_allgather, shm, tree)
@@ -19,7 +21,7 @@ ROOTED = ("broadcast", "reduce", "gather", "scatter")  # the collectives that ta
 # leave them out and they have tests of their own.
 VARIABLE = ("alltoallv",)
 
-BUILDERS = {
+BUILDERS: dict[str, dict[str, Any]] = {
     "allreduce": {
         "ring": ring.allreduce,
         "tree": tree.allreduce,

@@ -40,7 +40,7 @@ _BUFFER_ID, _RANGE_START, _RANGE_SIZE = 7, 11, 12  # CU_POINTER_ATTRIBUTE_*
 _WAIT_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0
 _PAGE = 4096
 
-_backends = {}
+_backends: dict = {}  # device id -> its backend
 _lock = threading.Lock()
 
 

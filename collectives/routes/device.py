@@ -84,7 +84,7 @@ class Device(Route):
             work.finish()
             return returned
 
-        tag = ctx.sequence
+        tag = ctx.tags.call(ctx.sequence)
         if call.algorithm == "native":
             start_mpi = spec.native(ctx.comm, call.op, call.root, call.counts)
             handle = device_call.start_native(ctx.progress, describe, finish, work, start_mpi, inp, result,

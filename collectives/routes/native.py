@@ -6,7 +6,10 @@ path for tiny buffers, which ``auto`` sends here. The others call MPI's non-bloc
 collective, driven by the progress engine (so they can time out and warn). A blocking
 and a non-blocking collective never match each other in MPI, so every rank must take
 the same one: the choice depends only on the options every rank shares (check mode
-compares it).
+compares it). Where the MPI library does not stop by itself on a collective called
+with different sizes (``mpi_library.native_checked``), the ranks first agree on the
+size (:mod:`collectives.transport.native`): one small allreduce, so that a mismatch is
+a clear error on every rank rather than memory written past a buffer.
 """
 
 from __future__ import annotations
@@ -20,35 +23,39 @@ from .. import ops
 from ..arrays import overlaps
 from ..call import host_buffers
 from ..errors import TransportError
+from ..transport import native as agreement
 from ..transport.mpi import RequestHandle
 from .base import LeanEntry, Route, finish_in_flight
 
 NOT_HANDLED = object()
 
 
-def starter(ctx: Any, spec: Any, op: str, root: int, counts: Any, blocking: bool) -> Any:
+def starter(ctx: Any, spec: Any, op: str, root: int, counts: Any, blocking: bool, comm: Any = None) -> Any:
     """MPI's collective for ``spec`` as ``(send, receive) -> request`` (blocking: MPI's
-    blocking call, returning nothing): made once per kind of call and kept, except
-    where per-call counts are bound into it."""
+    blocking call, returning nothing), on ``comm`` (default: the communicator's own):
+    made once per kind of call and kept, except where per-call counts are bound into
+    it."""
+    comm = ctx.comm if comm is None else comm
     if counts is not None:
-        return spec.native(ctx.comm, op, root, counts, blocking)
-    key = (spec.name, op, root, blocking)
+        return spec.native(comm, op, root, counts, blocking)
+    key = (spec.name, op, root, blocking, comm is ctx.comm)
     start = ctx.native_starters.get(key)
     if start is None:
-        start = ctx.native_starters.put(key, spec.native(ctx.comm, op, root, None, blocking))
+        start = ctx.native_starters.put(key, spec.native(comm, op, root, None, blocking))
     return start
 
 
 def native(ctx: Any, spec: Any, inp: Any, out: Any, inplace: bool, op: str, root: int, counts: Any,
-           blocking: bool = False) -> Any:
+           blocking: bool = False, comm: Any = None) -> Any:
     """Start MPI's own non-blocking collective (return its request), or with
-    ``blocking`` run the blocking one. Arrays go to mpi4py as they are: it maps the
-    dtype to MPI's predefined type."""
+    ``blocking`` run the blocking one, on ``comm`` (default: the communicator's own;
+    the size-agreed non-blocking ones go on ``transport.native.Deferred``'s). Arrays go
+    to mpi4py as they are: it maps the dtype to MPI's predefined type."""
     if out is not None and out.size == 0 and not inplace:
         # An empty result (a reduce_scatter block of 0 elements) may sit at x's own
         # address: NumPy says they share nothing, MPI refuses the alias all the same.
         out = np.empty(0, out.dtype)
-    start = starter(ctx, spec, op, root, counts, blocking)
+    start = starter(ctx, spec, op, root, counts, blocking, comm)
     # The starter reads one buffer for both as MPI_IN_PLACE; a one-buffer collective's is out.
     send = out if spec.one_buffer or (inplace and spec.inplace) else inp
     return start(send, out)
@@ -62,6 +69,9 @@ def native_blocking(ctx: Any, spec: Any, inp: Any, out: Any, inplace: bool, op: 
     before this call, so every rank can finish them."""
     finish_in_flight(ctx)
     try:
+        if spec.name in ctx.native_checked:
+            agreement.agree(ctx.comm, agreement.unit(spec, inp, out),
+                            f"{spec.name}(algorithm='native') call #{ctx.sequence}", ctx.broken_by)
         native(ctx, spec, inp, out, inplace, op, root, counts, blocking=True)
     except MPI.Exception as exc:
         raise TransportError(f"{spec.name}(algorithm='native'): the MPI library failed: {exc}") from exc
@@ -115,6 +125,10 @@ class NativeBlocking(Route):
             entry.run = lambda x, out: native(ctx, spec, x, out, out is x, op, root, None, blocking=True)
         else:
             entry.run = starter(ctx, spec, op, root, None, True)  # nothing in flight to finish first
+        if spec.name in ctx.native_checked:  # the ranks agree on the size first
+            entry.run = agreement.agreeing(ctx.comm, entry.run, call.count * call.dtype.itemsize,
+                                           lambda: f"{spec.name}(algorithm='native') call #{ctx.sequence}",
+                                           ctx.broken_by)
         return entry
 
 
@@ -130,9 +144,15 @@ class Native(Route):
         host_buffers(call, ctx.rank, ctx.size)
         spec, inp, out, inplace, op, root, counts = (call.spec, call.inp, call.result, call.inplace, call.op,
                                                      call.root, call.counts)
-        handle = RequestHandle(ctx.progress, call.describe, call.finish,
-                               lambda: native(ctx, spec, inp, out, inplace, op, root, counts), call.timeout,
-                               call.sequence, inp.nbytes)
+        if spec.name in ctx.native_checked:  # the ranks agree on the size first, then MPI's collective is posted
+            handle = agreement.AgreedHandle(
+                ctx.progress, call.describe, call.finish, ctx.comm, ctx.deferred, agreement.unit(spec, inp, out),
+                lambda comm: native(ctx, spec, inp, out, inplace, op, root, counts, comm=comm), call.timeout,
+                call.sequence, inp.nbytes)
+        else:
+            handle = RequestHandle(ctx.progress, call.describe, call.finish,
+                                   lambda: native(ctx, spec, inp, out, inplace, op, root, counts), call.timeout,
+                                   call.sequence, inp.nbytes)
         handle.start()
         return handle.wait() if call.blocking else handle
 

@@ -111,7 +111,7 @@ class Plans(Route):
     def run(self, ctx, call):
         host_buffers(call, ctx.rank, ctx.size)
         plan = _plan(ctx, call)
-        tag = ctx.sequence
+        tag = ctx.tags.call(ctx.sequence)
         if call.alone:
             finish_in_flight(ctx)
             tag = ctx.blocking_tag

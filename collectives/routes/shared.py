@@ -66,11 +66,12 @@ def shm_plan(ctx: Any, spec: Any, algorithm: str, count: int, root: int, inplace
              found: Any = None) -> tuple[Any, Any, int]:
     """``(registration, plan, call code)`` of a shared-memory call; ``found``: what
     :func:`registered` says of its input (None: a plain one)."""
-    registration, where = found or (None, None)
+    registration, where = found if found is not None else (None, None)
     slot = ctx.options.shm_slot
     plan = base.compiled_plan(spec.name, algorithm, ctx.rank, ctx.size, count, root, max(1, slot // dtype.itemsize),
-                         inplace, ctx.options.deterministic, registered=where)
-    code = call_code(spec, algorithm, dtype, op, slot, where and (registration.number, where[1]))
+                              inplace, ctx.options.deterministic, registered=where)
+    which = None if registration is None or where is None else (registration.number, where[1])  # where it lies
+    code = call_code(spec, algorithm, dtype, op, slot, which)
     return registration, plan, code
 
 
@@ -87,7 +88,8 @@ def window_for(ctx: Any, nbytes: int, timeout: float | None, signature: tuple, d
     if window is None:  # the first call on it: nothing to sign yet, only the size to agree on
         window = ctx.window = NodeWindow(ctx.node_comm)
     else:
-        grow = ShmCall(window, _GROW_PLAN, *([np.empty(0, np.uint8)] * 3), "-", signature, describe)
+        nothing = np.empty(0, np.uint8)
+        grow = ShmCall(window, _GROW_PLAN, nothing, nothing, nothing, "-", signature, describe)
         ShmHandle(ctx.progress, describe, _nothing, grow, timeout, ctx.sequence).start().wait()
     need = np.array([nbytes], np.int64)
     ctx.request("the shared window's set-up", lambda: ctx.node_comm.Iallreduce(MPI.IN_PLACE, need, MPI.MAX), timeout,

@@ -47,8 +47,8 @@ class Model:
     beta: float
     gamma: float
     ranks_per_node: object = None  # an int, or one node label per rank (a tuple)
-    inter_alpha: float = None
-    inter_beta: float = None
+    inter_alpha: float | None = None
+    inter_beta: float | None = None
 
     def __post_init__(self):
         for name in ("alpha", "beta", "gamma", "inter_alpha", "inter_beta"):

@@ -18,6 +18,7 @@ Plans with more than ``MAX_OPS`` operations (pipelined ones, with many segments)
 the engine: their messages are large and the fixed cost does not matter there.
 """
 
+import functools
 import time
 
 import numpy as np
@@ -26,9 +27,11 @@ from mpi4py import MPI
 from ..errors import MessageSizeError, TransportError
 from ..ops import combine
 from ..schedule import Copy
+from . import tags as tags_module
 from .buffers import Buffers
 from .progress import yield_cpu
 from .scheduler import RECV, REDUCE, SEND, Scheduler, program_of
+from .tags import wrong_size  # noqa: F401 (also this module's name for it)
 
 MAX_OPS = 64
 LOOK_EVERY = 0.02  # seconds of waiting between looks for other ranks' failure notices
@@ -51,7 +54,9 @@ class Patience:
     """How one blocking call waits (both executors here, and the shared-memory one): it
     polls without yielding for ``SPIN`` seconds from the first poll that found nothing,
     then yields the CPU between polls, and calls ``look()`` every ``LOOK_EVERY`` seconds
-    of waiting. :meth:`progressed` after a poll that found something."""
+    of waiting. :meth:`progressed` after a poll that found something; :meth:`idle`
+    after one that found nothing, which returns True where it was time to look (the
+    caller then looks for what else it watches: a message of the wrong size)."""
 
     __slots__ = ("spin_until", "next_look", "look")
 
@@ -70,18 +75,12 @@ class Patience:
                 self.next_look = now + LOOK_EVERY
         elif now >= self.spin_until:
             yield_cpu()
-            if now >= self.next_look and self.look is not None:
+            if now >= self.next_look:
                 self.next_look = now + LOOK_EVERY
-                self.look()
-
-
-def wrong_size(describe, step, steps, peer, got, expected):
-    """The :class:`MessageSizeError` of a receive that got ``got`` bytes where the plan's
-    step ``step`` (0-based) of ``steps`` expects ``expected``."""
-    error = MessageSizeError(f"{describe()}: step {step + 1} of {steps}: received {got} B from rank {peer} where the "
-                             f"schedule expects {expected} B; the ranks called it with buffers of different sizes")
-    error.peer, error.step = peer, step + 1
-    return error
+                if self.look is not None:
+                    self.look()
+                return True
+        return False
 
 
 def too_long(describe, where, peer):
@@ -92,21 +91,27 @@ def too_long(describe, where, peer):
 
 
 def run(program, comm, tag, buffers, op_name, describe, abandon, look=None):
-    """Run ``program`` (a plan's :class:`~.scheduler.Program`) over ``comm`` with ``tag``
-    on ``buffers`` (a :class:`~collectives.transport.buffers.Buffers`), blocking until it
-    has finished. ``describe()`` names the call in errors. While it waits, ``look()`` is
-    called every ``LOOK_EVERY`` seconds (the engine's look for other ranks' failure
-    notices, which raises :class:`TransportError` if one came). On a message of the
-    wrong size, an MPI error or an error from ``look``, cancels its receives in flight,
-    hands every request still in flight to ``abandon`` (their buffers must stay alive)
-    and raises the error (:class:`MessageSizeError` or :class:`TransportError`, naming
-    the peer and step like the engine's)."""
+    """Run ``program`` (a plan's :class:`~.scheduler.Program`) over ``comm`` on
+    ``buffers`` (a :class:`~collectives.transport.buffers.Buffers`), blocking until it
+    has finished; ``tag`` is the call's base tag: each message's tag adds its size code
+    (:mod:`.tags`). ``describe()`` names the call in errors. While it waits, ``look()``
+    is called every ``LOOK_EVERY`` seconds (the engine's look for other ranks' failure
+    notices, which raises :class:`TransportError` if one came), and the peers it waits
+    for are probed for a message of the wrong size. On a message of the wrong size, an
+    MPI error or an error from ``look``, cancels its receives in flight, hands every
+    request still in flight to ``abandon`` (their buffers must stay alive) and raises
+    the error (:class:`MessageSizeError` or :class:`TransportError`, naming the peer
+    and step like the engine's)."""
     kinds, slices, peers = program.kinds, program.slices, program.peers
     ops = program.plan.ops
     arrays = buffers.arrays
     requests, owners, sizes = [], [], []
     statuses = []  # Testsome fills it: entry k is for the k-th finished request
     isend, irecv = comm.Isend, comm.Irecv
+    layout = tags_module.layout()
+    large = layout.large
+    probes = None  # receives of large messages, posted once a probe has found their message (tags.Probes)
+    strays = None  # made at the first look (tags.Strays)
 
     def local(i):
         if kinds[i] == REDUCE:
@@ -116,11 +121,21 @@ def run(program, comm, tag, buffers, op_name, describe, abandon, look=None):
             buffers.run_local(op_name, ops[i])
 
     def post(i):
+        nonlocal probes
         s = slices[i]
         view = arrays[s.buf][s.lo:s.hi]
-        requests.append((isend if kinds[i] == SEND else irecv)([view, MPI.BYTE], peers[i], tag))
+        nbytes = view.nbytes
+        if kinds[i] == SEND:
+            requests.append(isend([view, MPI.BYTE], peers[i], tag + (nbytes if nbytes < large else large)))
+        elif nbytes < large:
+            requests.append(irecv([view, MPI.BYTE], peers[i], tag + nbytes))
+        else:
+            if probes is None:
+                probes = tags_module.Probes()
+            probes.add(comm, peers[i], tag + large, view, i)
+            requests.append(MPI.REQUEST_NULL)  # its place, until the probe finds the message
         owners.append(i)
-        sizes.append(view.nbytes)
+        sizes.append(nbytes)
 
     scheduler = Scheduler(program)
     patience = Patience(look)
@@ -129,12 +144,25 @@ def run(program, comm, tag, buffers, op_name, describe, abandon, look=None):
             scheduler.run(local, post)
             if scheduler.remaining == 0:
                 return
+            if probes and probes.poll(lambda i, request: requests.__setitem__(owners.index(i), request),
+                                      lambda i, got, request: _probed_wrong(i, got, request, owners, sizes, abandon,
+                                                                            describe, peers, len(kinds))):
+                patience.progressed()
             finished = MPI.Request.Testsome(requests, statuses)
             if not finished:
-                if finished is None:  # every request has completed, yet operations remain
+                if finished is None and not probes:  # every request has completed, yet operations remain
                     raise TransportError(f"{describe()} is unfinished with no message in flight "
                                          "(a bug in the library: please report it)")
-                patience.idle()
+                if patience.idle():  # it looked for failure notices: look for a message of the wrong size too
+                    if strays is None:
+                        strays = tags_module.Strays(comm, tag, layout)
+                    posted = {i: j for j, i in enumerate(owners)}
+                    unmatched = {entry[4] for entry in probes.entries} if probes else ()
+                    pending = scheduler.pending
+                    _stray(strays, _awaited(program, lambda i: _slice_bytes(slices[i], arrays),
+                                            lambda i: pending[i] > 0 or i in unmatched
+                                            or (i in posted and requests[posted[i]] != MPI.REQUEST_NULL)),
+                           describe, len(kinds))
                 continue
             patience.progressed()
             for k, j in enumerate(finished):
@@ -151,6 +179,33 @@ def run(program, comm, tag, buffers, op_name, describe, abandon, look=None):
     except BaseException:  # a size error, a failed reduction, an interrupt: MPI must not keep our buffers
         _give_up(requests, owners, kinds, abandon)
         raise
+
+
+def _slice_bytes(s, arrays):
+    return (s.hi - s.lo) * arrays[s.buf].itemsize
+
+
+def _probed_wrong(i, got, request, owners, sizes, abandon, describe, peers, steps):
+    """A large receive's probe found a message of ``got`` bytes: raise (its scratch
+    receive goes to ``abandon``: MPI keeps its buffer until it ends)."""
+    abandon(request)
+    raise wrong_size(describe, i, steps, peers[i], got, sizes[owners.index(i)])
+
+
+def _awaited(program, size_of, incomplete):
+    """:func:`~.tags.awaited` of the receives of ``program``: sizes ``size_of(i)``, not
+    yet complete where ``incomplete(i)``."""
+    kinds, peers = program.kinds, program.peers
+    return tags_module.awaited((peers[i], size_of(i), i, not incomplete(i)) for i in range(len(kinds))
+                               if kinds[i] == RECV)
+
+
+def _stray(strays, expected, describe, steps):
+    """Raise if ``strays`` (a :class:`~.tags.Strays`) finds a message of the wrong size."""
+    found = strays.check(expected)
+    if found is not None:
+        peer, got, size, step = found
+        raise wrong_size(describe, step, steps, peer, got, size)
 
 
 def _mpi_error(exc, statuses, requests, owners, kinds, peers, describe):
@@ -207,11 +262,15 @@ class PersistentProgram:
     its buffer; a persistent request costs neither, so the call's fixed cost is a
     fraction of :func:`run`'s. Allocates nothing per call.
 
-    Its messages carry one fixed ``tag`` (a persistent request's tag is fixed), which
-    no per-call tag uses: calls on it must be blocking and made one at a time, in the
-    same order on every rank (a rank's earlier calls finished first), so that each
-    peer's messages on that tag match in the order both sides post them. The caller
-    makes that so: every rank takes this path for the same calls.
+    Its messages carry fixed tags (a persistent request's tag is fixed): ``tag``, the
+    base no per-call tag uses, plus each message's size code (:mod:`.tags`). Calls on
+    it must be blocking and made one at a time, in the same order on every rank (a
+    rank's earlier calls finished first), so that each peer's messages on those tags
+    match in the order both sides post them. The caller makes that so: every rank runs
+    such calls alone on that base, here or on :func:`run`, whose messages carry the
+    same tags. A plan with a message too large for a tag to hold its size (``large``
+    bytes: never with MPICH, Open MPI or Intel MPI's tags and these small calls) runs
+    on :func:`run`, over the program's buffers, which probes for such messages.
     """
 
     def __init__(self, plan, comm, tag, dtype, in_count, out_count, inplace):
@@ -222,17 +281,17 @@ class PersistentProgram:
         self.tmp = np.empty(plan.tmp, dtype)
         arrays = {"in": self.inp, "out": self.out, "tmp": self.tmp}
         kinds, slices = self.program.kinds, self.program.slices
+        layout = tags_module.layout()
         self.requests = requests = [None] * len(plan.ops)
         self.sizes = [0] * len(plan.ops)
         work = [None] * len(plan.ops)  # each copy's (dst, src) and reduction's (dst, a, b) views; a fused one's op
+        views = {}
         for i, op in enumerate(plan.ops):
             kind = kinds[i]
             if kind in (SEND, RECV):
                 s = slices[i]
-                view = arrays[s.buf][s.lo : s.hi]
-                start = comm.Send_init if kind == SEND else comm.Recv_init
-                requests[i] = start([view, MPI.BYTE], op.peer, tag)
-                self.sizes[i] = view.nbytes
+                views[i] = arrays[s.buf][s.lo : s.hi]
+                self.sizes[i] = views[i].nbytes
             elif kind == REDUCE:
                 work[i] = tuple(arrays[x.buf][x.lo : x.hi] for x in (op.dst, op.a, op.b))
             elif isinstance(op, Copy):
@@ -240,6 +299,15 @@ class PersistentProgram:
             else:
                 work[i] = op  # a fused reduction: Buffers.run_local
         buffers = Buffers(self.inp, self.out, self.tmp)
+        self.buffers = buffers
+        self.comm, self.tag = comm, tag
+        self.abandoned = []  # run()'s requests given up on after a failure: their buffers are the program's
+        if any(nbytes >= layout.large for nbytes in self.sizes):  # no persistent requests: run() runs it
+            self.run = functools.partial(self._run_lean, comm, tag)
+        else:
+            for i, view in views.items():
+                start = comm.Send_init if kinds[i] == SEND else comm.Recv_init
+                requests[i] = start([view, MPI.BYTE], plan.ops[i].peer, layout.tag(tag, view.nbytes))
         self.in_flight = in_flight = []  # the requests started and not yet found complete
         op_name = self._op_name = ["sum"]  # the running call's op
 
@@ -260,6 +328,16 @@ class PersistentProgram:
         self.status = MPI.Status()
         self.broken = False
 
+    def _run_lean(self, comm, tag, op_name, describe, look=None):
+        """:meth:`run` for a plan with a large message: :func:`run` on the program's buffers."""
+        if self.broken:
+            raise TransportError(f"{describe()}: an earlier call on this program failed")
+        try:
+            run(self.program, comm, tag, self.buffers, op_name, describe, self.abandoned.append, look)
+        except BaseException:
+            self.broken = True
+            raise
+
     def run(self, op_name, describe, look=None):
         """Run the plan once on the program's buffers (the input copied in first, by
         the caller). Raises like :func:`run`; a failed program is not run again."""
@@ -271,6 +349,7 @@ class PersistentProgram:
         del in_flight[:]
         scheduler = Scheduler(self.program)
         patience = Patience(look)
+        strays = None  # made at the first look (tags.Strays)
         i = -1  # the operation being tested, for MPI's errors
         try:
             while True:
@@ -291,8 +370,12 @@ class PersistentProgram:
                     progressed = True
                 if progressed or scheduler.remaining == 0:
                     patience.progressed()
-                else:
-                    patience.idle()
+                elif patience.idle():  # it looked for failure notices: look for a message of the wrong size too
+                    if strays is None:
+                        strays = tags_module.Strays(self.comm, self.tag, tags_module.layout())
+                    pending = scheduler.pending
+                    _stray(strays, _awaited(self.program, sizes.__getitem__,
+                                            lambda i: pending[i] > 0 or i in in_flight), describe, len(kinds))
         except MPI.Exception as exc:
             self._give_up(in_flight)
             peer = peers[i] if i >= 0 and kinds[i] == RECV else -1

@@ -1,9 +1,10 @@
 """The MPI transport: runs plans with non-blocking buffer sends and receives.
 
 Messages go as raw bytes (``MPI.BYTE``: no pickling, no datatype mapping) on the
-communicator's private duplicate, tagged with the call's sequence number, so library
-traffic never matches user messages and two collectives in flight never match each
-other's. ``native`` calls the MPI library's own non-blocking collective instead
+communicator's private duplicate, tagged with the call's base tag (from its number)
+plus the message's size code (:mod:`.tags`), so library traffic never matches user
+messages, two collectives in flight never match each other's, and a message of the
+wrong size never lands in a buffer it does not fit. ``native`` calls the MPI library's own non-blocking collective instead
 (:class:`RequestHandle`). Both are driven by the communicator's progress engine
 (:mod:`.progress`).
 """
@@ -11,6 +12,7 @@ other's. ``native`` calls the MPI library's own non-blocking collective instead
 from mpi4py import MPI
 
 from ..errors import MessageSizeError, TransportError
+from . import tags
 from .liveness import ranks
 from .progress import Handle, at
 from ..schedule import Recv, Send
@@ -29,6 +31,8 @@ class PlanHandle(Handle):
         self._scheduler = Scheduler(program_of(plan))
         self._in_flight = {}  # op index -> bytes, for the messages posted and not finished
         self._bytes_done = 0
+        self._layout = tags.layout()  # each message's tag is the call's base tag plus its size code
+        self._strays = None  # made at the first look (tags.Strays)
 
     def start(self):
         self._advance_plan()
@@ -52,14 +56,42 @@ class PlanHandle(Handle):
 
     def _post(self, i):
         op = self._plan.ops[i]
+        layout = self._layout
         if isinstance(op, Send):
             view = self._buffers.view(op.src)
-            request = self._comm.Isend([view, MPI.BYTE], op.peer, self._tag)
+            request = self._comm.Isend([view, MPI.BYTE], op.peer, layout.tag(self._tag, view.nbytes))
         else:
             view = self._buffers.view(op.dst)
-            request = self._comm.Irecv([view, MPI.BYTE], op.peer, self._tag)
+            self._in_flight[i] = view.nbytes
+            if view.nbytes >= layout.large:  # received once a probe has found it, and its size is right
+                self._progress.probes.add(self._comm, op.peer, layout.tag(self._tag, view.nbytes), view, (self, i))
+                return
+            request = self._comm.Irecv([view, MPI.BYTE], op.peer, self._tag + view.nbytes)
         self._in_flight[i] = view.nbytes
         self._add_request(request, i)
+
+    def _wrong_size(self, i, got):
+        op = self._plan.ops[i]
+        return at(MessageSizeError(f"{self._describe}: step {self._step(i)}: received {got} B from rank {op.peer} "
+                                   f"where the schedule expects {self._in_flight[i]} B; the ranks called it with "
+                                   "buffers of different sizes"), op.peer, i + 1)
+
+    def _owns(self, status):
+        return self._tag <= status.Get_tag() < self._tag + self._layout.span
+
+    def _stray(self):
+        if self._strays is None:
+            self._strays = tags.Strays(self._comm, self._tag, self._layout)
+        ops, pending, in_flight = self._plan.ops, self._scheduler.pending, self._in_flight
+        found = self._strays.check(tags.awaited(
+            (op.peer, self._buffers.view(op.dst).nbytes, i, pending[i] == 0 and i not in in_flight)
+            for i, op in enumerate(ops) if isinstance(op, Recv)))
+        if found is None:
+            return None
+        peer, got, expected, step = found
+        return at(MessageSizeError(f"{self._describe}: step {self._step(step)}: received {got} B from rank {peer} "
+                                   f"where the schedule expects {expected} B; the ranks called it with buffers "
+                                   "of different sizes"), peer, step + 1)
 
     def _on_request_done(self, i, status):
         expected = self._in_flight.pop(i)
@@ -67,10 +99,9 @@ class PlanHandle(Handle):
         op = self._plan.ops[i]
         if isinstance(op, Recv):
             got = status.Get_count(MPI.BYTE)
-            if got != expected:  # shorter (MPI allows it, we don't): the ranks' buffers differ
-                raise at(MessageSizeError(f"{self._describe}: step {self._step(i)}: received {got} B from rank "
-                                          f"{op.peer} where the schedule expects {expected} B; the ranks called "
-                                          "it with buffers of different sizes"), op.peer, i + 1)
+            if got != expected:  # a large message's, probed for its size before: never here on a correct MPI
+                self._in_flight[i] = expected
+                raise self._wrong_size(i, got)
         self._complete(i)
 
     def _is_done(self):

@@ -19,14 +19,19 @@ import logging
 import math
 import os
 import time
+from collections import namedtuple
 
 from mpi4py import MPI
 
 from ..errors import CollectiveError, CollectiveTimeoutError, MessageSizeError, TransportError
 from ..options import check_timeout
+from . import tags
 from .liveness import DEFAULT_GRACE, describe as describe_liveness
 
 log = logging.getLogger("collectives")
+
+# Device work the host waits for: handle._device_done(token) once backend.query(event) says it ran.
+DeviceWait = namedtuple("DeviceWait", "handle token backend event")
 
 _CHECK_EVERY = 0.02  # seconds between looks at the clock, probes and stall warnings while waiting
 _REASONS = {1: MessageSizeError, 2: TransportError}  # the codes of failures a rank tells the others
@@ -59,9 +64,10 @@ class Progress:
         self._completed = 0  # entries of _requests that are REQUEST_NULL
         self._abandoned = []  # requests given up on: MPI may still use their buffers
         self._next_look = 0.0  # when drain() next answers probes and reads failure notices
-        self._device = []  # (handle, token, backend, event): device work the host waits for
+        self._device = []  # DeviceWait: device work the host waits for
         self.backends = []  # devices this communicator uses: polled while waiting (see device.standin)
         self.shm = []  # shared-memory calls (transport.shm.ShmHandle), run in the order they were made
+        self.probes = tags.Probes()  # large receives posted once a probe finds their message (mpi.PlanHandle)
 
     def leftovers(self):
         """What the engine still holds once every call has finished (none of which
@@ -92,7 +98,7 @@ class Progress:
 
     def device_work(self, handle):
         """How many device operations the host waits for on behalf of ``handle``."""
-        return sum(1 for entry in self._device if entry[0] is handle)
+        return sum(1 for entry in self._device if entry.handle is handle)
 
     def add(self, handle, token, request):
         self._requests.append(request)
@@ -100,12 +106,14 @@ class Progress:
 
     def add_device(self, handle, token, backend, event):
         """Call ``handle._device_done(token)`` once ``event`` (device work) has completed."""
-        self._device.append((handle, token, backend, event))
+        self._device.append(DeviceWait(handle, token, backend, event))
 
     def advance(self):
         """Complete what has finished, without blocking. Returns True if some request or
         device work completed."""
         progressed = False
+        if self.probes:
+            progressed = self._advance_probes()
         if self._requests:
             try:
                 finished = MPI.Request.Testsome(self._requests, self._statuses)
@@ -130,6 +138,27 @@ class Progress:
             progressed = self._advance_shm() or progressed
         return progressed
 
+    def _advance_probes(self):
+        """Post the large receives whose message a probe has found (see ``tags.Probes``);
+        break on one of the wrong size."""
+        def wrong(owner, got, request):
+            handle, i = owner
+            self._abandoned.append(request)  # the message goes to a scratch buffer: MPI keeps it until it ends
+            error = handle._wrong_size(i, got)
+            self.fail(error, culprit=handle)
+            raise error
+
+        return self.probes.poll(lambda owner, request: self.add(owner[0], owner[1], request), wrong) > 0
+
+    def _look_for_strays(self):
+        """At each look while waiting: break if a call in flight has a message of the
+        wrong size waiting for it (see ``tags.Strays``)."""
+        for handle in list(self.active):
+            error = handle._stray()
+            if error is not None:
+                self.fail(error, culprit=handle)
+                raise error
+
     def _advance_shm(self):
         """Run the shared-memory calls, oldest first, as far as their fences let them."""
         progressed = False
@@ -153,15 +182,15 @@ class Progress:
             return False
         waiting, finished = [], []
         for entry in self._device:
-            (finished if entry[2].query(entry[3]) else waiting).append(entry)
+            (finished if entry.backend.query(entry.event) else waiting).append(entry)
         if not finished:
             return False
         self._device = waiting  # callbacks may add to it
-        for handle, token, _, _ in finished:
+        for entry in finished:
             try:
-                handle._device_done(token)
+                entry.handle._device_done(entry.token)
             except Exception as exc:
-                self.fail(exc, culprit=handle)
+                self.fail(exc, culprit=entry.handle)
                 raise
         return True
 
@@ -176,6 +205,7 @@ class Progress:
             if now >= self._next_look:
                 self._next_look = now + _CHECK_EVERY
                 self.look_around(self.active[0])
+                self._look_for_strays()
 
     def wait_for(self, handle, timeout, already_waited=0.0):
         """Advance until ``handle`` has finished or failed. After ``timeout`` seconds
@@ -189,7 +219,7 @@ class Progress:
         while not handle._finished and handle._error is None:
             if self.advance():
                 continue
-            if not self._requests and not self._device and not self.shm:
+            if not self._requests and not self._device and not self.shm and not self.probes:
                 raise CollectiveError(f"{handle._describe} is unfinished with no message in flight "
                                       "(a bug in the library: please report it)")
             yield_cpu()
@@ -198,6 +228,7 @@ class Progress:
                 continue
             next_look = now + _CHECK_EVERY
             self.look_around(handle)
+            self._look_for_strays()
             if now >= deadline:
                 self._time_out(handle, now - start)
             if now >= next_warning:
@@ -249,13 +280,14 @@ class Progress:
         for handle in self.shm:  # their device work may wait on the others: let it through
             handle._on_break()
         self.shm = []
+        self.probes.clear()
 
     def _time_out(self, handle, waited):
         outstanding = handle._outstanding()
         alive = ""
         if self.liveness is not None and self.liveness.size > 1:
             alive = ". Liveness: " + describe_liveness(*self.liveness.check(handle._call), DEFAULT_GRACE)
-        error = CollectiveTimeoutError(f"rank {_rank(self)}: {handle._describe} timed out after {waited:.1f} s "
+        error = CollectiveTimeoutError(f"rank {_rank(self)}: {handle._describe}: Timed out after {waited:.1f} s "
                                        f"{outstanding}{alive}")
         self.fail(error, culprit=handle)
         raise error
@@ -379,6 +411,17 @@ class Handle:
     def _owns(self, status):
         """Whether the failed message of ``status`` is one of this call's (by its tag)."""
         return getattr(self, "_tag", None) == status.Get_tag()
+
+    def _stray(self):
+        """The :class:`MessageSizeError` of a message of this call that none of its
+        receives will take, or None (the engine asks at each look while it waits)."""
+        return None
+
+    def _wrong_size(self, i, got):
+        """The :class:`MessageSizeError` of this call's receive ``i``, which a probe
+        found to be ``got`` bytes (transports that probe their receives name the step)."""
+        return MessageSizeError(f"{self._describe}: received {got} B where the receive holds another size; the ranks "
+                                "called it with buffers of different sizes")
 
     def _cancel(self, request, token):
         """Take back a request in flight when the engine breaks (receives only: a send's

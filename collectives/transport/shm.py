@@ -31,6 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import ops as ops_layer
+from ..cache import BoundedCache
 from ..errors import CollectiveMismatchError, MessageSizeError
 from ..schedule import Copy, Fence, Reduce
 from .lean import Patience  # the lean path's waiting, the same here
@@ -72,7 +73,7 @@ class NodeWindow:
         memory = np.frombuffer(buffer, np.uint8)
         self.words = memoryview(memory[:flags]).cast("q")  # the flag area, read and written word by word
         self.data = memory[flags : flags + capacity]
-        self._typed, self._steps, self._plans = {}, {}, {}
+        self._typed, self._steps = {}, BoundedCache(256)
         self.win.Lock_all(MPI.MODE_NOCHECK)
         if self.rank == 0:
             memory[:flags] = 0
@@ -87,7 +88,7 @@ class NodeWindow:
             self.words.release()
             self.win.Unlock_all()
             self.win.Free()
-            self.win, self.capacity, self.data, self._typed, self._steps, self._plans = None, 0, None, {}, {}, {}
+            self.win, self.capacity, self.data, self._typed, self._steps = None, 0, None, {}, BoundedCache(256)
 
     def typed(self, dtype):
         """The data area as ``dtype`` elements (an even number of them: two halves)."""
@@ -102,8 +103,8 @@ class NodeWindow:
         that start on half ``flip``); the other slices stay ``(buffer, lo, hi, bank)``.
         Kept per plan until the window is remade."""
         key = (id(plan), dtype, flip)
-        steps = self._steps.get(key)
-        if steps is None:
+        cached = self._steps.get(key)
+        if cached is None:
             shared = self.typed(dtype)
             half = shared.size // 2
 
@@ -115,12 +116,9 @@ class NodeWindow:
                 return shared[start + lo : start + hi]
 
             steps = [(kind, tuple(view(x) for x in slices)) for kind, slices in _steps(plan)]
-            if len(self._steps) > 256:
-                self._steps.clear()
-                self._plans.clear()
-            self._steps[key] = steps
-            self._plans[id(plan)] = plan  # keeps id(plan) from naming another plan while cached
-        return steps
+            # The plan is kept with its steps: id(plan) names no other plan while they are cached.
+            cached = self._steps.put(key, (plan, steps))
+        return cached[1]
 
     def arrive(self, fence):
         self.win.Sync()  # this rank's writes before the counter

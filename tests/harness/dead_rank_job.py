@@ -1,10 +1,13 @@
-"""The job test_dead_rank.py launches: the last rank kills itself (SIGKILL) in the
-middle of an allreduce of COUNT float32s (ALGORITHM: ring, whose messages go through
-MPI, or shm, whose ranks wait on each other's counters in shared memory); every
-survivor must raise, naming it, within timeout + 1 s, and the job must end with a
-non-zero exit.
+"""The job test_dead_rank.py launches: the last rank kills itself (SIGKILL), or stops
+itself (SIGSTOP: a hung rank, which no launcher notices), in the middle of an
+allreduce of COUNT float32s (ALGORITHM: ring, whose messages go through MPI, or shm,
+whose ranks wait on each other's counters in shared memory); every survivor must
+raise, naming it, within timeout + 1 s, and the job must end with a non-zero exit.
 
-    mpiexec -disable-auto-cleanup -n 4 python -m mpi4py tests/harness/dead_rank_job.py OUTDIR TIMEOUT COUNT [ALGORITHM]
+    mpiexec -disable-auto-cleanup -n 4 python -m mpi4py tests/harness/dead_rank_job.py OUTDIR TIMEOUT COUNT \
+        [ALGORITHM [kill|stop]]
+
+(tests/harness/launch.py gives each launcher's flag that leaves survivors running.)
 
 Run under ``python -m mpi4py`` as users should: an uncaught exception then aborts the
 job (MPI_Abort) instead of leaving it waiting in MPI_Finalize. Each survivor writes
@@ -26,6 +29,7 @@ import collectives as cc
 
 outdir, timeout, count = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
 algorithm = sys.argv[4] if len(sys.argv) > 4 else "ring"
+how = sys.argv[5] if len(sys.argv) > 5 else "kill"
 from mpi4py import MPI  # noqa: E402
 
 # Each rank's stderr to a file: once a rank has died the launcher may stop forwarding it.
@@ -40,7 +44,7 @@ comm.barrier()
 if comm.rank == doomed:
     handle = comm.allreduce_async(x, algorithm=algorithm)  # its first sends go out
     handle.test()
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)  # stopped: the launcher's abort kills it
 
 start = time.monotonic()
 try:

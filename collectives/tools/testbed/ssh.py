@@ -17,7 +17,7 @@ import sys
 try:
     from . import names
 except ImportError:  # run as a script (the wrapper does): no package, no MPI
-    import names
+    import names  # type: ignore[no-redef]
 
 # ssh options that take a value; every other option is a flag.
 _WITH_VALUE = set("bcDEeFIiJLlmOoPpQRSWw")
