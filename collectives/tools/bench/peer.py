@@ -210,28 +210,38 @@ def measure(args):
 
     world = MPI.COMM_WORLD
     device = BenchDevice(args.device, world.Get_rank())
+    info = {"device": device.versions(), "mpi": MPI.Get_library_version().split("\n")[0],
+            "world_size": world.Get_size(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv,
+            "fence_auto": "kernel if every rank has its own GPU, else host", "complete": False}
+    rows = []
+
+    def save():  # after every stage: a run stopped by its time limit keeps what it measured
+        if world.Get_rank() == 0 and args.json:
+            Path(args.json).write_text(json.dumps({"info": info, "rows": rows}, indent=1) + "\n")
+
     comms = {"ipc": Communicator(), "staged": Communicator(cuda_ipc=False)}
     comms.update({m: Communicator(device_fence=m) for m in MECHANISMS})
     one = device.empty(1, np.float32)
     device.upload(one, np.ones(1, np.float32))
     for comm in comms.values():  # every communicator agrees its device paths now
         comm.allreduce(one, algorithm="direct")
-    rows = floor_rows(world, device, args, comms)
+    rows += floor_rows(world, device, args, comms)
+    save()
     B = copy_rate(world, device, args.copy_size)
     rows.append({"measure": "copy", "bytes": args.copy_size, "B_GBps": B / 1e9, "world_size": world.Get_size()})
+    save()
     for nbytes in args.sizes:
         rows += collective_rows(world, device, args, comms, "allreduce", nbytes, B)
+        save()
         if world.Get_rank() == 0:
             print(f"allreduce {nbytes} B done", file=sys.stderr, flush=True)
     for collective in OTHERS:
         rows += collective_rows(world, device, args, comms, collective, args.other_size, B)
-    info = {"device": device.versions(), "mpi": MPI.Get_library_version().split("\n")[0],
-            "world_size": world.Get_size(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv,
-            "fence_auto": "kernel if every rank has its own GPU, else host"}
+        save()
+    info["complete"] = True
+    save()
     if world.Get_rank() == 0:
         print_rows(rows)
-        if args.json:
-            Path(args.json).write_text(json.dumps({"info": info, "rows": rows}, indent=1) + "\n")
     if args.tune:
         tune_rows = [{"collective": r["collective"], "algorithm": r["contender"], "bytes": r["bytes"],
                       "time_us": r["p50_us"], "round_spread": r.get("round_spread", 0.0),
@@ -279,8 +289,8 @@ def report(folder):
     for path in sorted(folder.glob("peer-n*.json")):
         data = json.loads(path.read_text())
         runs[data["info"]["world_size"]] = data
-    if not runs:
-        raise SystemExit(f"--report: no peer-n*.json in {folder} (run the measurements first)")
+    if not runs:  # still written: targets.md then says that nothing was measured
+        print(f"--report: no peer-n*.json in {folder}: every target 'not measured'", file=sys.stderr)
     floors = [r for p in sorted(runs) for r in runs[p]["rows"] if r["measure"] == "floor"]
     (folder / "sync-floor.json").write_text(json.dumps({"rows": floors}, indent=1) + "\n")
     chosen = {}
@@ -296,7 +306,7 @@ def report(folder):
             chosen[p] = min(shared, key=shared.get)
     lines += ["", "On a GPU the ranks share, the fence mechanism to use is the one with the lower p50 of host and "
               "stream (the kernel's spins hold the other processes off): "
-              + "; ".join(f"{chosen[p]} at {p} ranks" for p in sorted(chosen))
+              + ("; ".join(f"{chosen[p]} at {p} ranks" for p in sorted(chosen)) or "not measured")
               + ". Set it with COLLECTIVES_DEVICE_FENCE (auto picks host on a shared GPU, kernel across distinct "
               "GPUs)."]
     (folder / "sync-floor.md").write_text("\n".join(lines) + "\n")
@@ -338,7 +348,9 @@ def target_rows(runs, folder, chosen):
             rows += [(name, f"no peer-n{p}.json", "-", None) for name in names]
             continue
         found = runs[p]["rows"]
-        B = next(r["B_GBps"] for r in found if r["measure"] == "copy") * 1e9
+        if not runs[p]["info"].get("complete", True):  # stopped by its time limit: what it measured counts
+            names = [name + " (run cut short)" for name in names]
+        B = next((r["B_GBps"] * 1e9 for r in found if r["measure"] == "copy"), None)
         floor = next((r["p50_us"] for r in found if r["measure"] == "floor" and r["mechanism"] == chosen.get(p)),
                      None)
         coll = [r for r in found if r["measure"] == "collective"]
@@ -346,7 +358,7 @@ def target_rows(runs, folder, chosen):
         measured = {}
         big = [r for r in coll if r["collective"] == "allreduce" and 64 * MiB <= r["bytes"] <= 256 * MiB
                and r["contender"] in peers]
-        if big:
+        if big and B:
             worst = min(max(r["busbw_GBps"] for r in big if r["bytes"] == n) for n in {r["bytes"] for r in big})
             limit = bound("allreduce", p, B) / 1e9
             measured[names[0]] = (f"{worst:.0f} GB/s (the best peer read at the worst size)",
@@ -361,7 +373,7 @@ def target_rows(runs, folder, chosen):
         for name, collective in zip(names[2:5], OTHERS):
             mine = [r for r in coll if r["collective"] == collective and r["contender"] == "one_shot"
                     and r["bytes"] >= 64 * MiB]
-            if mine:
+            if mine and B:
                 r = mine[0]
                 limit = bound(collective, p, B) / 1e9
                 measured[name] = (f"{r['busbw_GBps']:.0f} GB/s (one_shot, {human_bytes(r['bytes'])})",
