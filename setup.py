@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 here = Path(__file__).parent
 
@@ -16,9 +16,9 @@ setup(
     # generic top-level module called `kernels` is installed.
     # The core library (collectives, .algorithms, .transport, .device), the simulator
     # (.sim), the framework adapters (.adapters) and the tools (.tools).
-    packages=["collectives", "collectives.algorithms", "collectives.transport", "collectives.device", "collectives.sim",
-              "collectives.adapters", "collectives.adapters.horovod", "collectives.tools", "collectives.tools.bench",
-              "collectives.tools.testbed", "collectives.kernels"],
+    # Every package under collectives/ (found, so that a new one cannot be left out of
+    # a non-editable install), plus the kernels.
+    packages=find_packages(include=["collectives", "collectives.*"]) + ["collectives.kernels"],
     package_dir={"collectives": "collectives", "collectives.kernels": "kernels"},
     package_data={"collectives": ["data/*.json"], "collectives.kernels": ["*.cu", "*.cuh", "README.md"]},
     install_requires=["mpi4py>=3.1", "numpy>=1.23"],

@@ -21,7 +21,7 @@ from .arrays import flat_input, flat_view, overlaps, same_memory
 class Call:
     """One call, its arguments and what was made of them (see the module's docstring)."""
 
-    __slots__ = ("algorithm", "alone", "blocking", "count", "counts", "describe", "device", "dtype", "finish",
+    __slots__ = ("algorithm", "alone", "auto", "blocking", "count", "counts", "describe", "device", "dtype", "finish",
                  "gate_shape", "inp", "inplace", "nbytes", "op", "out", "plan", "recv", "result", "root",
                  "segment_size", "send", "sequence", "shape", "spec", "timeout", "where", "x")
 
@@ -29,6 +29,7 @@ class Call:
                  timeout: float | None, blocking: bool):
         self.spec, self.x, self.out, self.op, self.root = spec, x, out, op, root
         self.algorithm, self.segment_size, self.timeout, self.blocking = algorithm, segment_size, timeout, blocking
+        self.auto = False  # the algorithm was auto's choice (a route may choose again: see routes.peer)
         self.shape: tuple[int, ...] = ()  # the result's shape
         self.count = 0  # the element count the plan is built for (see algorithms.build)
         self.nbytes = 0  # the size auto sees (see Communicator.choose)

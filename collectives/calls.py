@@ -25,13 +25,13 @@ import numpy as np
 from mpi4py import MPI
 
 from . import ops
-from .algorithms import ORDERED, SHARED_MEMORY, check_algorithm, check_ordered, cost_model_choice
+from .algorithms import ORDERED, PEER_READS, SHARED_MEMORY, check_algorithm, check_ordered, cost_model_choice
 from .call import Call
 from .dtypes import check_dtype, is_extra
 from .errors import TransportError
 from .gate import gate
 from .options import check_root
-from .routes import NATIVE_BLOCKING, ROUTES, SHARED, route_for
+from .routes import NATIVE_BLOCKING, PEER, ROUTES, SHARED, route_for
 from .routes.base import collectives_in_flight, finish_in_flight
 from .specs import SPECS
 
@@ -60,6 +60,7 @@ def run(ctx: Any, spec: Any, x: Any, out: Any, op: str, root: Any, algorithm: An
     call.send, call.recv = send, recv
     spec.arguments(ctx, call)
     call.timeout = ctx.options.timeout_for(timeout)
+    call.auto = call.algorithm == "auto"
     call.algorithm = resolve(ctx, spec.name, call.algorithm, call.nbytes, call.dtype, call.device)
     call.alone = ctx.options.alone(blocking, call.timeout)
     gate(ctx, spec.name, call.timeout, call.algorithm, call.op, call.dtype, call.gate_shape,
@@ -169,6 +170,8 @@ def resolve(ctx: Any, collective: str, algorithm: str, nbytes: int, dtype: Any, 
         check_ordered(collective, algorithm)
     if (collective, algorithm) in SHARED_MEMORY:
         _check_shared_memory(ctx, algorithm, device)
+    if (collective, algorithm) in PEER_READS:
+        _check_peer_reads(ctx, algorithm, device)
     if algorithm == "native" and is_extra(dtype):
         raise ValueError(f"algorithm 'native' cannot move {dtype.name} (the MPI library has no type for it); "
                          "use one of the library's algorithms or 'auto'")
@@ -179,6 +182,10 @@ def resolve(ctx: Any, collective: str, algorithm: str, nbytes: int, dtype: Any, 
         if collective in ctx.selector.overrides:  # COLLECTIVES_<COLLECTIVE>_ALGORITHM names it
             _check_shared_memory(ctx, chosen, device)
         chosen = _instead_of_shared(ctx, collective, nbytes)  # a table measured where memory was shared
+    if (collective, chosen) in PEER_READS and not (device and ctx.shares_memory):
+        if collective in ctx.selector.overrides:
+            _check_peer_reads(ctx, chosen, device)
+        chosen = _instead_of_shared(ctx, collective, nbytes)
     if chosen == "native":
         instead = _instead_of_native(ctx, collective, nbytes, dtype, device)
         if instead is not None:
@@ -210,6 +217,9 @@ def explain(ctx: Any, collective: str, nbytes: int, device: bool = False, dtype:
     if (collective, choice) in SHARED_MEMORY and (device or not ctx.shares_memory):
         choice = _instead_of_shared(ctx, collective, nbytes)
         why = f"{why}, but shm runs on host arrays of ranks that share memory: so {choice}"
+    if (collective, choice) in PEER_READS and not (device and ctx.shares_memory):
+        was, choice = choice, _instead_of_shared(ctx, collective, nbytes)
+        why = f"{why}, but {was} runs on device arrays of ranks on one node: so {choice}"
     if choice == "native" and dtype is not None:
         instead = _instead_of_native(ctx, collective, nbytes, np.dtype(dtype), bool(device))
         if instead is not None:
@@ -248,6 +258,17 @@ def _instead_of_shared(ctx: Any, collective: str, nbytes: int) -> str:
     return cost_model_choice(collective, nbytes, ctx.size, topology=ctx.topology)
 
 
+def _check_peer_reads(ctx: Any, algorithm: str, device: bool) -> None:
+    if not device:
+        raise ValueError(f"algorithm {algorithm!r} reads the other ranks' device buffers in place (CUDA IPC): it "
+                         "runs on device arrays only; on host arrays use 'shm' (on registered buffers, "
+                         "Communicator.empty, it reads the others' inputs in place too) or 'auto'")
+    if not ctx.shares_memory:
+        raise ValueError(f"algorithm {algorithm!r} needs every rank on one node (ranks whose device memory can "
+                         f"be opened through CUDA IPC); this communicator spans {ctx.topology.describe()}: "
+                         "use 'ring' or 'auto'")
+
+
 def _check_shared_memory(ctx: Any, algorithm: str, device: bool) -> None:
     if device:
         raise ValueError(f"algorithm {algorithm!r} runs on host arrays only (it reduces in a shared window of "
@@ -258,10 +279,20 @@ def _check_shared_memory(ctx: Any, algorithm: str, device: bool) -> None:
 
 
 # -- the calls beside the collectives -----------------------------------------------------
-def barrier(ctx: Any, timeout: Any) -> None:
-    """Block until every rank has called ``barrier`` (collectives in flight go on)."""
+def barrier(ctx: Any, timeout: Any, device: Any = None) -> None:
+    """Block until every rank has called ``barrier`` (collectives in flight go on); with
+    ``device``, until every rank's device work queued before it has run too."""
     timeout = ctx.options.timeout_for(timeout)
+    backend = None
+    if device is not None:
+        from .device import as_device_array, is_device
+        from .registered import device_backend
+
+        backend = as_device_array(device, "device").backend if is_device(device) else device_backend(device)
     gate(ctx, "barrier", timeout)
+    if backend is not None:
+        PEER.barrier(ctx, backend, timeout)
+        return
     ctx.request("barrier", ctx.comm.Ibarrier, timeout)
 
 

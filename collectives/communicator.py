@@ -48,7 +48,11 @@ class Communicator:
     and ``cuda_aware`` (True/False; None: ``COLLECTIVES_CUDA_IPC``,
     ``COLLECTIVES_CUDA_AWARE``, else detected) choose how device messages move, and
     ``ipc_memory`` bounds the IPC send slots (``COLLECTIVES_IPC_MEMORY``, 256 MiB). Every
-    rank passes device arrays to a call, or every rank host arrays.
+    rank passes device arrays to a call, or every rank host arrays. On one node whose
+    ranks can open each other's device memory, the peer-read algorithms (``one_shot``,
+    ``two_shot``) read the others' buffers in place, two fences a call; ``device_fence``
+    (``COLLECTIVES_DEVICE_FENCE``: ``auto``, ``host``, ``stream`` or ``kernel``) says how
+    a fence meets (see :mod:`collectives.transport.device_node`).
 
     Every rank must call the same collectives in the same order, as with MPI. What
     protects against the ways that goes wrong (see docs/guides/troubleshooting.md):
@@ -98,14 +102,15 @@ class Communicator:
     def __init__(self, mpi_comm: MPI.Intracomm | None = None, *, segment_size: int | None = None,
                  check: bool | None = None, timeout: float | None = None, stall_warn: float | None = None,
                  device_segment_size: int | None = None, cuda_ipc: bool | None = None, cuda_aware: bool | None = None,
-                 ipc_memory: int | None = None, deterministic: bool | None = None, nodes: Any = None) -> None:
+                 ipc_memory: int | None = None, deterministic: bool | None = None, nodes: Any = None,
+                 device_fence: str | None = None) -> None:
         if mpi_comm is None:
             mpi_comm = MPI.COMM_WORLD
         if not isinstance(mpi_comm, MPI.Intracomm) or mpi_comm == MPI.COMM_NULL:
             raise TypeError(f"mpi_comm must be an mpi4py intracommunicator; got {mpi_comm!r}")
         options = Options(segment_size=segment_size, check=check, timeout=timeout, stall_warn=stall_warn,
                           device_segment_size=device_segment_size, cuda_ipc=cuda_ipc, cuda_aware=cuda_aware,
-                          ipc_memory=ipc_memory, deterministic=deterministic)
+                          ipc_memory=ipc_memory, deterministic=deterministic, device_fence=device_fence)
         self._ctx = Context(mpi_comm, options, nodes)
         self.rank: int = self._ctx.rank
         self.size: int = self._ctx.size
@@ -167,7 +172,7 @@ class Communicator:
         twin.shm_slot = self.shm_slot
         return twin
 
-    def empty(self, shape: Any, dtype: Any = "float32") -> Any:
+    def empty(self, shape: Any, dtype: Any = "float32", device: Any = None) -> Any:
         """A new host array, uninitialised, in memory that the ranks of this node share: a
         *registered buffer* (as NCCL's user-buffer registration). Collective: every rank
         calls it, in the same order, with the same ``shape`` and ``dtype``.
@@ -185,14 +190,25 @@ class Communicator:
         (using it afterwards is undefined, as with freed MPI memory); keep no view of
         it past that. Each ``empty`` makes one shared window, so make a few large
         arrays (buckets) rather than many small ones. Across nodes each node shares
-        its own ranks' arrays; the ``shm`` algorithms need one node."""
-        return registered.empty(self._ctx, shape, dtype)
+        its own ranks' arrays; the ``shm`` algorithms need one node.
 
-    def zeros(self, shape: Any, dtype: Any = "float32") -> Any:
+        ``device="cuda"`` (``"cuda:N"``; ``"standin"`` in the tests) makes a device array
+        instead (a CuPy array; bfloat16 comes marked, as :func:`collectives.device.bfloat16`),
+        which every rank of the node opens in every other's process at once (CUDA IPC),
+        so that the peer-read algorithms (``one_shot``, ``two_shot``) read it in place
+        from their first call. Any other device array is registered the same way at
+        its first such call; this only does it ahead of time. Its lifetime is the
+        array's own."""
+        return registered.empty(self._ctx, shape, dtype, device)
+
+    def zeros(self, shape: Any, dtype: Any = "float32", device: Any = None) -> Any:
         """:meth:`empty`, filled with zeros (each rank writes its own array, so its memory
-        is placed near it). Collective, like :meth:`empty`."""
-        array = self.empty(shape, dtype)
-        array[...] = 0
+        is placed near it; on a device, on the current stream). Collective, like :meth:`empty`."""
+        array = self.empty(shape, dtype, device)
+        if device is None:
+            array[...] = 0
+        else:
+            registered.fill_zeros(array, device)
         return array
 
     def broadcast_object(self, obj: Any, root: int = 0, *, timeout: float | None = None) -> Any:
@@ -352,6 +368,13 @@ class Communicator:
         progress.drain()
         return len(progress.active)
 
-    def barrier(self, *, timeout: float | None = None) -> None:
-        """Block until every rank has called ``barrier`` (collectives in flight go on)."""
-        calls.barrier(self._ctx, timeout)
+    def barrier(self, *, timeout: float | None = None, device: Any = None) -> None:
+        """Block until every rank has called ``barrier`` (collectives in flight go on).
+
+        ``device`` (a device array, or ``"cuda"``, ``"cuda:N"``, ``"standin"``): a barrier of
+        the devices' work too: it returns once every rank's device work queued on its
+        current stream before the call has run. On one node whose ranks can open each
+        other's device memory it is one fence of the peer-read executor (what
+        ``make bench-gpu`` times as the synchronisation floor); elsewhere each rank
+        waits for its stream, then the ranks meet in MPI. Every rank passes ``device``."""
+        calls.barrier(self._ctx, timeout, device)

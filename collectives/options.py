@@ -22,6 +22,13 @@ from .algorithms.shm import DEFAULT_SLOT_BYTES  # one rank's slot of the shared 
 
 DEFAULT_SEGMENT_SIZE = 256 * 1024  # bytes; COLLECTIVES_SEGMENT_SIZE overrides
 DEFAULT_DEVICE_SEGMENT_SIZE = 4 << 20  # bytes; COLLECTIVES_DEVICE_SEGMENT_SIZE overrides
+# How the peer-read algorithms' fences meet on the device (collectives.transport.device_node):
+# the host watches epochs in the node's shared window, the streams write and wait for
+# values there themselves, or a small kernel writes and spins on flags in the GPUs'
+# memory (distinct GPUs only); auto: kernel where every rank has a GPU of its own, else
+# host. COLLECTIVES_DEVICE_FENCE overrides the default.
+DEVICE_FENCES = ("auto", "host", "stream", "kernel")
+DEFAULT_DEVICE_FENCE = "auto"
 MIN_SLOT_BYTES = 64
 
 
@@ -30,13 +37,14 @@ class Options:
     what each does. ``environ`` (default ``os.environ``) supplies what the keywords
     leave as None."""
 
-    __slots__ = ("check", "cuda_aware", "cuda_ipc", "deterministic", "device_segment_size", "ipc_memory",
-                 "segment_size", "shm_slot", "stall_warn", "timeout")
+    __slots__ = ("check", "cuda_aware", "cuda_ipc", "deterministic", "device_fence", "device_segment_size",
+                 "ipc_memory", "segment_size", "shm_slot", "stall_warn", "timeout")
 
     def __init__(self, *, segment_size: int | None = None, check: bool | None = None, timeout: float | None = None,
                  stall_warn: float | None = None, device_segment_size: int | None = None,
                  cuda_ipc: bool | None = None, cuda_aware: bool | None = None, ipc_memory: int | None = None,
-                 deterministic: bool | None = None, environ: Mapping[str, str] | None = None):
+                 deterministic: bool | None = None, device_fence: str | None = None,
+                 environ: Mapping[str, str] | None = None):
         env = os.environ if environ is None else environ
         if segment_size is None:
             segment_size = env_bytes("COLLECTIVES_SEGMENT_SIZE", DEFAULT_SEGMENT_SIZE, env)
@@ -60,6 +68,14 @@ class Options:
                                        or ipc_memory < 0):
             raise ValueError(f"ipc_memory must be a non-negative number of bytes; got {ipc_memory!r}")
         self.cuda_ipc, self.cuda_aware, self.ipc_memory = cuda_ipc, cuda_aware, ipc_memory
+        if device_fence is None:
+            device_fence = env.get("COLLECTIVES_DEVICE_FENCE", "").strip() or DEFAULT_DEVICE_FENCE
+            if device_fence not in DEVICE_FENCES:
+                raise ValueError(f"COLLECTIVES_DEVICE_FENCE must be one of {', '.join(DEVICE_FENCES)}; "
+                                 f"got {device_fence!r}")
+        elif device_fence not in DEVICE_FENCES:
+            raise ValueError(f"device_fence must be one of {', '.join(DEVICE_FENCES)}; got {device_fence!r}")
+        self.device_fence = device_fence
         self.shm_slot = slot_bytes(env)
 
     @property
@@ -73,7 +89,7 @@ class Options:
         read again."""
         return dict(segment_size=self.segment_size, check=self.check, timeout=self.timeout or math.inf,
                     stall_warn=self.stall_warn or math.inf, device_segment_size=self.device_segment_size,
-                    deterministic=self.deterministic, **self.device_options)
+                    deterministic=self.deterministic, device_fence=self.device_fence, **self.device_options)
 
     def timeout_for(self, timeout: float | None) -> float | None:
         """A call's timeout in seconds (None: none): its own, else the communicator's."""

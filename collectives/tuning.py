@@ -34,8 +34,11 @@ In order, the first that answers:
    bandwidth-optimal algorithms, the two-level ones on several nodes).
 
 Device arrays have tables of their own (``device_tables``, same fingerprint rule);
-without one they take the cost-model rule: the conservative rule's model is
-calibrated for host buffers, and ``native`` there means MPI on host copies.
+without one they take the device cost model (:func:`device_choice`): on one node the
+fastest predicted of the peer-read algorithms (``one_shot``, ``two_shot``) and the
+ring over CUDA IPC, from the parameters of :class:`DeviceCostModel`; across nodes the
+cost-model rule (the conservative rule's model is calibrated for host buffers, and
+``native`` there means MPI on host copies).
 
 In deterministic mode a choice that cannot reduce in rank order (see
 ``collectives.algorithms.ORDERED``) gives way to one that can, and an override that
@@ -614,6 +617,81 @@ def conservative_choice(collective, nbytes, size, topology=None, model=SHIPPED_M
     return (best if gain >= needed else "native"), gain, best
 
 
+# == the device cost model: peer reads against the ring, on one node =================
+
+@dataclass(frozen=True)
+class DeviceCostModel:
+    """The device rule's parameters where no device table was measured, in seconds and
+    bytes per second: ``call`` the host's work of one call, ``fence`` one synchronisation
+    of the node's ranks (the floor ``make bench-gpu`` measures), ``launch`` one kernel
+    or copy, ``bandwidth`` the device's copy rate B (bytes read plus written per second;
+    ``shared``: the node's ranks share one GPU, whose memory carries the sum of their
+    traffic), and, for the ring over CUDA IPC, ``ipc_step`` the host's handshake of one
+    message and ``ipc_rate`` its bytes per second. The defaults come from the one GPU
+    measured so far (bench/results/NVIDIA-H100-80GB-HBM3: the copy at 2.7-3.0 TB/s, a
+    2-rank ring allreduce below 1 MiB 0.4-0.7 ms, so about 150 us a message, its busbw
+    11-16 GB/s); the fence and launch costs are estimates until ``make bench-gpu``
+    measures them, and a device table (``collectives-bench --device cuda --tune``)
+    replaces the whole rule."""
+
+    call: float = 40e-6
+    fence: float = 25e-6
+    launch: float = 6e-6
+    bandwidth: float = 2.5e12
+    shared: bool = True
+    ipc_step: float = 150e-6
+    ipc_rate: float = 15e9
+
+
+SHIPPED_DEVICE_MODEL = DeviceCostModel()
+
+
+def predict_device(collective, nbytes, size, model=SHIPPED_DEVICE_MODEL):
+    """``{algorithm: seconds}`` of the peer-read algorithms of ``collective`` and its ring
+    (over CUDA IPC) on one node of ``size`` ranks, ``nbytes`` as a tuning table counts
+    them (allgather: the gathered size). The peer reads cost ``call`` + two fences +
+    their launches + their memory traffic (:mod:`collectives.algorithms.peer`'s
+    docstring; all ranks' where they share a GPU, one rank's where each has its own);
+    the ring 2(p-1) (allreduce) or p-1 handshakes and its bytes at ``ipc_rate``."""
+    p, n, m = size, float(nbytes), model
+    ranks = p if m.shared else 1  # whose traffic one device's memory carries
+
+    def peer(traffic, launches):
+        return m.call + 2 * m.fence + launches * m.launch + ranks * traffic / m.bandwidth
+
+    if collective == "allreduce":
+        times = {"one_shot": peer((p + 1) * n, 1), "two_shot": peer((3 + 1 / p) * n, 1 + p),
+                 "ring": m.call + 2 * (p - 1) * (m.ipc_step + n / p / m.ipc_rate)}
+    elif collective == "reduce_scatter":
+        times = {"one_shot": peer((1 + 1 / p) * n, 1), "ring": m.call + (p - 1) * (m.ipc_step + n / p / m.ipc_rate)}
+    elif collective == "allgather":
+        times = {"one_shot": peer(2 * n, p), "ring": m.call + (p - 1) * (m.ipc_step + n / p / m.ipc_rate)}
+    elif collective == "broadcast":  # the root reads nothing: p - 1 ranks copy
+        times = {"one_shot": peer(2 * n * (p - 1) / p, 1), "ring": m.call + (p - 1) * (m.ipc_step + n / m.ipc_rate)}
+    elif collective == "reduce":  # the root folds every input
+        times = {"one_shot": peer((p + 1) * n / p, 1), "ring": m.call + 2 * (p - 1) * (m.ipc_step + n / p / m.ipc_rate)}
+    else:
+        return {}
+    if collective == "broadcast":
+        times["binomial"] = times.pop("ring")  # broadcast has no ring: its tree moves as much here
+    elif collective == "reduce":
+        times["direct"] = times.pop("ring")
+    return {a: t for a, t in times.items() if a in BUILDERS[collective]}
+
+
+def device_choice(collective, nbytes, size, topology=None, model=SHIPPED_DEVICE_MODEL):
+    """``(algorithm, why)``: the device rule where no device table answers. On one node,
+    the fastest of :func:`predict_device`; elsewhere (several nodes, or a collective
+    without peer-read algorithms) the cost-model rule."""
+    one_node = topology is None or topology.node_count == 1
+    times = predict_device(collective, nbytes, size, model) if one_node and size > 1 else {}
+    if not times:
+        return cost_model_choice(collective, nbytes, size, topology=topology), "cost-model rule"
+    best = min(times, key=times.get)
+    said = ", ".join(f"{a} {t * 1e6:.0f} us" for a, t in sorted(times.items(), key=lambda item: item[1]))
+    return best, f"device cost model on one node (predicted: {said})"
+
+
 def calibrated_choice(calibration, collective, nbytes, size, topology=None):
     """``(algorithm, why)``: what the model calibrated on this machine picks
     (:mod:`collectives.calibration`): ``native`` below ``calibration.SMALL`` and for
@@ -817,13 +895,17 @@ class Selector:
             choice = table.lookup(collective, nbytes, self.key)
             if choice is not None:
                 return choice, f"measured table {table.source}" + (f" (layout {self.key})" if self.several else "")
-        if self.calibration is not None and not device:
-            return calibrated_choice(self.calibration, collective, nbytes, self.world_size,
-                                     self.topology if self.several else None)
-        if device or self.rule == "cost-model":
-            why = "cost-model rule" + (" (no measured table for device arrays)" if device else "")
+        if device:
+            choice, why = device_choice(collective, nbytes, self.world_size, self.topology)
+            why += " (no measured table for device arrays)"
             if self.several:
                 why += f" for {self.topology.describe()}"
+            return choice, why
+        if self.calibration is not None:
+            return calibrated_choice(self.calibration, collective, nbytes, self.world_size,
+                                     self.topology if self.several else None)
+        if self.rule == "cost-model":
+            why = "cost-model rule" + (f" for {self.topology.describe()}" if self.several else "")
             return cost_model_choice(collective, nbytes, self.world_size, topology=self.topology), why
         choice, gain, best = conservative_choice(collective, nbytes, self.world_size, self.topology)
         if self.in_use[0]:

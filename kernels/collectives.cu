@@ -57,4 +57,49 @@ __global__ void unpack(char* dst, const E* src, i64 n, int ndim, i64 n0, i64 n1,
     unpack_body<E>(dst, src, n, ndim, shape, strides, thread_start(), thread_stride());
 }
 
+// -- the fence of ranks on distinct GPUs with peer access ----------------------------------------
+// Every in-kernel wait has a time limit, read from %globaltimer (nanoseconds): a kernel
+// cannot be cancelled, and the host must learn who did not come.
+
+__device__ __forceinline__ u64 global_time_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ void store_release_system(u32* p, u32 v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ u32 load_acquire_system(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// One fence of `size` ranks, one block of at least `size` threads. Thread q (q != rank)
+// writes `epoch` into word `rank` of rank q's inbox (`inboxes[q]`, its device memory
+// opened here), after everything this rank's stream did before (fence, then a release
+// at system scope), and waits until rank q has written `epoch` (or later: the
+// comparison is cyclic, as the epochs wrap) into word q of this rank's own inbox,
+// acquiring what rank q did before. After `limit_ns` it gives up and sets late[q] (host
+// memory, which the host reads to name the ranks) to 1; the work after it then runs
+// on whatever is there, and the host raises.
+__global__ void fence(u32* const* inboxes, const u32* inbox, int rank, int size, u32 epoch, u64 limit_ns,
+                      u32* late) {
+    const int q = threadIdx.x;
+    if (q >= size || q == rank) return;
+    __threadfence_system();
+    store_release_system(inboxes[q] + rank, epoch);
+    const u64 start = global_time_ns();
+    while ((int)(load_acquire_system(inbox + q) - epoch) < 0) {
+        if (global_time_ns() - start > limit_ns) {
+            late[q] = 1u;
+            __threadfence_system();
+            return;
+        }
+        __nanosleep(200);
+    }
+}
+
 }  // namespace collectives

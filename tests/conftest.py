@@ -20,7 +20,7 @@ import pytest
 from mpi4py import MPI
 
 import collectives as cc
-from collectives.algorithms import SHARED_MEMORY
+from collectives.algorithms import PEER_READS, SHARED_MEMORY
 from collectives.reference import expected, fold
 from collectives.specs import SPECS
 
@@ -176,9 +176,18 @@ WORLD_SHARES_MEMORY = _world_shares_memory()  # False in a testbed job across ho
 
 
 def runs_here(comm, collective, algorithm):
-    """Whether ``comm`` runs ``algorithm``: the shared-memory ones (``shm``) need ranks
-    that share memory; across hosts they raise, which test_multihost.py checks."""
+    """Whether ``comm`` runs ``algorithm`` on host arrays: the shared-memory ones (``shm``)
+    need ranks that share memory (across hosts they raise, which test_multihost.py
+    checks); the peer-read ones (``one_shot``, ``two_shot``) run on device arrays only
+    (test_device_peer.py)."""
+    if (collective, algorithm) in PEER_READS:
+        return False
     return (collective, algorithm) not in SHARED_MEMORY or comm.shares_memory
+
+
+def host_algorithms(collective):
+    """``cc.algorithms(collective)`` less the ones that run on device arrays only."""
+    return tuple(a for a in cc.algorithms(collective) if (collective, a) not in PEER_READS)
 
 
 @pytest.fixture

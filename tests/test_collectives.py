@@ -7,12 +7,12 @@ failure on one rank fails the test everywhere instead of leaving the others wait
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 import collectives as cc
 
 from collectives.tools.demo import native_result, run_one
-from conftest import ALL_DTYPES, agree, counts_for, expected_result, ops_for, rank_input, reference, runs_here, same
+from conftest import (ALL_DTYPES, agree, counts_for, expected_result, host_algorithms, ops_for, rank_input, reference,
+                      runs_here, same)
 
 # shm needs ranks that share memory: skipped in jobs across hosts, where it refuses (test_multihost.py)
 pytestmark = pytest.mark.usefixtures("shared_memory_needed")
@@ -65,13 +65,14 @@ def run_and_compare(comm, mpi, collective, algorithm, dtype, op, count, root=0, 
         if got is not None:
             problems.append(f"{label}: non-root got {type(got).__name__}, expected None")
     elif not (same(got, want) and same(got, native)):
-        problems.append(f"{label}: got {np.asarray(got).ravel()[:5]}, numpy {want.ravel()[:5]}, mpi {native.ravel()[:5]}")
+        problems.append(f"{label}: got {np.asarray(got).ravel()[:5]}, numpy {want.ravel()[:5]}, "
+                        f"mpi {native.ravel()[:5]}")
     if collective != "broadcast" and not same(x, x_before):
         problems.append(f"{label}: the input was modified")
     return got
 
 
-ALGORITHMS = [(c, a) for c in cc.COLLECTIVES for a in cc.algorithms(c)]
+ALGORITHMS = [(c, a) for c in cc.COLLECTIVES for a in host_algorithms(c)]
 
 
 @pytest.mark.parametrize("collective,algorithm", ALGORITHMS)
@@ -105,7 +106,7 @@ def test_data_movement_every_dtype(comm, mpi_comm, collective, algorithm):
     agree(mpi_comm, problems)
 
 
-@pytest.mark.parametrize("algorithm", cc.algorithms("allreduce"))
+@pytest.mark.parametrize("algorithm", host_algorithms("allreduce"))
 def test_allreduce_in_place_and_into_out(comm, mpi_comm, algorithm):
     problems = []
     for count in counts_for(comm.size, large=False):
@@ -122,7 +123,7 @@ def test_allreduce_in_place_and_into_out(comm, mpi_comm, algorithm):
     agree(mpi_comm, problems)
 
 
-@pytest.mark.parametrize("algorithm", cc.algorithms("reduce"))
+@pytest.mark.parametrize("algorithm", host_algorithms("reduce"))
 def test_reduce_in_place_on_root(comm, mpi_comm, algorithm):
     problems = []
     for root in sorted({0, comm.size - 1}):
@@ -196,7 +197,7 @@ def test_out_overlapping_the_input_gets_a_snapshot(comm, mpi_comm):
     agree(mpi_comm, problems)
 
 
-@pytest.mark.parametrize("algorithm", [a for a in cc.algorithms("allreduce") if a != "native"])
+@pytest.mark.parametrize("algorithm", [a for a in host_algorithms("allreduce") if a != "native"])
 def test_allreduce_bits_identical_across_ranks(comm, mpi_comm, algorithm):
     rng = np.random.default_rng(1234 + comm.rank)
     problems = []
@@ -303,7 +304,8 @@ def test_user_messages_never_match_library_messages(comm, mpi_comm):
         received = np.empty(4, "int64")
         mpi_comm.Recv(received, (comm.rank - 1) % comm.size, tag=1)
         request.Wait()
-        if not same(got, np.full(10, comm.size, "int64")) or not same(received, np.full(4, (comm.rank - 1) % comm.size)):
+        if not same(got, np.full(10, comm.size, "int64")) or \
+                not same(received, np.full(4, (comm.rank - 1) % comm.size)):
             problems.append("user and library messages got mixed")
     agree(mpi_comm, problems)
 

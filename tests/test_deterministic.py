@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 import collectives as cc
 from collectives import reference
-from collectives.algorithms import ORDERED, build
+from collectives.algorithms import ORDERED, PEER_READS, build
 from collectives.schedule import compile_plan
 from collectives.transport.local import run_collective
 
@@ -73,7 +73,8 @@ def test_ordered_schedules_equal_the_serial_fold(collective):
                             inputs = [rank_input(r, count, dtype, op) for r in range(size)]
                             # shm in slots of 16 elements: several segments, not one per element
                             plans = [compile_plan(build(collective, algorithm, r, size, count, root=root, ordered=True,
-                                                        segment=16), inplace=inplace) for r in range(size)]
+                                                        segment=16, inplace=inplace), inplace=inplace)
+                                     for r in range(size)]
                             got = run_collective(collective, algorithm, [x.copy() for x in inputs], op, root,
                                                  inplace=inplace, plans=plans)
                             for r in range(size):
@@ -120,7 +121,7 @@ def test_every_reduction_equals_the_serial_fold(dcomm, collective):
     for count in (0, 1, 2 * size + 1, 5000):
         for dtype in DTYPES:
             for op in ops_of(dtype):
-                for algorithm in ("auto",) + ORDERED[collective]:
+                for algorithm in ("auto",) + tuple(a for a in ORDERED[collective] if (collective, a) not in PEER_READS):
                     root = (count + 1) % size
                     inputs = [rank_input(r, count, dtype, op) for r in range(size)]
                     got = call(dcomm, collective, inputs[rank].copy(), op, algorithm, root)

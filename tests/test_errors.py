@@ -118,14 +118,14 @@ def test_errors_derive_from_collective_error():
 def test_algorithms_lists_native_and_auto():
     assert cc.algorithms("allreduce") == (
         "ring", "tree", "recursive_halving", "recursive_doubling", "direct", "hierarchical", "hierarchical_leader",
-        "shm", "native", "auto")
-    assert cc.algorithms("reduce_scatter") == ("ring", "recursive_halving", "direct", "hierarchical", "shm", "native",
-                                               "auto")
+        "shm", "one_shot", "two_shot", "native", "auto")
+    assert cc.algorithms("reduce_scatter") == ("ring", "recursive_halving", "direct", "hierarchical", "shm",
+                                               "one_shot", "native", "auto")
     assert cc.algorithms("allgather") == ("ring", "recursive_doubling", "bruck", "direct", "hierarchical", "shm",
-                                          "native", "auto")
+                                          "one_shot", "native", "auto")
     assert cc.algorithms("broadcast") == ("binomial", "pipeline", "scatter_allgather", "direct", "hierarchical",
-                                          "shm", "native", "auto")
-    assert cc.algorithms("reduce") == ("binomial", "direct", "shm", "native", "auto")
+                                          "shm", "one_shot", "native", "auto")
+    assert cc.algorithms("reduce") == ("binomial", "direct", "shm", "one_shot", "native", "auto")
     assert cc.algorithms("gather") == cc.algorithms("scatter") == ("binomial", "native", "auto")
     assert cc.algorithms("alltoall") == ("pairwise", "bruck", "native", "auto")
     assert cc.algorithms("alltoallv") == ("pairwise", "native", "auto")
@@ -186,7 +186,8 @@ def test_gather_out_is_checked_on_the_root_only(comm):
 def test_alltoall_arguments(comm):
     size = comm.size
     for x in (np.ones((size + 1, 2)), np.ones(()), np.ones(size + 2)):
-        with pytest.raises(ValueError, match=rf"x must have shape \(size, \*s\) = \({size}, \.\.\.\), one row per rank"):
+        with pytest.raises(ValueError,
+                           match=rf"x must have shape \(size, \*s\) = \({size}, \.\.\.\), one row per rank"):
             comm.alltoall(x)
     with pytest.raises(ValueError, match=rf"out must have shape \({size}, 3\); got \({size}, 4\)"):
         comm.alltoall(np.ones((size, 3)), out=np.empty((size, 4)))

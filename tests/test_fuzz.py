@@ -32,7 +32,7 @@ from mpi4py import MPI
 import collectives as cc
 from collectives import reference
 
-from conftest import ops_for
+from conftest import host_algorithms, ops_for
 
 # Runs in `make test` serially and at 2-4 ranks, in `make test-long` at 5-8.
 pytestmark = pytest.mark.long
@@ -263,7 +263,7 @@ def capped_segment(segment_size, nbytes):
 def valid_cases(draw):
     collective = draw(st.sampled_from(cc.COLLECTIVES))
     dtype = draw(st.sampled_from(DTYPE_NAMES))
-    algorithms = [a for a in cc.algorithms(collective) if not (a == "native" and DTYPES[dtype] == BFLOAT16)]
+    algorithms = [a for a in host_algorithms(collective) if not (a == "native" and DTYPES[dtype] == BFLOAT16)]
     algorithm = draw(st.sampled_from(algorithms))
     op = draw(st.sampled_from(ops_for(DTYPES[dtype]))) if collective in REDUCING else "sum"
     shape = draw(shapes())
@@ -388,10 +388,10 @@ if BFLOAT16 is not None:
 def invalid_cases(draw):
     defect = draw(st.sampled_from(sorted(DEFECTS)))
     collective = draw(st.sampled_from(DEFECTS[defect]))
-    algorithms = [a for a in cc.algorithms(collective) if a != "native"]
+    algorithms = [a for a in host_algorithms(collective) if a != "native"]
     return dict(defect=defect, collective=collective, algorithm=draw(st.sampled_from(algorithms)),
                 count=draw(st.integers(0, 20)), pick=draw(st.integers(0, 1000)), use_async=draw(st.booleans()),
-                after=draw(st.sampled_from(cc.algorithms("allreduce"))))
+                after=draw(st.sampled_from(host_algorithms("allreduce"))))
 
 
 def invalid_call(comm, case):
@@ -409,7 +409,8 @@ def invalid_call(comm, case):
         return lambda: call(comm, c, args.pop("x", x), **args)
 
     if defect == "unknown op":
-        return make(op=choose(["mean", "SUM", "", None, 3, "avg "])), ValueError, "op must be one of sum, prod, max, min, avg, band, bor, bxor; got"
+        return (make(op=choose(["mean", "SUM", "", None, 3, "avg "])), ValueError,
+                "op must be one of sum, prod, max, min, avg, band, bor, bxor; got")
     if defect == "avg on integers":
         dtype = choose(INT_NAMES)
         return (make(x=np.ones(count, dtype), op="avg"), TypeError,
@@ -503,7 +504,7 @@ SPECIALS = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}
 def special_cases(draw):
     collective = draw(st.sampled_from(REDUCING + ("allgather", "broadcast")))
     dtype = draw(st.sampled_from(FLOAT_NAMES))
-    algorithms = [a for a in cc.algorithms(collective) if not (a == "native" and DTYPES[dtype] == BFLOAT16)]
+    algorithms = [a for a in host_algorithms(collective) if not (a == "native" and DTYPES[dtype] == BFLOAT16)]
     return dict(collective=collective, dtype=dtype, algorithm=draw(st.sampled_from(algorithms)),
                 count=draw(st.integers(1, 40)), seed=draw(st.integers(0, 2**32 - 1)), root=draw(st.integers(0, 63)),
                 specials=draw(st.lists(st.tuples(st.integers(0, 63), st.integers(0, 10**6),
@@ -613,7 +614,7 @@ def test_nan_and_inf(fcomm, case):
 def overflow_cases(draw):
     collective = draw(st.sampled_from(REDUCING))
     return dict(collective=collective, dtype=draw(st.sampled_from(INT_NAMES)),
-                algorithm=draw(st.sampled_from(cc.algorithms(collective))), count=draw(st.integers(0, 50)),
+                algorithm=draw(st.sampled_from(host_algorithms(collective))), count=draw(st.integers(0, 50)),
                 seed=draw(st.integers(0, 2**32 - 1)), root=draw(st.integers(0, 63)), use_async=draw(st.booleans()))
 
 
@@ -665,7 +666,7 @@ def flight_cases(draw):
     for _ in range(draw(st.integers(2, 4))):
         collective = draw(st.sampled_from(cc.COLLECTIVES))
         dtype = draw(st.sampled_from(DTYPE_NAMES))
-        algorithms = [a for a in cc.algorithms(collective) if not (a == "native" and DTYPES[dtype] == BFLOAT16)]
+        algorithms = [a for a in host_algorithms(collective) if not (a == "native" and DTYPES[dtype] == BFLOAT16)]
         algorithm = draw(st.sampled_from(algorithms))
         blocking = draw(st.booleans())
         calls.append(dict(collective=collective, dtype=dtype, algorithm=algorithm,

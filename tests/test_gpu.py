@@ -6,6 +6,8 @@ runs them with the device suite (``tests/test_device.py --device cuda``) at 1-4 
 sharing one GPU.
 """
 
+import time
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -195,3 +197,84 @@ def test_cuda_array_interface_objects(comm, mpi_comm, cupy):
     problems = [] if isinstance(got, cupy.ndarray) and np.array_equal(
         cupy.asnumpy(got), np.arange(1000, dtype=np.float32) * comm.size * (comm.size + 1) / 2) else ["CAI"]
     agree(mpi_comm, problems)
+
+
+# -- the peer reads' device pieces, in one process ----------------------------------------------
+@pytest.mark.serial
+def test_the_fence_kernel_meets_and_gives_up_on_one_gpu_with_several_streams(cupy, backend):
+    """The distinct-GPU fence (kernels/collectives.cu) as four "ranks" of one process, one
+    stream each (blocks of 32 threads: co-resident): every fence passes with every
+    flag written; then rank 3 never comes, and the others give up at their limit and
+    set its late word (host memory the host reads) only."""
+    p = 4
+    flags = [cupy.zeros(p, cupy.uint32) for _ in range(p)]
+    table = backend.pointer_table(flags)
+    late_words = np.zeros(p * p, np.uint32)
+    late = backend.map_host(late_words)
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(p)]
+    try:
+        for epoch in (1, 2, 3):
+            for r in range(p):
+                backend.fence_kernel(streams[r], table, flags[r], r, epoch, 10.0, late, r * p)
+            for stream in streams:
+                stream.synchronize()
+            assert not late_words.any(), late_words.reshape(p, p)
+            for r in range(p):
+                got = cupy.asnumpy(flags[r])
+                assert all(got[q] == epoch for q in range(p) if q != r), (epoch, r, got)
+        start = time.perf_counter()
+        for r in range(p - 1):
+            backend.fence_kernel(streams[r], table, flags[r], r, 4, 0.2, late, r * p)
+        for stream in streams:
+            stream.synchronize()
+        waited = time.perf_counter() - start
+        assert 0.2 <= waited < 5, waited
+        want = np.zeros((p, p), np.uint32)
+        want[: p - 1, p - 1] = 1
+        assert np.array_equal(late_words.reshape(p, p), want)
+    finally:
+        backend.unmap_host(late)
+
+
+@pytest.mark.serial
+def test_stream_write_and_wait_values_order_two_streams(cupy, backend):
+    """cuStreamWaitValue32 holds a stream until another writes the word
+    (cuStreamWriteValue32, after the work before it): a copy on the waiting stream
+    sees the data the writing stream's kernel wrote first."""
+    words = np.zeros(32, np.uint32)
+    mapping = backend.map_host(words)
+    first, second = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    try:
+        src, dst = cupy.zeros(1 << 22, cupy.float32), cupy.zeros(1 << 22, cupy.float32)
+        backend.wait_value(second, mapping, 5, 7)
+        backend.copy(dst, src, second)
+        with first:
+            src += 3  # a kernel on the first stream
+        backend.write_value(first, mapping, 5, 7)
+        second.synchronize()
+        assert words[5] == 7 and float(cupy.asnumpy(dst).min()) == 3.0
+    finally:
+        backend.unmap_host(mapping)
+
+
+@pytest.mark.serial
+def test_allocations_of_the_pools_are_base_plus_offset_with_a_buffer_id(cupy, backend):
+    """CuPy's pool and torch's caching allocator sub-allocate: an array's allocation
+    (cuPointerGetAttribute) holds it, two arrays may share one; freed and allocated
+    again, an allocation gets a new buffer id."""
+    import torch
+
+    pool = cupy.get_default_memory_pool()
+    a, b = cupy.empty(1000, cupy.float32), cupy.empty(1000, cupy.float32)
+    for array in (a, b, a[10:]):
+        base, size, buffer_id = backend.allocation(array)
+        assert base <= array.data.ptr < base + size and buffer_id > 0
+    t = torch.empty(1000, device="cuda")
+    base, size, _ = backend.allocation(cupy.from_dlpack(t))
+    assert base <= t.data_ptr() < base + size
+    big = cupy.empty(64 << 20, cupy.uint8)
+    first = backend.allocation(big)
+    del big, a, b
+    pool.free_all_blocks()
+    again = backend.allocation(cupy.empty(64 << 20, cupy.uint8))
+    assert again[2] != first[2]

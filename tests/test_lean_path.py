@@ -17,7 +17,7 @@ import collectives as cc
 from collectives.routes import LeanEntry
 from collectives.specs import SPECS
 from collectives.transport import lean
-from conftest import agree, expected_result, rank_input
+from conftest import agree, expected_result, host_algorithms, rank_input
 
 WORLD = MPI.COMM_WORLD
 LAST = WORLD.Get_size() - 1
@@ -36,7 +36,7 @@ def call(comm, collective, x, algorithm, op, root, out, timeout=None):
 
 def cases():
     for collective in ("allreduce", "allgather", "broadcast", "reduce"):
-        for algorithm in cc.algorithms(collective):
+        for algorithm in host_algorithms(collective):
             if algorithm.startswith("hierarchical"):
                 continue  # they need a layout of several nodes; test_hierarchical has them
             yield collective, algorithm

@@ -79,7 +79,8 @@ def test_alltoallv_with_any_counts(data):
     assert not check("alltoallv", "pairwise", size, 0, dtype, counts=counts)
 
 
-@pytest.mark.parametrize("collective,algorithm", [ca for ca in ALGORITHMS if ca[0] in ("allreduce", "reduce_scatter", "reduce")])
+@pytest.mark.parametrize("collective,algorithm",
+                         [ca for ca in ALGORITHMS if ca[0] in ("allreduce", "reduce_scatter", "reduce")])
 def test_every_dtype_and_op(collective, algorithm):
     problems = []
     for dtype in ALL_DTYPES:
@@ -215,7 +216,7 @@ def test_device_plans_equal_the_plain_ones_bit_for_bit(collective, algorithm, or
                 def schedule_of(r):
                     mine = None if matrix is None else (tuple(matrix[r].tolist()), tuple(matrix[:, r].tolist()))
                     return build(collective, algorithm, r, size, count, root=size - 1, segment=3, ordered=ordered,
-                                 counts=mine)
+                                 counts=mine, inplace=inplace)
 
                 plain_plans = [compile_plan(schedule_of(r), inplace=inplace) for r in range(size)]
                 plain = run_collective(collective, algorithm, [x.copy() for x in inputs], "sum", size - 1, 3,

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import collectives as cc
 import collectives.sim as sim
 import collectives.schedule as sim_schedule
-from collectives.algorithms import BUILDERS, NODE_SYMMETRIC, ORDERED, SHARED_MEMORY, SYMMETRIC, hierarchical
+from collectives.algorithms import BUILDERS, NODE_SYMMETRIC, ORDERED, PEER_READS, SHARED_MEMORY, SYMMETRIC, hierarchical
 
 from conftest import ALL_DTYPES, expected_everywhere, ops_for
 
@@ -175,8 +175,17 @@ def expected_counters(collective, algorithm, p, count, root=0, segments=1):
             row = (0, 0, 0, (p - 1) * b)  # no messages: each rank folds its share of the p inputs
         elif key in (("allgather", "shm"), ("broadcast", "shm")):
             row = (0, 0, 0, 0)
+        elif key in (("allreduce", "two_shot"), ("reduce_scatter", "one_shot")):
+            row = (0, 0, 0, (p - 1) * b)  # no messages: each rank folds its share of the p inputs, read in place
+        elif key == ("allreduce", "one_shot"):
+            row = (0, 0, 0, (p - 1) * n)  # each rank folds every input whole
+        elif key == ("reduce", "one_shot"):
+            row = (0, 0, 0, (p - 1) * n if r == root else 0)
+        elif key in (("allgather", "one_shot"), ("broadcast", "one_shot")):
+            row = (0, 0, 0, 0)
         elif key == ("reduce", "direct"):  # reduce_scatter, then every block to the root
-            row = (p - 1, (p - 1) * b, 2 * (p - 1) * b, (p - 1) * b) if r == root else (p, p * b, (p - 1) * b, (p - 1) * b)
+            row = (p - 1, (p - 1) * b, 2 * (p - 1) * b, (p - 1) * b) if r == root else \
+                (p, p * b, (p - 1) * b, (p - 1) * b)
         else:
             raise AssertionError(f"no formula for {key}")
         rows.append(row)
@@ -284,6 +293,18 @@ def closed_form(collective, algorithm, p, n, gamma=G, segments=1):
         return A + n * B
     if key == ("broadcast", "shm"):
         return A + 2 * n * B
+    # Peer reads: two fences, the fold of the inputs read in place (m·γ per step; a
+    # Reduce's operands cost nothing), a copy from another rank's input or slot m·β.
+    if key in (("allreduce", "one_shot"), ("reduce", "one_shot")):
+        return 2 * A + g((p - 1) * n, gamma)
+    if key == ("allreduce", "two_shot"):  # fold share r into slot r, fence, every slot out
+        return 2 * A + g((p - 1) * b, gamma) + n * B
+    if key == ("reduce_scatter", "one_shot"):
+        return 2 * A + g((p - 1) * b, gamma)
+    if key == ("allgather", "one_shot"):  # n: the gathered size
+        return 2 * A + (p - 1) * b * B
+    if key == ("broadcast", "one_shot"):
+        return 2 * A + n * B
     if key == ("allgather", "bruck"):
         return lg_ceil * A + (p - 1) * b * B
     if key in (("broadcast", "binomial"), ("broadcast", "hierarchical")):
@@ -395,6 +416,16 @@ def test_registered_time_equals_the_closed_form(collective, gamma):
         if got != want:
             problems.append(f"p={p}: simulated {got}, closed form {want}")
     assert not problems, "\n".join(problems[:10])
+
+
+@pytest.mark.parametrize("collective,algorithm", sorted(PEER_READS))
+def test_peer_reads_always_read_in_place(collective, algorithm):
+    # registered=True asks the shm algorithms for their registered forms; the peer-read
+    # ones have no other form, so it changes nothing.
+    for p in (2, 3, 8):
+        plain, flagged = sim.costs(collective, algorithm, p, 6 * p), sim.costs(collective, algorithm, p, 6 * p,
+                                                                               registered=True)
+        assert plain.time(A, B, G) == flagged.time(A, B, G) and counters(plain) == counters(flagged)
 
 
 ORDERED_ALGORITHMS = [(c, a) for c, names in ORDERED.items() for a in names]
@@ -703,7 +734,8 @@ def test_inexact_floats_give_the_same_bits_on_every_rank(algorithm, p, count, dt
     rng = np.random.default_rng(p * 1000 + count)
     plans = sim.simulate.plans_for("allreduce", algorithm, p, count, dtype, segment_size=8 * 16)
     with np.errstate(over="ignore", invalid="ignore"):  # float16 overflows to inf on purpose
-        inputs = [(rng.choice([-1e6, 1e6, 1e-2, -1e-2, 3.3], count) * rng.random(count)).astype(dtype) for _ in range(p)]
+        inputs = [(rng.choice([-1e6, 1e6, 1e-2, -1e-2, 3.3], count) * rng.random(count)).astype(dtype)
+                  for _ in range(p)]
         got = run_collective("allreduce", algorithm, inputs, op, plans=plans)
     assert len({g.tobytes() for g in got}) == 1
 

@@ -20,7 +20,6 @@ from mpi4py import MPI
 
 import collectives as cc
 import collectives.tuning as tuning
-from collectives.algorithms import cost_model_choice
 from collectives.tools.bench import timing, tune
 from collectives.topology import Topology
 from collectives.tuning import Selector, TuningTable
@@ -200,10 +199,12 @@ def test_the_ranks_agree_on_the_table(tmp_path, clean_environment):
     choice, why = outvoted.explain("allreduce", 100)
     assert choice == "native" and f"another rank's machine or layout differs from the one {path} was measured on" in why
     assert outvoted.explain("allreduce", 100, device=True)[0] == "ring"
-    # the device tables follow the same rule; without one, device arrays take the cost-model rule
+    # the device tables follow the same rule; without one, device arrays take the device cost model
     outvoted = Selector.from_environment(4, environ, agree=lambda bits: bits & 1)
-    assert outvoted.explain("allreduce", 1 << 20, device=True) == (
-        cost_model_choice("allreduce", 1 << 20, 4), "cost-model rule (no measured table for device arrays)")
+    choice, why = outvoted.explain("allreduce", 1 << 20, device=True)
+    model_choice, model_why = tuning.device_choice("allreduce", 1 << 20, 4)
+    assert (choice, why) == (model_choice, model_why + " (no measured table for device arrays)")
+    assert choice in ("one_shot", "two_shot") and why.startswith("device cost model on one node (predicted: ")
 
 
 @serial

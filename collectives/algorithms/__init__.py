@@ -4,8 +4,8 @@ Every algorithm is a function ``build(rank, size, count, *, root, segment) ->
 Schedule`` (see ``collectives.schedule``); ``count`` is the element count of the
 input (for allgather and gather: of one rank's contribution; for scatter: of the block
 each rank receives; for alltoall: of one block, a rank's input holding ``size`` of
-them; for alltoallv: unused, the per-peer ``counts`` say it all). ``native`` is not here: it is the MPI library's own collective, which the
-transport calls directly.
+them; for alltoallv: unused, the per-peer ``counts`` say it all). ``native`` is not
+here: it is the MPI library's own collective, which the transport calls directly.
 """
 
 from collections.abc import Callable
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._layout import block_bounds  # noqa: F401 (used by the communicator)
-from . import (alltoall, binomial, bruck, direct, hierarchical, pipeline, recursive_doubling, recursive_halving, ring,
-               scatter_allgather, shm, tree)
+from . import (alltoall, binomial, bruck, direct, hierarchical, peer, pipeline, recursive_doubling, recursive_halving,
+               ring, scatter_allgather, shm, tree)
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "gather", "scatter", "alltoall")
 ROOTED = ("broadcast", "reduce", "gather", "scatter")  # the collectives that take a root
@@ -33,6 +33,8 @@ BUILDERS: dict[str, dict[str, Any]] = {
         "hierarchical": hierarchical.allreduce,
         "hierarchical_leader": hierarchical.allreduce_leader,
         "shm": shm.allreduce,
+        "one_shot": peer.allreduce_one_shot,
+        "two_shot": peer.allreduce_two_shot,
     },
     "reduce_scatter": {
         "ring": ring.reduce_scatter,
@@ -40,6 +42,7 @@ BUILDERS: dict[str, dict[str, Any]] = {
         "direct": direct.reduce_scatter,
         "hierarchical": hierarchical.reduce_scatter,
         "shm": shm.reduce_scatter,
+        "one_shot": peer.reduce_scatter,
     },
     "allgather": {
         "ring": ring.allgather,
@@ -48,6 +51,7 @@ BUILDERS: dict[str, dict[str, Any]] = {
         "direct": direct.allgather,
         "hierarchical": hierarchical.allgather,
         "shm": shm.allgather,
+        "one_shot": peer.allgather,
     },
     "broadcast": {
         "binomial": binomial.broadcast,
@@ -56,11 +60,13 @@ BUILDERS: dict[str, dict[str, Any]] = {
         "direct": direct.broadcast,
         "hierarchical": hierarchical.broadcast,
         "shm": shm.broadcast,
+        "one_shot": peer.broadcast,
     },
     "reduce": {
         "binomial": binomial.reduce,
         "direct": direct.reduce,
         "shm": shm.reduce,
+        "one_shot": peer.reduce,
     },
     "gather": {
         "binomial": binomial.gather,
@@ -81,13 +87,20 @@ BUILDERS: dict[str, dict[str, Any]] = {
 # ``ordered=True``, every reduction is the left fold x0 op x1 op … op x(p-1)).
 # The collectives not listed reduce nothing: every algorithm of theirs, native
 # included, moves the same bits whatever the order.
-ORDERED = {"allreduce": ("direct", "shm"), "reduce_scatter": ("direct", "shm"), "reduce": ("direct", "shm")}
+ORDERED = {"allreduce": ("direct", "shm", "one_shot", "two_shot"), "reduce_scatter": ("direct", "shm", "one_shot"),
+           "reduce": ("direct", "shm", "one_shot")}
 
 # Shared-memory algorithms: their plans address the node's shared window (``shm``) and
 # synchronise with fences, so only ranks that share memory run them, on host arrays; the
 # communicator cuts them in segments of ``shm.DEFAULT_SLOT_BYTES`` (its ``shm_slot``).
 SHARED_MEMORY = frozenset((collective, name) for collective, names in BUILDERS.items() for name in names
                           if name == "shm")
+
+# Peer-read algorithms: every rank reads the others' inputs where they are, between two
+# fences (``peer``); only ranks of one node whose device memory they can open (CUDA IPC)
+# run them, on device arrays; the in-process runner and the simulator lay the inputs
+# side by side (``registered`` defaults to ``(count, 0)``).
+PEER_READS = frozenset((collective, name) for collective, names in peer.ALGORITHMS.items() for name in names)
 
 # Two-level algorithms: their builders take the communicator's node layout (``topology``,
 # a :class:`collectives.topology.Topology`); with one node they run as flat ones.
@@ -100,14 +113,16 @@ TOPOLOGICAL = frozenset((collective, name) for collective, names in BUILDERS.ite
 # The deterministic (ordered) forms fold in rank order and are not symmetric; alltoallv
 # is symmetric where its counts are circulant (counts[i][j] depends on j - i mod p).
 # tests/test_sim.py checks each against the full simulation.
-# The shared-memory ones send nothing: rank r copies, folds and fences as rank 0 does,
-# on its own share (and slot) of each segment, so with equal shares every rank's steps
-# are rank 0's, at the same times (fences hold everyone alike).
+# The shared-memory and peer-read ones send nothing: rank r copies, folds and fences as
+# rank 0 does, on its own share (and slot) of each segment, so with equal shares every
+# rank's steps are rank 0's, at the same times (fences hold everyone alike).
 SYMMETRIC = frozenset({("allreduce", "ring"), ("reduce_scatter", "ring"), ("allgather", "ring"),
                        ("allreduce", "direct"), ("reduce_scatter", "direct"), ("allgather", "direct"),
                        ("alltoall", "pairwise"), ("alltoall", "bruck"), ("allgather", "bruck"),
                        ("alltoallv", "pairwise"),
-                       ("allreduce", "shm"), ("reduce_scatter", "shm"), ("allgather", "shm")})
+                       ("allreduce", "shm"), ("reduce_scatter", "shm"), ("allgather", "shm"),
+                       ("allreduce", "one_shot"), ("allreduce", "two_shot"), ("reduce_scatter", "one_shot"),
+                       ("allgather", "one_shot")})
 
 # Two-level algorithms symmetric under a shift by one node: with equal nodes of k ranks
 # placed node by node (and equal blocks), rank r + k's plan is rank r's with every peer
@@ -117,7 +132,8 @@ NODE_SYMMETRIC = frozenset({("allreduce", "hierarchical"), ("allgather", "hierar
                             ("reduce_scatter", "hierarchical")})
 
 # Algorithms cut into pipelining segments; their default segment size in bytes.
-SEGMENTED = {("allreduce", "tree"): tree.DEFAULT_SEGMENT_BYTES, ("broadcast", "pipeline"): pipeline.DEFAULT_SEGMENT_BYTES}
+SEGMENTED = {("allreduce", "tree"): tree.DEFAULT_SEGMENT_BYTES,
+             ("broadcast", "pipeline"): pipeline.DEFAULT_SEGMENT_BYTES}
 
 SMALL = 64 * 1024  # bytes: below this, latency (message count) dominates
 LARGE = 1024 * 1024  # bytes
@@ -262,18 +278,23 @@ def check_ordered(collective, algorithm):
 
 
 def build(collective, algorithm, rank, size, count, *, root=0, segment=1, ordered=False, counts=None, topology=None,
-          registered=None):
+          registered=None, inplace=False):
     """The schedule of ``algorithm`` for one rank; ``ordered``: reductions in rank order
     (deterministic mode; only the algorithms in ``ORDERED`` can); ``counts``: this
     rank's ``(send, recv)`` element counts per peer (the collectives in ``VARIABLE``);
     ``topology``: the node layout (the algorithms in ``TOPOLOGICAL``; None: one node);
     ``registered``: ``(stride, offset)`` in elements where every rank's input is a
-    registered buffer (the shared-memory algorithms of ``shm.REGISTERED`` only)."""
+    registered buffer (the shared-memory algorithms of ``shm.REGISTERED``, and the
+    ``PEER_READS``, for which it defaults to ``(count, 0)``); ``inplace``: ``in`` and
+    ``out`` are one buffer (the ``PEER_READS`` need to know: the others read this rank's
+    input in place)."""
     builder = BUILDERS[collective][algorithm]
+    if (collective, algorithm) in PEER_READS:  # rank order always: ordered or not, the same plan
+        return builder(rank, size, count, root=root, registered=registered, inplace=inplace)
     if registered is not None:
         if (collective, algorithm) not in SHARED_MEMORY or collective not in shm.REGISTERED:
             raise ValueError(f"{collective} {algorithm!r} has no form for registered buffers "
-                             f"(the shm algorithm of {', '.join(shm.REGISTERED)} has)")
+                             f"(the shm algorithm of {', '.join(shm.REGISTERED)} and the peer-read ones have)")
         return builder(rank, size, count, root=root, segment=segment, registered=tuple(registered))
     if (collective, algorithm) in TOPOLOGICAL:
         return builder(rank, size, count, root=root, segment=segment, topology=topology)

@@ -27,7 +27,15 @@ use, and all it may use:
   ``ipc_open_event(handle)``, ``ipc_free(array)``, ``ipc_close(array)``,
   ``ipc_close_event(event)``,
   ``can_access_peer(uuid)``, and the attributes
-  ``kind``, ``id``, ``name``, ``uuid``, ``ipc_capable``.
+  ``kind``, ``id``, ``name``, ``uuid``, ``ipc_capable``;
+- any array shared where it lies (the peer-read algorithms): ``allocation(array)``
+  (base, size and buffer id of the allocation it lies in), ``export(base)`` (its IPC
+  handle), ``open_allocation(handle, nbytes)``, ``close_allocation(array)``;
+- synchronisation without the host: ``map_host(words)`` / ``unmap_host(mapping)``
+  (uint32 host memory the device writes and waits on), ``write_value(stream, mapping,
+  index, value)`` and ``wait_value(...)`` (stream memory operations),
+  ``pointer_table(arrays)`` and ``fence_kernel(stream, table, flags, rank, epoch,
+  limit, late, late_index)`` (the in-kernel fence of distinct GPUs).
 
 Two backends implement it: :mod:`.cupy_backend` (a real GPU) and :mod:`.standin`.
 """

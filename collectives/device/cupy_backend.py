@@ -7,10 +7,19 @@ the sources (CuPy also keeps the compiled code on disk). Copies are
 ``cudaMemcpyAsync`` on the executor's streams; IPC memory is a plain ``cudaMalloc``
 (not CuPy's pool) so that its handle names exactly that allocation.
 
+For the peer-read algorithms, any device array is shared where it lies: its allocation
+(base address, size and the driver's buffer id, from ``cuPointerGetAttribute``: CuPy's
+and torch's pools sub-allocate) is exported with ``cudaIpcGetMemHandle`` and opened by
+the others with ``cudaIpcOpenMemHandle``. The stream fences are the driver's stream
+memory operations (``cuStreamWriteValue32``/``cuStreamWaitValue32``) on words of the
+node's shared window, registered for the device with ``cudaHostRegister``; the driver
+API is reached through ctypes (``libcuda.so.1``), so nothing beyond CuPy is needed.
+
 This module is imported only when a device array is first seen.
 """
 
 import contextlib
+import ctypes
 import threading
 
 import numpy as np
@@ -25,6 +34,11 @@ from .array import DeviceArray
 _BFLOAT16 = next((d for d in EXTRA_DTYPES if d.name == "bfloat16"), None)
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
 _IPC_LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+_HOST_REGISTER_PORTABLE_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+_HOST_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
+_BUFFER_ID, _RANGE_START, _RANGE_SIZE = 7, 11, 12  # CU_POINTER_ATTRIBUTE_*
+_WAIT_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0
+_PAGE = 4096
 
 _backends: dict = {}  # device id -> its backend
 _lock = threading.Lock()
@@ -68,7 +82,8 @@ def _torch_array(tensor, name):
 
     if tensor.dtype == torch.bfloat16:
         if _BFLOAT16 is None:
-            raise TypeError(f"{name} is a bfloat16 tensor: the collectives need ml_dtypes for it (pip install ml_dtypes)")
+            raise TypeError(f"{name} is a bfloat16 tensor: the collectives need ml_dtypes for it "
+                            "(pip install ml_dtypes)")
         data, dtype = cupy.from_dlpack(tensor.detach().view(torch.int16)), _BFLOAT16
 
         def rewrap(result):
@@ -297,6 +312,81 @@ class CupyDevice:
         with cupy.cuda.Device(self.id):
             return _OpenedEvent(runtime.ipcOpenEventHandle(bytes(handle)))
 
+    # -- peer reads: any allocation shared, stream memory operations --------------------------
+    def allocation(self, array):
+        """``(base, size, buffer id)`` of the allocation ``array`` lies in."""
+        with cupy.cuda.Device(self.id):
+            return driver().allocation(_ptr(array))
+
+    def export(self, base):
+        """An IPC handle of the allocation at ``base`` (64 bytes)."""
+        with cupy.cuda.Device(self.id):
+            return bytes(runtime.ipcGetMemHandle(int(base)))
+
+    def open_allocation(self, handle, nbytes):
+        """Another process's allocation (an :meth:`export` handle), ``nbytes`` of it."""
+        with cupy.cuda.Device(self.id):
+            ptr = runtime.ipcOpenMemHandle(bytes(handle), _IPC_LAZY_PEER_ACCESS)
+            return _wrap(ptr, int(nbytes), self.id)
+
+    def close_allocation(self, array):
+        with cupy.cuda.Device(self.id):
+            runtime.ipcCloseMemHandle(array.data.ptr)
+
+    def map_host(self, words):
+        """``words`` (uint32 host memory) registered for the device: what
+        :meth:`write_value` and :meth:`wait_value` take."""
+        start = words.ctypes.data
+        first = start - start % _PAGE
+        length = -(-(start + words.nbytes - first) // _PAGE) * _PAGE
+        with cupy.cuda.Device(self.id):
+            try:
+                runtime.hostRegister(first, length, _HOST_REGISTER_PORTABLE_MAPPED)
+                registered = first
+            except runtime.CUDARuntimeError as exc:
+                if exc.status != _HOST_ALREADY_REGISTERED:
+                    raise
+                registered = None  # someone registered it already: theirs to undo
+            d, device = driver(), ctypes.c_uint64()
+            d.check(d.host_device_pointer(ctypes.byref(device), ctypes.c_void_p(start), 0), "the device address")
+        return _HostWords(words, int(device.value), registered)
+
+    def unmap_host(self, mapping):
+        if mapping.registered is not None:
+            with cupy.cuda.Device(self.id):
+                runtime.hostUnregister(mapping.registered)
+            mapping.registered = None
+
+    def write_value(self, stream, mapping, index, value):
+        """``mapping``'s word ``index`` = ``value`` once ``stream`` gets there (the driver
+        fences memory first: what the stream did before is visible before the word)."""
+        d = driver()
+        with cupy.cuda.Device(self.id):
+            d.check(d.write_value(stream.ptr, mapping.device + 4 * index, value & 0xFFFFFFFF, 0),
+                    "cuStreamWriteValue32")
+
+    def wait_value(self, stream, mapping, index, value):
+        """``stream`` waits until ``(int32)(word - value) >= 0``."""
+        d = driver()
+        with cupy.cuda.Device(self.id):
+            d.check(d.wait_value(stream.ptr, mapping.device + 4 * index, value & 0xFFFFFFFF, _WAIT_GEQ),
+                    "cuStreamWaitValue32")
+
+    def pointer_table(self, arrays):
+        """The device addresses of ``arrays``, in device memory (the fence kernel's table)."""
+        with cupy.cuda.Device(self.id):
+            return cupy.asarray(np.array([_ptr(a) for a in arrays], np.uint64))
+
+    def fence_kernel(self, stream, table, flags, rank, epoch, limit, late, late_index):
+        """The fence kernel (``kernels/collectives.cu``): one block of a thread per rank."""
+        size = int(table.size)
+        kernel = self._module(np.dtype(np.uint32)).get_function(kernels.FENCE)  # every dtype's module has it
+        limit_ns = int(min(limit, 1e9) * 1e9)
+        args = (table, flags, np.int32(rank), np.int32(size), np.uint32(epoch & 0xFFFFFFFF), np.uint64(limit_ns),
+                np.uint64(late.device + 4 * late_index))
+        with cupy.cuda.Device(self.id), stream:
+            kernel((1,), (32 * -(-size // 32),), args)
+
     def can_access_peer(self, uuid):
         """Whether this device can read the memory of the device ``uuid`` (same node)."""
         if uuid == self.uuid:
@@ -307,6 +397,68 @@ class CupyDevice:
             if "pci:%04x:%02x:%02x" % pci == uuid:
                 return bool(runtime.deviceCanAccessPeer(self.id, other))
         return False
+
+
+class _Driver:
+    """The few CUDA driver functions CuPy does not wrap, through ctypes (loaded once)."""
+
+    def __init__(self):
+        lib = ctypes.CDLL("libcuda.so.1")
+        u64, u32, c_uint = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint
+        self.pointer_attributes = lib.cuPointerGetAttributes
+        self.pointer_attributes.argtypes = [c_uint, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_void_p), u64]
+        self.write_value = _first(lib, "cuStreamWriteValue32_v2", "cuStreamWriteValue32")
+        self.write_value.argtypes = [ctypes.c_void_p, u64, u32, c_uint]
+        self.wait_value = _first(lib, "cuStreamWaitValue32_v2", "cuStreamWaitValue32")
+        self.wait_value.argtypes = [ctypes.c_void_p, u64, u32, c_uint]
+        self.host_device_pointer = _first(lib, "cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer")
+        self.host_device_pointer.argtypes = [ctypes.POINTER(u64), ctypes.c_void_p, c_uint]
+        for function in (self.pointer_attributes, self.write_value, self.wait_value, self.host_device_pointer):
+            function.restype = ctypes.c_int
+        # cuPointerGetAttributes' arguments, made once: where the start, size and buffer id land
+        self.base, self.size, self.buffer_id = ctypes.c_uint64(), ctypes.c_size_t(), ctypes.c_uint64()
+        self.attributes = (ctypes.c_int * 3)(_RANGE_START, _RANGE_SIZE, _BUFFER_ID)
+        self.into = (ctypes.c_void_p * 3)(*(ctypes.cast(ctypes.byref(v), ctypes.c_void_p)
+                                            for v in (self.base, self.size, self.buffer_id)))
+        self.lock = threading.Lock()  # ctypes lets go of the GIL: one caller of those at a time
+
+    def allocation(self, ptr):
+        """``(start, size, buffer id)`` of the allocation holding device address ``ptr``."""
+        with self.lock:
+            self.check(self.pointer_attributes(3, self.attributes, self.into, ptr), "cuPointerGetAttributes")
+            return int(self.base.value), int(self.size.value), int(self.buffer_id.value)
+
+    def check(self, result, what):
+        if result != 0:
+            raise RuntimeError(f"CUDA driver: {what} failed with CUresult {result}")
+
+
+def _first(lib, *names):
+    for name in names:
+        try:
+            return getattr(lib, name)
+        except AttributeError:
+            continue
+    raise RuntimeError(f"the CUDA driver has none of {', '.join(names)}")
+
+
+_driver = None
+
+
+def driver():
+    """The driver functions (loaded at the first use)."""
+    global _driver
+    if _driver is None:
+        _driver = _Driver()
+    return _driver
+
+
+class _HostWords:
+    """32-bit words of host memory (the node's shared window) registered for the device:
+    ``device`` is their device address, ``registered`` the page range registered."""
+
+    def __init__(self, words, device, registered):
+        self.words, self.device, self.registered = words, device, registered
 
 
 def _wrap(ptr, nbytes, device_id):

@@ -33,6 +33,7 @@ ELEMENTS = {1: "b1", 2: "b2", 4: "b4", 8: "b8", 16: "b16"}  # pack/unpack move o
 CASTS = (("float32", "float16"), ("float32", "bfloat16"), ("float64", "float16"), ("float64", "bfloat16"),
          ("float16", "float32"), ("bfloat16", "float32"), ("float16", "float64"), ("bfloat16", "float64"))
 MAX_INPUTS = 16  # reduce_n takes up to this many inputs in one pass
+FENCE = f"{NAMESPACE}::fence"  # the fence of ranks on distinct GPUs (in every dtype's module: it has no dtype)
 MAX_DIMS = 8  # pack/unpack: dimensions of a strided view
 
 # Compile options: C++17; no FMA contraction anywhere (the element ops also use the
@@ -94,6 +95,7 @@ def for_dtype(dtype):
         names.append(divide_by(dtype))
     names += [pack(dtype.itemsize), unpack(dtype.itemsize)]
     names += [cast_divide(_dtype(s), _dtype(d)) for s, d in CASTS if s == dtype.name]  # compression from dtype
+    names.append(FENCE)
     return tuple(names)
 
 

@@ -25,6 +25,20 @@ matter for correctness, and the worst timing those semantics allow:
   process's event waits until that process has run the work the event marks.
 - **CUDA-aware MPI**, emulated: :meth:`StandInDevice.mpi_buffer` hands MPI the
   device memory itself, as it is at that moment.
+- **Any array can be opened by the node's other processes**, as any ``cudaMalloc``
+  allocation can through CUDA IPC: device memory comes from a pool (as CuPy's and
+  torch's), *segments* carved from one sparse file per process in ``/dev/shm``, each
+  with a buffer id, and arrays are blocks inside them. :meth:`StandInDevice.allocation`
+  says which segment an array lies in (base, size, buffer id), :meth:`export` makes a
+  handle for it and :meth:`open_allocation` maps another process's. A segment freed
+  (``free_all_blocks``) and carved again at the same base gets a new buffer id, and a
+  mapping of the old one raises at its next use instead of reading the new memory: a
+  stale mapping on a GPU reads whatever lives there now.
+- **Stream memory operations**: :meth:`write_value` and :meth:`wait_value` on 32-bit
+  words of host memory (the node's shared window), lazily like everything else; a
+  stream waiting on a word another process writes waits for that process. A
+  **fence kernel** (:meth:`fence_kernel`, the distinct-GPU fence) writes this rank's
+  flag and waits for the peers' with a time limit, as ``kernels/collectives.cu``'s does.
 
 The random choices come from ``random.Random(seed)``; the seed is
 ``COLLECTIVES_STANDIN_SEED`` (default 0) plus the MPI rank, so a run can be repeated
@@ -37,10 +51,11 @@ import atexit
 import mmap
 import os
 import random
+import struct
 import tempfile
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 
 import numpy as np
 
@@ -51,6 +66,15 @@ GARBAGE = 0xA5
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 HANDLE_BYTES = 64  # as CUDA's IPC handles
 _REMOTE_PATIENCE = 120.0  # seconds a synchronize may wait for another process's work
+HEAP_BYTES = 4 << 30  # the address space of one process's device memory (a sparse file)
+GRANULE = 64 << 10  # segments are whole granules; the file's head holds a buffer id per granule
+SEGMENT_BYTES = 2 << 20  # the smallest segment the pool carves (larger arrays get one their size)
+ALIGNMENT = 256  # blocks start on this boundary, as CuPy's do
+
+
+class StaleMapping(RuntimeError):
+    """A kernel or copy read another process's memory through a mapping of a segment
+    that process has freed since (its buffer id changed)."""
 
 
 class DeviceDeadlock(RuntimeError):
@@ -64,9 +88,14 @@ class StandInArray:
 
     __collectives_device__ = True  # how the collectives recognise a stand-in array
 
-    def __init__(self, device, memory):
+    def __init__(self, device, memory, owner=None, valid=None):
         self._device = device
         self._memory = memory  # a NumPy array: the device memory (or a view of it)
+        self._owner = owner  # the pool block it lies in: freed when no array refers to it
+        self._valid = valid  # for another process's memory: raises StaleMapping once it is freed
+
+    def _like(self, memory):
+        return StandInArray(self._device, memory, self._owner, self._valid)
 
     # -- what a CuPy array tells about itself ---------------------------------------------
     shape = property(lambda self: self._memory.shape)
@@ -88,19 +117,19 @@ class StandInArray:
         return np.byte_bounds(self._memory) if self._memory.size else (self.ptr, self.ptr)
 
     def __getitem__(self, key):
-        return StandInArray(self._device, self._memory[key])
+        return self._like(self._memory[key])
 
     def __len__(self):
         return len(self._memory)
 
     def reshape(self, *shape):
-        return StandInArray(self._device, self._memory.reshape(*shape))
+        return self._like(self._memory.reshape(*shape))
 
     def view(self, dtype):
-        return StandInArray(self._device, self._memory.view(dtype))
+        return self._like(self._memory.view(dtype))
 
     def transpose(self, *axes):
-        return StandInArray(self._device, self._memory.transpose(*axes))
+        return self._like(self._memory.transpose(*axes))
 
     @property
     def T(self):
@@ -183,6 +212,128 @@ class SharedEvent(Event):
             self._counters[1] = generation
 
 
+
+class _FenceKernel:
+    """A fence kernel queued on a stand-in stream: it starts (writes its flags) when it
+    reaches the head of its stream, and is done once every peer's flag has come, or its
+    time limit has passed."""
+
+    def __init__(self, table, flags, rank, epoch, limit, late, late_index):
+        self.table, self.flags, self.rank, self.epoch, self.limit = table, flags, rank, epoch, limit
+        self.late, self.late_index = late, late_index
+        self.started = None
+
+    def _waiting(self):
+        mine = self.flags._memory.view(np.uint32)
+        return [q for q in range(len(self.table)) if q != self.rank and not _cyclic_geq(mine[q], self.epoch)]
+
+    def ready(self):
+        if self.started is None:  # the kernel runs: its writes first
+            for q, flags in enumerate(self.table):
+                if q != self.rank:
+                    _check(flags)
+                    flags._memory.view(np.uint32)[self.rank] = self.epoch
+            self.started = time.monotonic()
+        return not self._waiting() or time.monotonic() - self.started > self.limit
+
+    def finish(self):
+        for q in self._waiting():
+            self.late[self.late_index + q] = 1
+
+
+class _Heap:
+    """One process's stand-in device memory: a sparse file in ``/dev/shm`` mapped once,
+    whose head holds a buffer id per granule (0: free) that other processes read to
+    tell a live segment from a freed one. Segments (``cudaMalloc``'s) are carved from
+    it first fit; a freed segment's range is carved again later, under a new id."""
+
+    def __init__(self, device):
+        fd, self.path = tempfile.mkstemp(prefix="cc-heap-", dir=SHM_DIR)
+        device._owned_files.append(self.path)
+        try:
+            os.ftruncate(fd, HEAP_BYTES)
+            self.map = mmap.mmap(fd, HEAP_BYTES)
+        finally:
+            os.close(fd)
+        self.bytes = np.frombuffer(self.map, np.uint8)
+        granules = HEAP_BYTES // GRANULE
+        self.start = -(-granules * 8 // GRANULE) * GRANULE  # data after the table, granule-aligned
+        self.ids = self.bytes[: granules * 8].view(np.int64)  # buffer id per granule of the whole file
+        self.free = [(self.start, HEAP_BYTES - self.start)]  # (offset, length), by offset
+        self.next_id = 1
+
+    def carve(self, nbytes):
+        """A new segment of at least ``nbytes``: ``(offset, length, buffer id)``."""
+        length = -(-max(nbytes, 1) // GRANULE) * GRANULE
+        for k, (offset, free) in enumerate(self.free):
+            if free >= length:
+                self.free[k:k + 1] = [(offset + length, free - length)] if free > length else []
+                buffer_id, self.next_id = self.next_id, self.next_id + 1
+                self.ids[offset // GRANULE : (offset + length) // GRANULE] = buffer_id
+                self.bytes[offset : offset + length] = GARBAGE
+                return offset, length, buffer_id
+        raise MemoryError(f"stand-in device: out of memory ({nbytes} B asked, {HEAP_BYTES} B in all)")
+
+    def release(self, offset, length):
+        self.ids[offset // GRANULE : (offset + length) // GRANULE] = 0
+        self.free.append((offset, length))
+        self.free.sort()
+        merged = []
+        for start, size in self.free:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((start, size))
+        self.free = merged
+
+
+class _Segment:
+    """One allocation of the pool, with its free blocks (``(offset, length)`` within it)."""
+
+    def __init__(self, heap, nbytes):
+        self.offset, self.length, self.buffer_id = heap.carve(nbytes)
+        self.memory = heap.bytes[self.offset : self.offset + self.length]
+        self.free = [(0, self.length)]
+        self.used = 0
+
+    def take(self, nbytes):
+        for k, (start, free) in enumerate(self.free):
+            if free >= nbytes:
+                self.free[k:k + 1] = [(start + nbytes, free - nbytes)] if free > nbytes else []
+                self.used += 1
+                return start
+        return None
+
+    def give(self, start, nbytes):
+        self.used -= 1
+        self.free.append((start, nbytes))
+        self.free.sort()
+        merged = []
+        for begin, size in self.free:
+            if merged and merged[-1][0] + merged[-1][1] == begin:
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((begin, size))
+        self.free = merged
+
+
+class _Block:
+    """An array's memory in the pool; given back when the last array on it goes, once
+    the last operation queued on it (``last_use``, its number) has run."""
+
+    __slots__ = ("device", "segment", "start", "nbytes", "last_use")
+
+    def __init__(self, device, segment, start, nbytes):
+        self.device, self.segment, self.start, self.nbytes = device, segment, start, nbytes
+        self.last_use = 0
+
+    def __del__(self):
+        try:
+            self.device._free(self)
+        except Exception:  # noqa: BLE001 - at interpreter exit the device may be half torn down
+            pass
+
+
 class StandInDevice:
     """One stand-in GPU (per process). See the module docstring for how it behaves."""
 
@@ -204,7 +355,16 @@ class StandInDevice:
         self._owned_files = []
         self._maps = []
         self._ipc_paths = {}
+        self._heap = None  # made at the first allocation
+        self._segments = []
+        self._queued = 0  # operations queued so far (each is numbered)
+        self._pending = {}  # the numbers of the queued operations not run yet, oldest first
+        self._freed = deque()  # blocks no array refers to, not reusable yet
+        self._peer_heaps = {}  # path -> (mapping, bytes) of another process's heap
         self.copies = deque(maxlen=1 << 16)  # (direction, bytes) of the latest copies queued, for tests
+        # What the device was asked to make, for tests that a warm call makes nothing:
+        # events, allocations (device and pinned), openings of other processes' memory.
+        self.counters = Counter()
         atexit.register(self._remove_files)
 
     def __repr__(self):
@@ -212,11 +372,108 @@ class StandInDevice:
 
     # -- memory -------------------------------------------------------------------------------
     def empty(self, shape, dtype, stream=None):
-        """Device memory (contents: garbage). ``stream``: the stream it will be used on
-        (CuPy's pool cares; the stand-in does not)."""
-        memory = np.empty(shape, dtype)
-        memory.reshape(-1).view(np.uint8)[...] = GARBAGE
-        return StandInArray(self, memory)
+        """Device memory (contents: garbage), a block of the pool. ``stream``: the stream
+        it will be used on (CuPy's pool cares; the stand-in does not)."""
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64)) if np.ndim(shape) else int(shape)
+        nbytes = count * dtype.itemsize
+        self.counters["allocations"] += 1
+        if nbytes == 0:
+            return StandInArray(self, np.empty(shape, dtype))
+        with self._lock:
+            self._reuse()
+            size = -(-nbytes // ALIGNMENT) * ALIGNMENT
+            for segment in self._segments:
+                start = segment.take(size)
+                if start is not None:
+                    break
+            else:
+                if self._heap is None:
+                    self._heap = _Heap(self)
+                segment = _Segment(self._heap, max(size, SEGMENT_BYTES))
+                self._segments.append(segment)
+                start = segment.take(size)
+            memory = segment.memory[start : start + nbytes]
+            memory[...] = GARBAGE
+        block = _Block(self, segment, start, size)
+        return StandInArray(self, memory.view(dtype).reshape(shape), block)
+
+    def free_all_blocks(self):
+        """Give the segments no array lies in back to the heap (``cupy``'s
+        ``MemoryPool.free_all_blocks``): their ranges may be carved again, under new ids."""
+        with self._lock:
+            self._reuse()
+            keep = []
+            for segment in self._segments:
+                if segment.used:
+                    keep.append(segment)
+                else:
+                    self._heap.release(segment.offset, segment.length)
+            self._segments = keep
+
+    def _free(self, block):
+        """A block no array refers to any more: reusable once the last operation queued
+        on it has run (a pool hands memory out again in stream order, never under work
+        still queued on it)."""
+        with self._lock:
+            self._freed.append(block)
+
+    def _reuse(self):
+        """Give back the freed blocks that no queued operation touches any more."""
+        if self._freed:
+            keep = deque()
+            for block in self._freed:
+                if block.last_use in self._pending:
+                    keep.append(block)
+                else:
+                    block.segment.give(block.start, block.nbytes)
+            self._freed = keep
+
+    def allocation(self, array):
+        """``(base, nbytes, buffer id)`` of the segment ``array`` lies in (the allocation
+        CUDA's ``cuPointerGetAttribute`` names), or None for memory that is not the
+        pool's (an empty array, another process's)."""
+        block = array._owner
+        if block is None:
+            return None
+        segment = block.segment
+        return self._heap.bytes[segment.offset:].__array_interface__["data"][0], segment.length, segment.buffer_id
+
+    def export(self, base):
+        """A handle other processes of the node open the allocation at ``base`` with."""
+        offset = base - self._heap.bytes.__array_interface__["data"][0]
+        buffer_id = int(self._heap.ids[offset // GRANULE])
+        return _handle(self._heap.path, struct.pack("<qq", offset, buffer_id))
+
+    def open_allocation(self, handle, nbytes):
+        """Map another process's allocation (an :meth:`export` handle): a uint8 array of
+        its ``nbytes``, which raises :class:`StaleMapping` at its first use once that
+        process has freed it."""
+        path, extra = _path_and_extra(handle)
+        offset, buffer_id = struct.unpack("<qq", extra)
+        self.counters["opened"] += 1
+        with self._lock:
+            if path not in self._peer_heaps:
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    mapping = mmap.mmap(fd, HEAP_BYTES)
+                finally:
+                    os.close(fd)
+                self._peer_heaps[path] = (mapping, np.frombuffer(mapping, np.uint8))
+            memory = self._peer_heaps[path][1]
+        ids = memory[: (HEAP_BYTES // GRANULE) * 8].view(np.int64)
+        granule = offset // GRANULE
+
+        def valid():
+            if ids[granule] != buffer_id:
+                raise StaleMapping(f"stand-in device: read through a mapping of another process's allocation "
+                                   f"{buffer_id} (at {offset:#x}), which that process has freed since")
+
+        valid()
+        return StandInArray(self, memory[offset : offset + nbytes], valid=valid)
+
+    def close_allocation(self, array):
+        """Unmap what :meth:`open_allocation` mapped (here: the heap stays mapped)."""
 
     def prepare(self, dtype):
         """Get ``dtype``'s kernels ready (the stand-in's are NumPy: nothing to do)."""
@@ -226,6 +483,7 @@ class StandInDevice:
 
     def pinned(self, nbytes):
         """Page-locked host memory (here: ordinary memory, filled with garbage)."""
+        self.counters["pinned"] += 1
         memory = np.empty(nbytes, np.uint8)
         memory[...] = GARBAGE
         return memory
@@ -242,17 +500,18 @@ class StandInDevice:
         return getattr(self._current, "stream", None) or self.null_stream
 
     def event(self, interprocess=False):
+        self.counters["events"] += 1
         return SharedEvent(self) if interprocess else Event(self)
 
     def record(self, event, stream):
         with self._lock:
             generation = event._bump()
-            stream.queue.append(("record", event, generation))
+            self._push(stream, ("record", event, generation))
 
     def wait(self, stream, event):
         """``stream`` runs nothing more until the work ``event`` marks now has run."""
         with self._lock:
-            stream.queue.append(("wait", event, event._generation()))
+            self._push(stream, ("wait", event, event._generation()))
 
     def query(self, event):
         """Whether ``event``'s work has run. Runs a few queued operations first, chosen
@@ -285,13 +544,13 @@ class StandInDevice:
         dst_memory, src_memory = self._bytes(dst, "dst"), self._bytes(src, "src")
         if dst_memory.size != src_memory.size:
             raise ValueError(f"copy of {src_memory.size} bytes into {dst_memory.size}")
-        where = ("device" if isinstance(src, StandInArray) else "host", "device" if isinstance(dst, StandInArray) else "host")
+        where = tuple("device" if isinstance(x, StandInArray) else "host" for x in (src, dst))
         self.copies.append(("->".join(where), dst_memory.size))
-        self._enqueue(stream, lambda: np.copyto(dst_memory, src_memory))
+        self._enqueue(stream, lambda: np.copyto(dst_memory, src_memory), dst, src)
 
     def reduce2(self, stream, op, dtype, dst, a, b):
         d, x, y = (self._typed(v, dtype) for v in (dst, a, b))
-        self._enqueue(stream, lambda: ops_layer.combine(op, x, y, d))
+        self._enqueue(stream, lambda: ops_layer.combine(op, x, y, d), dst, a, b)
 
     def reduce_n(self, stream, op, dtype, dst, sources):
         d, inputs = self._typed(dst, dtype), [self._typed(s, dtype) for s in sources]
@@ -302,11 +561,11 @@ class StandInDevice:
                 ops_layer.combine(op, acc, x, acc)
             np.copyto(d, acc)
 
-        self._enqueue(stream, run)
+        self._enqueue(stream, run, dst, *sources)
 
     def divide(self, stream, dtype, x, divisor):
         target = self._typed(x, dtype)
-        self._enqueue(stream, lambda: np.divide(target, divisor, out=target) if target.size else None)
+        self._enqueue(stream, lambda: np.divide(target, divisor, out=target) if target.size else None, x)
 
     def cast_divide(self, stream, src_dtype, dst_dtype, dst, src, divisor):
         d, s = self._typed(dst, dst_dtype), self._typed(src, src_dtype)
@@ -315,22 +574,60 @@ class StandInDevice:
             value = np.divide(s, divisor) if divisor != 1 else s
             np.copyto(d, value, casting="unsafe")
 
-        self._enqueue(stream, run)
+        self._enqueue(stream, run, dst, src)
 
     def pack(self, stream, dst, src):
         """dst (contiguous) = the elements of the strided view ``src``, in C order."""
         d, s = dst._memory, src._memory
-        self._enqueue(stream, lambda: np.copyto(d, s.reshape(-1) if s.flags.c_contiguous else s.ravel()))
+        self._enqueue(stream, lambda: np.copyto(d, s.reshape(-1) if s.flags.c_contiguous else s.ravel()), dst, src)
 
     def unpack(self, stream, dst, src):
         """The elements of the strided view ``dst`` = contiguous ``src``."""
         d, s = dst._memory, src._memory
-        self._enqueue(stream, lambda: np.copyto(d, s.reshape(d.shape)))
+        self._enqueue(stream, lambda: np.copyto(d, s.reshape(d.shape)), dst, src)
 
     def enqueue(self, stream, function):
         """Queue arbitrary "device work" on ``stream`` (for tests that play a user
         computing on their stream)."""
         self._enqueue(stream, function)
+
+    # -- stream memory operations --------------------------------------------------------------
+    def map_host(self, words):
+        """``words`` (uint32 host memory: the node's shared window) as streams address it:
+        here the array itself (a GPU registers it and gets a device pointer)."""
+        self.counters["host_mappings"] += 1
+        return words
+
+    def unmap_host(self, mapping):
+        """Undo :meth:`map_host`."""
+
+    def write_value(self, stream, words, index, value):
+        """``words[index] = value`` (32 bits) once ``stream`` gets there, after all the
+        work queued on it before (CUDA's ``cuStreamWriteValue32``, which fences memory first)."""
+        value &= 0xFFFFFFFF
+        self._enqueue(stream, lambda: words.__setitem__(index, value))
+
+    def pointer_table(self, arrays):
+        """What :meth:`fence_kernel` takes for the ranks' flags (a GPU: their device
+        addresses in device memory; here the arrays)."""
+        return list(arrays)
+
+    def fence_kernel(self, stream, table, flags, rank, epoch, limit, late, late_index):
+        """The fence kernel of ``kernels/collectives.cu``, once ``stream`` gets there:
+        writes ``epoch`` into word ``rank`` of every other rank's flags (``table[q]``),
+        then waits until every other rank q has written it into word q of ``flags``, at
+        most ``limit`` seconds from its start; a rank it gave up on gets ``late[late_index
+        + q] = 1``."""
+        with self._lock:
+            self._push(stream, ("fence", _FenceKernel(table, flags, rank, epoch & 0xFFFFFFFF, limit, late,
+                                                      late_index), None))
+
+    def wait_value(self, stream, words, index, value):
+        """``stream`` runs nothing more until ``(int32)(words[index] - value) >= 0``
+        (``cuStreamWaitValue32`` with ``CU_STREAM_WAIT_VALUE_GEQ``); the word may be
+        written by another process."""
+        with self._lock:
+            self._push(stream, ("value", (words, index), value & 0xFFFFFFFF))
 
     # -- MPI and IPC -----------------------------------------------------------------------------
     def mpi_buffer(self, array):
@@ -408,12 +705,41 @@ class StandInDevice:
         memory = x._memory
         return memory.view(dtype) if memory.dtype != dtype else memory
 
-    def _enqueue(self, stream, function):
+    def _push(self, stream, entry):
+        """Queue ``entry`` on ``stream``, numbered: memory freed after it is reused only
+        once it has run (see :meth:`_reuse`)."""
+        self._queued += 1
+        self._pending[self._queued] = None
+        stream.queue.append(entry + (self._queued,))
+
+    def _enqueue(self, stream, function, *operands):
+        """Queue ``function`` on ``stream``. The pool blocks of the device arrays among
+        its ``operands`` are not handed out again before it has run; the operands that
+        map another process's memory are checked (not freed since) when it runs."""
+        if any(isinstance(x, StandInArray) and x._valid is not None for x in operands):
+            inner = function
+
+            def function():
+                for x in operands:
+                    _check(x)
+                inner()
+
         with self._lock:
-            stream.queue.append(("run", function, None))
+            self._push(stream, ("run", function, None))
+            for x in operands:
+                if isinstance(x, StandInArray) and x._owner is not None:
+                    x._owner.last_use = self._queued
 
     def _ready(self, entry):
-        return entry[0] != "wait" or entry[1]._reached(entry[2])
+        kind = entry[0]
+        if kind == "wait":
+            return entry[1]._reached(entry[2])
+        if kind == "value":  # (int32)(word - value) >= 0, CUDA's cyclic GEQ
+            words, index = entry[1]
+            return _cyclic_geq(int(words[index]), entry[2])
+        if kind == "fence":
+            return entry[1].ready()
+        return True
 
     def _step(self):
         """Run one queued operation from a stream chosen at random among those that can
@@ -422,11 +748,14 @@ class StandInDevice:
         if not ready:
             return False
         stream = self._rng.choice(ready)
-        kind, what, generation = stream.queue.popleft()
+        kind, what, generation, number = stream.queue.popleft()
+        del self._pending[number]
         if kind == "run":
             what()
         elif kind == "record":
             what._complete(generation)
+        elif kind == "fence":
+            what.finish()
         return True
 
     def _progress(self, steps):
@@ -439,9 +768,10 @@ class StandInDevice:
         while not condition():
             if self._step():
                 continue
-            # Nothing here can run: only another process's work (an IPC event) can help.
-            waiting = [s for s in self._streams if s.queue and s.queue[0][0] == "wait"]
-            if not any(isinstance(s.queue[0][1], SharedEvent) for s in waiting):
+            # Nothing here can run: only another process's work (an IPC event, a word it
+            # writes, a fence kernel's peers) can help.
+            waiting = [s for s in self._streams if s.queue and s.queue[0][0] in ("wait", "value", "fence")]
+            if not any(s.queue[0][0] != "wait" or isinstance(s.queue[0][1], SharedEvent) for s in waiting):
                 raise DeviceDeadlock(f"stand-in device: waiting for {what}, whose work can never run "
                                      f"(streams blocked: {[s.name for s in waiting]})")
             deadline = deadline or time.monotonic() + _REMOTE_PATIENCE
@@ -480,15 +810,31 @@ class StandInDevice:
         return _Use()
 
 
-def _handle(path):
+def _handle(path, extra=b""):
     raw = path.encode()
-    if len(raw) > HANDLE_BYTES:
+    if len(raw) + 1 + len(extra) > HANDLE_BYTES:
         raise ValueError(f"stand-in IPC path too long for a handle: {path}")
-    return raw.ljust(HANDLE_BYTES, b"\0")
+    return (raw + b"\0").ljust(HANDLE_BYTES - len(extra), b"\0") + extra
 
 
 def _path(handle):
-    return bytes(handle).rstrip(b"\0").decode()
+    return bytes(handle).split(b"\0", 1)[0].decode()
+
+
+def _path_and_extra(handle):
+    """The path and the 16 bytes after it of an allocation's handle."""
+    raw = bytes(handle)
+    return _path(raw), raw[HANDLE_BYTES - 16:]
+
+
+def _check(x):
+    if isinstance(x, StandInArray) and x._valid is not None:
+        x._valid()
+
+
+def _cyclic_geq(word, value):
+    """``(int32)(word - value) >= 0``: the comparison of CUDA's ``CU_STREAM_WAIT_VALUE_GEQ``."""
+    return ((int(word) - int(value)) & 0xFFFFFFFF) < 0x80000000
 
 
 def _mpi_rank():

@@ -1,5 +1,6 @@
 """The routes a call can take, in the one ordered list the call path tries.
 
+    device peer reads   one_shot/two_shot on device arrays of one node: each rank reads the others' buffers (IPC)
     device              arrays on a device: the device executor (every route below is for host arrays)
     native blocking     native, running alone: MPI's blocking collective
     native non-blocking native otherwise: MPI's non-blocking collective, on the progress engine
@@ -20,10 +21,11 @@ from typing import Any
 from .base import LeanEntry, Route
 from .device import DEVICE
 from .native import NATIVE, NATIVE_BLOCKING
+from .peer import PEER
 from .plans import PERSISTENT, PLANS
 from .shared import SHARED
 
-ROUTES: tuple[Route, ...] = (DEVICE, NATIVE_BLOCKING, NATIVE, SHARED, PERSISTENT, PLANS)
+ROUTES: tuple[Route, ...] = (PEER, DEVICE, NATIVE_BLOCKING, NATIVE, SHARED, PERSISTENT, PLANS)
 
 
 def route_for(ctx: Any, call: Any) -> Route:
@@ -34,5 +36,5 @@ def route_for(ctx: Any, call: Any) -> Route:
     raise AssertionError(f"no route takes {call.spec.name}(algorithm={call.algorithm!r})")  # PLANS takes every call
 
 
-__all__ = ["DEVICE", "NATIVE", "NATIVE_BLOCKING", "PERSISTENT", "PLANS", "ROUTES", "SHARED", "LeanEntry", "Route",
-           "route_for"]
+__all__ = ["DEVICE", "NATIVE", "NATIVE_BLOCKING", "PEER", "PERSISTENT", "PLANS", "ROUTES", "SHARED", "LeanEntry",
+           "Route", "route_for"]

@@ -69,7 +69,7 @@ def compiled_plan(collective: str, algorithm: str, rank: int, size: int, count: 
     multi-input kernels and it is cut into segments of ``device_split`` elements (0:
     not cut). ``registered``: ``(stride, offset)`` of registered inputs (``shm``)."""
     schedule = build(collective, algorithm, rank, size, count, root=root, segment=segment, ordered=ordered,
-                     counts=counts, topology=topology, registered=registered)
+                     counts=counts, topology=topology, registered=registered, inplace=inplace)
     if device_split is not None:
         schedule = fuse_reductions(schedule, inplace=inplace)
         if device_split:

@@ -7,8 +7,8 @@ from functools import cached_property
 import numpy as np
 
 from .. import ops as ops_layer
-from ..algorithms import (BUILDERS, NODE_SYMMETRIC, SEGMENTED, SHARED_MEMORY, SYMMETRIC, TOPOLOGICAL, VARIABLE,
-                          build, check_ordered)
+from ..algorithms import (BUILDERS, NODE_SYMMETRIC, PEER_READS, SEGMENTED, SHARED_MEMORY, SYMMETRIC, TOPOLOGICAL,
+                          VARIABLE, build, check_ordered)
 from ..algorithms.shm import DEFAULT_SLOT_BYTES, REGISTERED
 from ..algorithms.hierarchical import pipeline_pieces
 from ..dtypes import check_dtype
@@ -186,7 +186,8 @@ def _check_args(collective, algorithm, world_size, count, dtype, op, root, param
     if algorithm not in names:
         raise ValueError(
             f"algorithm for {collective} must be one of {', '.join(names)} in the simulator; got {algorithm!r}"
-            + (" (native is the MPI library's own, and auto picks among these)" if algorithm in ("native", "auto") else "")
+            + (" (native is the MPI library's own, and auto picks among these)"
+               if algorithm in ("native", "auto") else "")
         )
     if not _is_int(world_size) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer; got {world_size!r}")
@@ -214,10 +215,10 @@ def _check_args(collective, algorithm, world_size, count, dtype, op, root, param
             )
     elif "servers" in params:
         raise TypeError(f"servers is a parameter of the parameter_server baseline, not of {algorithm}")
-    if params.get("registered"):
+    if params.get("registered") and (collective, algorithm) not in PEER_READS:
         if (collective, algorithm) not in SHARED_MEMORY or collective not in REGISTERED:
-            raise ValueError(f"registered: only the shm algorithm of {', '.join(REGISTERED)} reads registered "
-                             f"buffers; got {collective} {algorithm!r}")
+            raise ValueError(f"registered: only the shm algorithm of {', '.join(REGISTERED)} and the peer-read "
+                             f"ones read registered buffers; got {collective} {algorithm!r}")
     for flag in ("inplace", "ordered", "registered"):
         if not isinstance(params.get(flag, False), (bool, np.bool_)):
             raise ValueError(f"{flag} must be True or False; got {params[flag]!r}")
@@ -226,7 +227,8 @@ def _check_args(collective, algorithm, world_size, count, dtype, op, root, param
     if params.get("ordered"):
         check_ordered(collective, algorithm)
     layout = topology_of(world_size, params.get("nodes"))  # raises on a bad layout
-    if (collective, algorithm) in SHARED_MEMORY and layout is not None and layout.node_count > 1:
+    if ((collective, algorithm) in SHARED_MEMORY or (collective, algorithm) in PEER_READS) and layout is not None \
+            and layout.node_count > 1:
         raise ValueError(f"algorithm {algorithm!r} runs on the ranks of one node only; nodes gives {layout.describe()}")
     if "counts" in params:
         if collective not in VARIABLE:
@@ -272,7 +274,8 @@ def plan_maker(collective, algorithm, world_size, count, dtype="float32", root=0
     """``plan_of(rank)``: one virtual rank's compiled plan (the arguments checked first)."""
     _check_args(collective, algorithm, world_size, count, dtype, None, root, params)
     world_size, count, root = int(world_size), int(count), int(root)  # NumPy integers too
-    registered = bool(params.get("registered", False))
+    # the peer-read algorithms always read the others' inputs in place: the flag changes nothing there
+    registered = bool(params.get("registered", False)) and (collective, algorithm) not in PEER_READS
     spec = SPECS[collective]
     inplace = bool(params.get("inplace", False)) or spec.one_buffer or (registered and spec.inplace)
     if (collective, algorithm) in BASELINES:
@@ -292,7 +295,7 @@ def plan_maker(collective, algorithm, world_size, count, dtype="float32", root=0
         counts = None if matrix is None else (tuple(matrix[r].tolist()), tuple(matrix[:, r].tolist()))
         return compile_plan(build(collective, algorithm, r, world_size, count, root=root, segment=segment,
                                   ordered=ordered, counts=counts, topology=topology,
-                                  registered=(count, 0) if registered else None), inplace)
+                                  registered=(count, 0) if registered else None, inplace=inplace), inplace)
 
     return plan_of
 
@@ -382,9 +385,9 @@ def run(collective, algorithm, world_size, count, dtype="float32", op="sum", roo
     """Run ``collective`` with ``algorithm`` for ``world_size`` virtual ranks in this
     process, on integer-valued NumPy inputs of ``count`` elements per rank (allgather and
     gather: each rank's contribution; scatter and alltoall: each block; alltoallv: the
-    mean block, its blocks as ``counts`` says, default :func:`alltoallv_counts`), and check every rank's result against NumPy's reduction
-    of the same inputs: equal values (+0 and -0 alike), and for allreduce the same
-    bits on every rank.
+    mean block, its blocks as ``counts`` says, default :func:`alltoallv_counts`), and
+    check every rank's result against NumPy's reduction of the same inputs: equal
+    values (+0 and -0 alike), and for allreduce the same bits on every rank.
 
     ``params``: ``segment_size`` (bytes, for the pipelined ``tree`` and ``pipeline``, and the
     shared-memory algorithms' slot),
@@ -409,8 +412,8 @@ def run(collective, algorithm, world_size, count, dtype="float32", op="sum", roo
     inputs = [make_input(r, world_size, per_rank if matrix is None else int(matrix[r].sum()), dtype, op)
               for r in range(world_size)]
     inplace = bool(params.get("inplace", False))
-    got = local.run_collective(collective, algorithm, [x.copy() for x in inputs], op, root, inplace=inplace, plans=plans,
-                               counts=matrix, registered=bool(params.get("registered", False)))
+    got = local.run_collective(collective, algorithm, [x.copy() for x in inputs], op, root, inplace=inplace,
+                               plans=plans, counts=matrix, registered=bool(params.get("registered", False)))
     contributors = range(world_size)
     if baseline:  # servers hold no data and get no result
         contributors = range(int(params.get("servers", 1)), world_size)
@@ -419,11 +422,13 @@ def run(collective, algorithm, world_size, count, dtype="float32", op="sum", roo
     for r in range(world_size):
         expected = None if (baseline and r not in contributors) else want[r - contributors.start]
         _check_equal(r, got[r], expected, collective, algorithm)
-    if spec.reduces and not (spec.root_result or spec.scatters):  # one reduction per element, then copies: the same bits
+    # one reduction per element, then copies: the same bits on every rank
+    if spec.reduces and not (spec.root_result or spec.scatters):
         first = got[contributors.start]
         for r in contributors:
             if got[r].tobytes() != first.tobytes():
-                raise CollectiveError(f"{collective}/{algorithm}: ranks {contributors.start} and {r} got different bits")
+                raise CollectiveError(f"{collective}/{algorithm}: ranks {contributors.start} and {r} got "
+                                      "different bits")
     return SimResult(got, collective, algorithm, world_size, count, dtype, root, plans.__getitem__)
 
 

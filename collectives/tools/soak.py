@@ -5,14 +5,15 @@
 
 Every rank draws the same sequence of calls from one NumPy generator seeded with
 ``--seed`` (nothing in the draws depends on the rank): the collective, an algorithm
-from ``collectives.algorithms(collective)`` (``native`` and ``auto`` included), a dtype,
-an op defined for it, an element count (mostly 0..4096, sometimes up to 256K, zero
-included), a root, sync or async, and for some allreduce/reduce calls ``out=x`` (in
-place). Async calls stay in flight in a window whose depth (1..8) is redrawn now and
-then; when the window is full one of them, picked at random, is waited for, some are
-only ``test()``-ed, and ``comm.poll()`` is called now and then, so up to eight calls of
-different collectives and algorithms progress together with the sync calls made
-meanwhile. The communicator has a timeout (``--timeout``, 120 s), so a hang ends as a
+from ``collectives.algorithms(collective)`` (``native`` and ``auto`` included, the
+device-only peer reads left out), a dtype, an op defined for it, an element count
+(mostly 0..4096, sometimes up to 256K, zero included), a root, sync or async, and for
+some allreduce/reduce calls ``out=x`` (in place). Async calls stay in flight in a
+window whose depth (1..8) is redrawn now and then; when the window is full one of
+them, picked at random, is waited for, some are only ``test()``-ed, and
+``comm.poll()`` is called now and then, so up to eight calls of different collectives
+and algorithms progress together with the sync calls made meanwhile. The communicator
+has a timeout (``--timeout``, 120 s), so a hang ends as a
 :class:`~collectives.CollectiveTimeoutError` instead of a stalled job.
 
 Inputs are integer-valued and depend on (call index, rank) only, small enough that
@@ -53,7 +54,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives as cc
-from collectives.algorithms import ROOTED
+from collectives.algorithms import PEER_READS, ROOTED
 from collectives.reference import expected
 from collectives.specs import SPECS
 
@@ -85,7 +86,7 @@ class Call:
 def draw(rng, index, size):
     """The next call from ``rng`` (the same draws on every rank)."""
     collective = cc.COLLECTIVES[int(rng.integers(len(cc.COLLECTIVES)))]
-    names = cc.algorithms(collective)
+    names = [a for a in cc.algorithms(collective) if (collective, a) not in PEER_READS]  # host arrays here
     algorithm = names[int(rng.integers(len(names)))]
     dtype = DTYPES[int(rng.integers(len(DTYPES)))]
     choices = cc.ops_for(dtype)
@@ -292,8 +293,9 @@ def run(comm, calls, seed=0, progress=False, *, max_growth_mib=None, warmup=None
     rss_end = settled_rss(comm)
     trace.append((calls, round(rss_end / _MIB, 1)))
     objects = len(gc.get_objects()) - objects_start
-    local = {"objects": objects, "trace": trace, "workspace": workspace, "rss_raw": rss_raw, "wrong": len(wrong), "wrong_first": wrong[:5], "leaks": leaks(comm), "rss_start": rss_start,
-             "rss_end": rss_end, "elapsed": elapsed, "engine_entries": comm.progress.entries}
+    local = {"objects": objects, "trace": trace, "workspace": workspace, "rss_raw": rss_raw, "wrong": len(wrong),
+             "wrong_first": wrong[:5], "leaks": leaks(comm), "rss_start": rss_start, "rss_end": rss_end,
+             "elapsed": elapsed, "engine_entries": comm.progress.entries}
     everyone = comm.mpi_comm.allgather(local)  # nothing is in flight: MPI's own allgather is safe here
     growth = [(r["rss_end"] - r["rss_start"]) / _MIB for r in everyone]
     elapsed = max(r["elapsed"] for r in everyone)

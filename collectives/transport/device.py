@@ -158,8 +158,13 @@ class DeviceContext:
     """What one communicator keeps per device: its four streams, pools, and the path to
     every peer. Made by :func:`negotiate` (collectively) at the first device call."""
 
-    def __init__(self, backend, paths, ack_comm, bulk_comm=None, cuda_aware=False, ipc_memory=None):
+    def __init__(self, backend, paths, ack_comm, bulk_comm=None, cuda_aware=False, ipc_memory=None,
+                 ipc_everywhere=False):
         self.backend = backend
+        # Every pair of ranks opened each other's IPC memory (so the peer-read algorithms
+        # can run: transport.device_node); the same answer on every rank.
+        self.ipc_everywhere = ipc_everywhere
+        self.peer = None  # the peer-read calls' state (device_node.PeerNode), made at the first such call
         self.cuda_aware = cuda_aware  # MPI takes device memory (for native, and the non-IPC peers)
         self.paths = paths  # rank -> "staged" | "cuda-aware" | "ipc" ("self" for this rank)
         self.ack_comm = ack_comm  # IPC acknowledgements travel here (their own matching)
@@ -262,10 +267,13 @@ class DeviceContext:
             self._opened[key] = (self.backend.ipc_open(handle, capacity), self.backend.ipc_open_event(event_handle))
         return self._opened[key]
 
-    def free(self, barrier):
+    def free(self, barrier, broken=False):
         """Give back the IPC memory (the peers' it opened, then, once every rank has
         (``barrier()``), its own slots) and the acknowledgement communicator.
-        Collective, as Communicator.free."""
+        Collective, as Communicator.free (``broken``: the communicator is)."""
+        if self.peer is not None:
+            self.peer.free(broken)  # its window: collective too
+            self.peer = None
         for array, event in self._opened.values():
             self.backend.ipc_close(array)
             self.backend.ipc_close_event(event)
@@ -331,7 +339,8 @@ def negotiate(comm, node_comm, backend, request, cuda_ipc=None, cuda_aware=None,
             paths[peer] = "cuda-aware" if aware else "staged"
     ack_comm = comm.Dup() if size > 1 else None  # blocking, but every rank is here
     bulk_comm = comm.Dup() if size > 1 else None
-    return DeviceContext(backend, paths, ack_comm, bulk_comm, aware, ipc_memory)
+    everywhere = all(reaches[i, j] for i in range(size) for j in range(size) if i != j)
+    return DeviceContext(backend, paths, ack_comm, bulk_comm, aware, ipc_memory, everywhere)
 
 
 def _can_open(backend, handles):

@@ -37,12 +37,13 @@ def overlaps(a, b):
 class DeviceCall:
     """Buffers and finishing steps of one call (see the module docstring)."""
 
-    def __init__(self, ctx, x, dtype):
+    def __init__(self, ctx, x, dtype, defer=False):
         self.ctx, self.backend, self.dtype = ctx, ctx.backend, dtype
         self.user_stream = x.stream
         self.storage = x.data.dtype
         self._workspace = []  # raw buffers to give back when the call is over
         self._after = []  # kernels at the end: (kind, args)
+        self._before = [] if defer else None  # with ``defer``: the packing, run by prologue(stream)
         self._packed = False
         self.pinned = []  # pinned buffers of a native call
         self.inputs_ready = None  # event: the call's inputs are in place (begin, then packing)
@@ -53,9 +54,21 @@ class DeviceCall:
         if array.flags.c_contiguous:
             return array.reshape(-1)
         buffer = self.workspace(array.size)
-        self.backend.pack(self.ctx.compute, buffer, array)
+        self._queue(lambda stream: self.backend.pack(stream, buffer, array))
         self._packed = True
         return buffer
+
+    def _queue(self, work):
+        """Run ``work(stream)`` on the compute stream now, or (``defer``) in :meth:`prologue`."""
+        if self._before is None:
+            work(self.ctx.compute)
+        else:
+            self._before.append(work)
+
+    def prologue(self, stream):
+        """The packing a deferred call queued, on ``stream`` (once it waits for the user's)."""
+        for work in self._before:
+            work(stream)
 
     def workspace(self, count):
         raw, buffer = self.ctx.take_workspace(count, self.storage)
@@ -67,9 +80,9 @@ class DeviceCall:
         """A snapshot of ``array`` (it overlaps the output)."""
         buffer = self.workspace(array.size)
         if array.flags.c_contiguous:
-            self.backend.copy(buffer, array.reshape(-1), self.ctx.compute)
+            self._queue(lambda stream: self.backend.copy(buffer, array.reshape(-1), stream))
         else:
-            self.backend.pack(self.ctx.compute, buffer, array)
+            self._queue(lambda stream: self.backend.pack(stream, buffer, array))
         self._packed = True
         return buffer
 
@@ -106,13 +119,22 @@ class DeviceCall:
         """The last kernels (avg's division, unpacking), then the user's stream waits for
         the call's work; workspace goes back to the pool."""
         self.ctx.join()
-        for kind, a, b in self._after:  # the division first: unpacking copies the final values
+        self.epilogue(self.ctx.compute)
+        self.ctx.end(self.user_stream)
+        self.release()
+
+    def epilogue(self, stream):
+        """The call's last kernels on ``stream``: avg's division, then the unpacking of a
+        strided result (which copies the final values)."""
+        for kind, a, b in self._after:
             if kind == "divide" and b > 1 and a.size:
-                self.backend.divide(self.ctx.compute, self.dtype, a, b)
+                self.backend.divide(stream, self.dtype, a, b)
         for kind, a, b in self._after:
             if kind == "unpack":
-                self.backend.unpack(self.ctx.compute, a, b)
-        self.ctx.end(self.user_stream)
+                self.backend.unpack(stream, a, b)
+
+    def release(self):
+        """Give the call's workspace back to the pool (its last work is queued)."""
         for raw in self._workspace:
             self.ctx.workspace.give(raw)
         self._workspace = []

@@ -91,14 +91,16 @@ def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, i
     ``registered``: the inputs are registered buffers (copied into one array, rank r's
     from ``r * count``, as ``Communicator.empty`` places them; the plans address it as
     ``reg`` with stride ``count``, offset 0); a collective that can run in place then does.
+    The peer-read algorithms (``PEER_READS``) always read their inputs so, in place or not.
     """
     # Imported here: the algorithm registry imports nothing from the transports.
     from .. import ops as ops_layer
-    from ..algorithms import build
+    from ..algorithms import PEER_READS, build
     from ..schedule import compile_plan
     from ..specs import SPECS
 
     spec = SPECS[collective]
+    peers = (collective, algorithm) in PEER_READS
     size = len(inputs)
     count = inputs[root].size // size if spec.root_input or spec.blocked else inputs[0].size
     dtype = inputs[root].dtype
@@ -106,8 +108,9 @@ def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, i
     shared = None
     if counts is not None:
         counts = np.asarray(counts)
+    registered = registered or peers
     if registered:
-        inplace = inplace or spec.inplace
+        inplace = inplace or (spec.inplace and not peers)
         shared = np.concatenate(inputs) if inputs[0].size else np.empty(0, dtype)
         inputs = [shared[r * count : (r + 1) * count] for r in range(size)]  # fresh copies already
     if spec.one_buffer:
@@ -124,7 +127,7 @@ def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, i
             compile_plan(build(collective, algorithm, r, size, count, root=root, segment=segment,
                                counts=None if counts is None else (tuple(counts[r].tolist()),
                                                                    tuple(counts[:, r].tolist())),
-                               registered=(count, 0) if registered else None),
+                               registered=(count, 0) if registered else None, inplace=inplace),
                          inplace=inplace)
             for r in range(size)
         ]

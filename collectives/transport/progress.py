@@ -277,6 +277,8 @@ class Progress:
                 self._abandoned.append(request)  # holds the buffer: the cancel may not have taken
         self._requests, self._owners, self._completed = [], [], 0
         self._device = []
+        for handle in self.shm:  # their device work may wait on the others: let it through
+            handle._on_break()
         self.shm = []
         self.probes.clear()
 
@@ -424,6 +426,10 @@ class Handle:
     def _cancel(self, request, token):
         """Take back a request in flight when the engine breaks (receives only: a send's
         cancel needs the peer, which may be gone; its buffer stays referenced)."""
+
+    def _on_break(self):
+        """The engine broke while this call was in its queue of shared-memory calls (a
+        device executor lets the device work it queued stop waiting for the others)."""
 
     def _outstanding(self):
         """What this call is waiting for, for timeout and stall messages."""

@@ -11,6 +11,7 @@ import numpy as np
 class StandIn:
     name = "standin"
     where = "standin:0"
+    device = "standin"  # what Communicator.empty(device=) takes
     native_bfloat16 = True  # stand-in arrays can hold ml_dtypes' bfloat16 (CuPy's cannot)
 
     def __init__(self):
@@ -37,6 +38,14 @@ class StandIn:
         """``dst`` = ``host``, queued on ``stream`` (it runs when someone waits for it)."""
         self.si.device().copy(dst, np.ascontiguousarray(host).copy().reshape(-1), stream)
 
+    def free_all_blocks(self):
+        """Give the pool's unused segments back (they may be allocated again, under new ids)."""
+        self.si.device().free_all_blocks()
+
+    def counters(self):
+        """What the device was asked to make so far (events, allocations ...)."""
+        return dict(self.si.device().counters)
+
 
 class Cuda:
     name = "cuda"
@@ -48,7 +57,7 @@ class Cuda:
         self.cupy = cupy
         self.id = rank % cupy.cuda.runtime.getDeviceCount()  # ranks share the GPUs there are
         cupy.cuda.Device(self.id).use()
-        self.where = f"cuda:{self.id}"
+        self.where = self.device = f"cuda:{self.id}"
 
     def asarray(self, host, stream=None):
         with stream if stream is not None else contextlib.nullcontext():
@@ -70,6 +79,13 @@ class Cuda:
 
     def copy_async(self, dst, host, stream):
         dst.set(np.ascontiguousarray(host), stream=stream)
+
+    def free_all_blocks(self):
+        self.cupy.get_default_memory_pool().free_all_blocks()
+
+    def counters(self):
+        """CuPy counts nothing of the kind: the stand-in's counters only."""
+        return None
 
 
 def select(name, rank):

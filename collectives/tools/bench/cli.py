@@ -20,7 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ... import Communicator
-from ...algorithms import COLLECTIVES, ORDERED, SHARED_MEMORY, VARIABLE, algorithms
+from ...algorithms import COLLECTIVES, ORDERED, PEER_READS, SHARED_MEMORY, VARIABLE, algorithms
 from ...algorithms.shm import REGISTERED
 from ...dtypes import SUPPORTED_DTYPES
 from ...ops import OPS, check_op
@@ -54,7 +54,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="collectives-bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-c", "--collectives", default="all",
-                   help=f"comma-separated, from {','.join(COLLECTIVES + VARIABLE)}; or 'all' (default: all but {','.join(VARIABLE)})")
+                   help=f"comma-separated, from {','.join(COLLECTIVES + VARIABLE)}; or 'all' "
+                        f"(default: all but {','.join(VARIABLE)})")
     p.add_argument("-a", "--algorithms", default="all",
                    help="comma-separated algorithm names, each run where the collective has it; "
                         "'all' (default) is every algorithm plus native and auto")
@@ -144,7 +145,8 @@ def contenders(collective, args, one_node=True):
     else:
         wanted = args.algorithms
     names = ["native"] + [a for a in wanted if a in algorithms(collective) and a != "native"
-                          and not ((args.device != "host" or not one_node) and (collective, a) in SHARED_MEMORY)]
+                          and not ((args.device != "host" or not one_node) and (collective, a) in SHARED_MEMORY)
+                          and not ((args.device == "host" or not one_node) and (collective, a) in PEER_READS)]
     if "gloo" in args.peers and collective in ("allreduce", "broadcast", "allgather") and args.op != "avg":
         names.append("gloo")
     if args.deterministic and collective in ORDERED:
@@ -235,7 +237,8 @@ def check_outputs(args, world):
     problem = None
     if world.Get_rank() == 0:
         try:
-            for option, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot), ("--tune", args.tune)):
+            outputs = (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot), ("--tune", args.tune))
+            for option, path in outputs:
                 if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
                     raise ValueError(f"{option} {path}: the folder does not exist")
             if args.plot:

@@ -1,15 +1,17 @@
 """DDP's training step on the "collectives" torch.distributed backend against gloo:
 ``python -m collectives.tools.bench.training --ddp`` (the options of the training benchmark
 that apply: --layers, --width, --batch, --steps, --rounds, --warmup, --bucket-mib,
---compression, --json).
+--compression, --json; ``--device cuda`` puts the model, its gradients and so what
+both backends reduce on the GPU).
 
 The model is the training benchmark's torch MLP (``TorchMLP``). One copy of it per
 (backend, bucket size, compression) is wrapped in ``DistributedDataParallel`` with
 ``bucket_cap_mb`` = the bucket size, ``process_group`` = the default group (on
 "collectives"; its futures complete inside backward, as DDP asks for them), a
 "collectives" group with a progress thread (``overlap``: the allreduces run on while
-backward computes) or a gloo group over the same ranks, and DDP's ``fp16_compress_hook`` for compression fp16. Every variant runs in the same rounds, in an order that rotates
-from round to round; ``compute`` is forward + backward of the bare model.
+backward computes) or a gloo group over the same ranks, and DDP's
+``fp16_compress_hook`` for compression fp16. Every variant runs in the same rounds, in
+an order that rotates from round to round; ``compute`` is forward + backward of the bare model.
 
 Columns: ``step_ms`` (median over steps of the slowest rank's step, each step after a
 barrier), its quartiles, ``exposed`` (step minus compute: what communication adds) and
@@ -70,7 +72,7 @@ def run(args, model, world):
         model.step(module)
         tol = 2e-3 if key[2] == "fp16" else 1e-5
         for p, w in zip(module.parameters(), want):
-            error = np.abs(p.grad.numpy() - w).max()
+            error = np.abs(p.grad.detach().cpu().numpy() - w).max()
             if error > tol * max(np.abs(w).max(), 1e-30):
                 failures.append(f"{key}: gradients differ from the mean over ranks by {error:.3g}")
                 break

@@ -9,6 +9,6 @@ def mean_gradients(named_parameters, world):
     mean = {}
     for name, p in named_parameters:
         total = np.empty(tuple(p.shape), np.float64)
-        world.Allreduce(p.grad.numpy().astype(np.float64), total, op=MPI.SUM)
+        world.Allreduce(p.grad.detach().cpu().numpy().astype(np.float64), total, op=MPI.SUM)
         mean[name] = total / world.Get_size()
     return mean

@@ -4,7 +4,7 @@ behind backward?
     mpiexec -n 4 python -m collectives.tools.bench.training                      # NumPy MLP, 5 x 1024x1024
     mpiexec -n 4 python -m collectives.tools.bench.training --bucket-mib 25,4 --algorithms auto,direct,ring \\
         --json training-n4.json
-    mpiexec -n 4 python -m collectives.tools.bench.training --framework torch    # collectives.torch.DistributedOptimizer
+    mpiexec -n 4 python -m collectives.tools.bench.training --framework torch   # collectives.torch.DistributedOptimizer
     mpiexec -n 4 python -m collectives.tools.bench.training --ddp --bucket-mib 1,5,25   # DDP: "collectives" vs gloo
 
 ``--ddp`` times torch's DistributedDataParallel on the torch.distributed backend
@@ -189,7 +189,7 @@ class NumpyMLP:
 class TorchMLP:
     """The same MLP in ``torch.nn`` (autograd computes backward); ``--framework torch``."""
 
-    def __init__(self, layers, width, batch, rank, seed=0):
+    def __init__(self, layers, width, batch, rank, seed=0, device="cpu"):
         import torch
 
         self.torch = torch
@@ -199,10 +199,11 @@ class TorchMLP:
             mods.append(torch.nn.Linear(width, width))
             if i + 1 < layers:
                 mods.append(torch.nn.ReLU())
-        self.model = torch.nn.Sequential(*mods)
+        self.device = torch.device(device)
+        self.model = torch.nn.Sequential(*mods).to(self.device)
         gen = torch.Generator().manual_seed(seed + 1 + rank)
-        self.x = torch.randn(batch, width, generator=gen)
-        self.target = torch.randn(batch, width, generator=gen)
+        self.x = torch.randn(batch, width, generator=gen).to(self.device)
+        self.target = torch.randn(batch, width, generator=gen).to(self.device)
         self.batch = batch
 
     @property
@@ -218,6 +219,8 @@ class TorchMLP:
         out = module(self.x)
         loss = 0.5 * ((out - self.target) ** 2).sum() / self.batch
         loss.backward()
+        if self.device.type == "cuda":  # a step is over once the device has run it
+            self.torch.cuda.synchronize(self.device)
 
 
 # -- instrumentation ---------------------------------------------------------------------
@@ -401,10 +404,6 @@ def build_torch_variants(args, model, comm, world, failures):
     """--framework torch: ``after`` hands ``.grad`` to a GradientReducer after backward;
     ``overlap`` is ``collectives.torch.DistributedOptimizer`` (autograd hooks), its
     ``synchronize()`` timed (the optimizer's step itself, SGD, is not taken)."""
-    import torch
-
-    from ...adapters import torch as cct
-
     variants = {"compute": (lambda st: model.step(), {"variant": "compute"})}
     layouts, closers = {}, []
     params = list(model.model.named_parameters())
@@ -509,7 +508,8 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant per round (default 10)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (default 3)")
-    p.add_argument("--compression", default="none,fp16", help="comma-separated: none, fp16 (or any other the reducer accepts, e.g. bf16; default none,fp16)")
+    p.add_argument("--compression", default="none,fp16", help="comma-separated: none, fp16 (or any other the "
+                   "reducer accepts, e.g. bf16; default none,fp16)")
     p.add_argument("--algorithms", default="auto", help="comma-separated allreduce algorithms (default auto)")
     p.add_argument("--bucket-mib", default="25", help="comma-separated bucket_bytes in MiB (default 25, the "
                    "library's)")
@@ -522,8 +522,12 @@ def parse_args(argv):
     p.add_argument("--offload", action="store_true", help="NumPy only: after the correctness checks, replace every "
                    "matmul by a sleep of its measured length, as if an accelerator computed and the CPU were free "
                    "for the communication (the values of the gradients are then meaningless; the messages are real)")
+    p.add_argument("--device", default="cpu", help="--ddp only: where the model and its gradients live: cpu, or "
+                   "cuda (rank r on GPU r mod the GPUs; gloo then reduces the same CUDA tensors)")
     p.add_argument("--json", help="write rows and machine info here (rank 0)")
     args = p.parse_args(argv)
+    if args.device != "cpu" and not args.ddp:
+        p.error("--device: only with --ddp")
     args.compression = [None if c.strip() == "none" else c.strip() for c in args.compression.split(",")]
     args.algorithms = [a.strip() for a in args.algorithms.split(",")]
     args.bucket_mib = [float(b) if "." in b else int(b) for b in args.bucket_mib.split(",")]
@@ -687,8 +691,15 @@ def main_ddp(args, world):
     from . import ddp
 
     rank, size = world.Get_rank(), world.Get_size()
-    model = TorchMLP(args.layers, args.width, args.batch, rank)
+    device = args.device
+    if device == "cuda":
+        import torch
+
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(torch.device(device))
+    model = TorchMLP(args.layers, args.width, args.batch, rank, device=device)
     rows, failures, ddp_info = ddp.run(args, model, world)
+    ddp_info["device"] = device
     failures = [f for per_rank in world.allgather(failures) for f in per_rank]
     if rank != 0:
         return 1 if failures else 0

@@ -1,0 +1,205 @@
+"""Peer-read algorithms (``one_shot``, ``two_shot``): the ranks of one node read each
+other's inputs where they are, between two fences.
+
+    one_shot allreduce                      two_shot allreduce
+
+    x0  x1  x2  x3   every input, in place   x0  x1  x2  x3
+     \\   \\ /   /                              | \\ | \\ | \\ |      rank r folds share r
+    ──── fence ────                         ──── fence ────       of every input into
+    rank r: out = x0 op x1 op x2 op x3      s0  s1  s2  s3        slot r of the window
+    ──── fence ────                         ──── fence ────
+    (nobody reads x_r any more)             rank r: out = s0 | s1 | s2 | s3
+
+No messages: every rank's input is memory the node's ranks can all read (device
+memory opened through CUDA IPC, by :mod:`collectives.transport.device_node`), a *fence*
+waits until every rank has reached it, and a rank reads the others' inputs only
+between two fences. The first fence says every input is ready (and, on the device,
+where it is); the second that nobody reads this rank's input (or, for two_shot, the
+others' inputs) any more, so the caller may write it as soon as the call returns.
+two_shot's second phase reads the reduced shares from the window slots (``shm``), not
+from the inputs: a slot is written again only after the next call's first fence, which
+every rank reaches once it has finished this call. So every call has two fences, at
+any size, and nothing is cut into segments.
+
+    allreduce one_shot   fence; out = x0 op … op x(p-1) (in place: into tmp, then out
+                         after the second fence); fence
+    allreduce two_shot   fence; slot r = share r of x0 op … op x(p-1); fence; out =
+                         slot 0 | slot 1 | … | slot p-1
+    reduce_scatter       fence; out = block r of x0 op … op x(p-1); fence
+    allgather            out[r] = x_r; fence; out[q] = x_q for every other q; fence
+    broadcast            fence; the others copy the root's array; fence
+    reduce               fence; the root folds every input; fence
+
+``registered=(stride, offset)``: rank q's input element i is element ``q·stride +
+offset + i`` of ``reg`` (default ``(count, 0)``: the inputs side by side, as the
+in-process runner and the simulator lay them out; the device executor reads slice q
+from rank q's own buffer). ``shm`` (two_shot) holds p equal slots, slot q written by
+rank q alone: the device executor places slot q in rank q's memory.
+
+Every fold is the left fold x0 op x1 op … op x(p-1) in rank order, so these are
+deterministic-mode algorithms and every rank's result has the same bits; on the
+device the fold of p ≤ 16 inputs is one kernel (``schedule.fuse_reductions``).
+
+Cost per rank for n bytes of input (memory traffic; a fence costs the
+synchronisation floor F): one_shot allreduce reads p·n and writes n, 2F (in place: n
+more each way, through tmp); two_shot reads n and writes n/p, then reads and writes n,
+2F; reduce_scatter reads n and writes n/p; allgather (n: the gathered size) reads and
+writes n; broadcast: the others read and write n, the root nothing; reduce: the root
+reads p·n and writes n. One GPU shared by the p ranks carries the sum of their traffic
+at its copy rate B: one_shot allreduce p(p + 1)·n/B, two_shot (3p + 1)·n/B, each
+after 2F. In the simulator a fence costs α after the last rank arrives, a copy from
+``reg`` or ``shm`` m·β, a fold step m·γ. Any p works; only ranks of one node run them.
+"""
+
+from ..schedule import Schedule, sl
+from ._layout import block_bounds
+
+ALGORITHMS = {"allreduce": ("one_shot", "two_shot"), "reduce_scatter": ("one_shot",), "allgather": ("one_shot",),
+              "broadcast": ("one_shot",), "reduce": ("one_shot",)}
+
+
+def _input(q, rank, registered, lo, hi):
+    """Elements ``[lo, hi)`` of rank ``q``'s input: its own ``in``, another rank's in ``reg``."""
+    if q == rank:
+        return sl("in", lo, hi)
+    stride, offset = registered
+    base = q * stride + offset
+    return sl("reg", base + lo, base + hi)
+
+
+def _fold(s, dst, srcs):
+    """``dst = srcs[0] op srcs[1] op …``, left to right; ``dst`` overlaps none of them
+    except, possibly, ``srcs[0]`` or ``srcs[1]`` (read by the first step, before it
+    writes)."""
+    if len(srcs) == 1:
+        s.copy(dst, srcs[0])
+        return
+    s.reduce(dst, srcs[0], srcs[1])
+    for src in srcs[2:]:
+        s.reduce(dst, dst, src)
+
+
+def _trivial(count):
+    s = Schedule([])
+    s.copy(sl("out", 0, count), sl("in", 0, count))
+    return s
+
+
+def _layout(count, registered):
+    return (count, 0) if registered is None else tuple(registered)
+
+
+def allreduce_one_shot(rank, size, count, *, registered=None, inplace=False, **_):
+    if size == 1:
+        return _trivial(count)
+    s = Schedule([])
+    if count == 0:
+        return s
+    where = _layout(count, registered)
+    inputs = [_input(q, rank, where, 0, count) for q in range(size)]
+    s.fence()
+    if inplace:  # out is this rank's input, which the others read until the second fence
+        s.need_tmp(count)
+        _fold(s, sl("tmp", 0, count), inputs)
+        s.fence()
+        s.copy(sl("out", 0, count), sl("tmp", 0, count))
+    else:
+        _fold(s, sl("out", 0, count), inputs)
+        s.fence()
+    return s
+
+
+def allreduce_two_shot(rank, size, count, *, registered=None, **_):
+    if size == 1:
+        return _trivial(count)
+    s = Schedule([])
+    if count == 0:
+        return s
+    where = _layout(count, registered)
+    bounds = block_bounds(count, size)
+    slot = bounds[1] - bounds[0]  # the largest share: every slot holds that much
+    s.need_shm(size * slot)
+    first, last = bounds[rank], bounds[rank + 1]
+    s.fence()
+    if last > first:
+        _fold(s, sl("shm", rank * slot, rank * slot + last - first),
+              [_input(q, rank, where, first, last) for q in range(size)])
+    s.fence()
+    for q in range(size):  # in place too: nobody reads the inputs after the second fence
+        s.copy(sl("out", bounds[q], bounds[q + 1]), sl("shm", q * slot, q * slot + bounds[q + 1] - bounds[q]))
+    return s
+
+
+def reduce_scatter(rank, size, count, *, registered=None, **_):
+    if size == 1:
+        return _trivial(count)
+    s = Schedule([])
+    bounds = block_bounds(count, size)
+    if bounds[1] == 0:  # every block empty
+        return s
+    where = _layout(count, registered)
+    first, last = bounds[rank], bounds[rank + 1]
+    s.fence()
+    if last > first:
+        _fold(s, sl("out", 0, last - first), [_input(q, rank, where, first, last) for q in range(size)])
+    s.fence()
+    return s
+
+
+def allgather(rank, size, count, *, registered=None, **_):
+    """``count`` is the per-rank element count; ``out`` holds ``size * count``."""
+    s = Schedule([])
+    s.copy(sl("out", rank * count, (rank + 1) * count), sl("in", 0, count))
+    if size == 1 or count == 0:
+        return s
+    where = _layout(count, registered)
+    s.fence()
+    for q in range(size):
+        if q != rank:
+            s.copy(sl("out", q * count, (q + 1) * count), _input(q, rank, where, 0, count))
+    s.fence()
+    return s
+
+
+def broadcast(rank, size, count, *, root=0, registered=None, **_):
+    s = Schedule([])
+    if size == 1 or count == 0:
+        return s
+    where = _layout(count, registered)
+    s.fence()
+    if rank != root:
+        s.copy(sl("out", 0, count), _input(root, rank, where, 0, count))
+    s.fence()
+    return s
+
+
+def reduce(rank, size, count, *, root=0, registered=None, inplace=False, **_):
+    """The root folds every rank's input; the others only pass the fences (they keep
+    their inputs unchanged until the root has read them)."""
+    if size == 1:
+        return _trivial(count)
+    s = Schedule([])
+    if count == 0:
+        return s
+    where = _layout(count, registered)
+    s.fence()
+    if rank == root:
+        inputs = [_input(q, rank, where, 0, count) for q in range(size)]
+        if inplace and rank >= 2:  # out is its own input, read by a later step of the fold
+            s.need_tmp(count)
+            _fold(s, sl("tmp", 0, count), inputs)
+            s.copy(sl("out", 0, count), sl("tmp", 0, count))
+        else:
+            _fold(s, sl("out", 0, count), inputs)
+    s.fence()
+    return s
+
+
+BUILDERS = {
+    ("allreduce", "one_shot"): allreduce_one_shot,
+    ("allreduce", "two_shot"): allreduce_two_shot,
+    ("reduce_scatter", "one_shot"): reduce_scatter,
+    ("allgather", "one_shot"): allgather,
+    ("broadcast", "one_shot"): broadcast,
+    ("reduce", "one_shot"): reduce,
+}

@@ -1,0 +1,704 @@
+"""The device executor of the peer-read plans (``one_shot``, ``two_shot``:
+:mod:`collectives.algorithms.peer`): the ranks of one node read each other's device
+buffers where they are, through CUDA IPC, and meet at the plans' fences, which are a
+call's only synchronisation: two per call, at any size, and no message.
+
+    rank r, one call (one stream: the device context's compute stream)
+    ──────────────────────────────────────────────────────────────────
+    the stream waits for the user's stream (an event recorded at the call)
+    phase 0: what needs no other rank (allgather's own row), as kernels
+    fence 1: arrive, publishing where this rank's input and window slot are
+             (allocation, buffer id, offset: the node's shared window, host memory);
+             pass once every rank has arrived; open what this process has not opened
+    phase 1: kernels that read the other ranks' buffers (one fold of p inputs, or copies)
+    fence 2: nobody reads this rank's input any more
+    phase 2: two_shot's copies out of the window slots
+    the call finishes once its last kernel has run (an event the host polls)
+
+A fence is one of two mechanisms, chosen per communicator (``device_fence``,
+``COLLECTIVES_DEVICE_FENCE``; ``make bench-gpu`` measures both):
+
+- ``host``: the host waits (polling an event) for its device work before the fence,
+  then writes the fence's number into its counter in the node's shared window and
+  waits until every rank's counter has reached it; then it launches the next phase.
+- ``stream``: at the first fence the hosts only publish where their buffers are and
+  wait until every rank has done so (host memory, no device wait); the device then
+  meets at every fence by itself: the stream writes the fence's number into a word of
+  each peer's row of the window (``cuStreamWriteValue32``, after the work before it)
+  and waits until every peer has written it into this rank's row
+  (``cuStreamWaitValue32``). The host enqueues the whole call at once.
+
+Either way a call finishes once its last event has completed: so its result is ready
+for anything the user queues afterwards (the user's stream needs no wait), and a
+timeout covers its device work too and names the ranks that have not reached the
+fence it waits at (the host reads the counters, or this rank's row of words). Calls run in the order they were
+made (the progress engine's queue of shared-memory calls): a call enqueues nothing
+until the one before it has enqueued everything. At the first fence each rank also
+signs the call (number, collective, algorithm, dtype, op, size, root) and every rank
+compares the signatures once it has passed: ranks that called different things all
+raise instead of reading each other's memory.
+
+Registration: a rank's input is exported once per allocation (its base address and the
+driver's buffer id: CuPy's and torch's pools sub-allocate, so a buffer is base plus
+offset), and a peer opens an allocation once per owner process, base and buffer id
+(:class:`PeerMemory`, one per device and process): memory freed and allocated again at
+the same base gets a new buffer id, so it is opened anew and the old mapping closed,
+never read. A steady loop of calls on the same buffers opens nothing, allocates
+nothing, makes no event and sends no MPI message (``PeerNode.counters`` and the
+device's say so).
+"""
+
+import os
+from collections import Counter
+
+import numpy as np
+from mpi4py import MPI
+
+from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, MessageSizeError
+from ..schedule import Copy, Fence, Reduce, ReduceMany
+from .liveness import ranks
+from .progress import Handle
+
+MECHANISMS = ("host", "stream", "kernel")
+DEFAULT_KERNEL_LIMIT = 300.0  # seconds an in-kernel wait lasts at most where the call has no timeout
+_LINE = 64  # int64 words of one rank's line in the window (512 bytes)
+_EPOCH, _ANNOUNCED, _SIGNATURE, _DESCRIPTORS, _PID = 0, 1, 2, 10, 63  # word offsets in a line
+_DESCRIPTOR = 13  # words of a buffer's descriptor: IPC handle (8), base, buffer id, offset, bytes, allocation size
+_HANDLE_WORDS = 8
+_UNSHAREABLE = -1  # a descriptor's byte count where the rank's buffer cannot be exported
+_AHEAD = 1 << 20  # released waits: a value this far past the fences pending (cyclic comparison)
+
+
+class PeerWindow:
+    """The node's shared window of one communicator's peer-read calls (host memory,
+    ``MPI.Win.Allocate_shared``; collective to make): a line per rank (fence counter,
+    call counter, signatures, descriptors, process id), a row of 32-bit words per rank,
+    which the other ranks' streams write (``stream`` fences), and one the rank's own
+    fence kernels write where a peer did not come in time (``late``)."""
+
+    def __init__(self, node_comm):
+        self.comm = node_comm
+        self.rank, self.size = node_comm.Get_rank(), node_comm.Get_size()
+        self.row = 32 * -(-self.size // 32)  # words per row: 128-byte rows
+        lines, rows = self.size * _LINE * 8, self.size * self.row * 4
+        nbytes = -(-(lines + 2 * rows) // 4096) * 4096
+        self.win = MPI.Win.Allocate_shared(nbytes if self.rank == 0 else 0, 1, comm=node_comm)
+        buffer, _ = self.win.Shared_query(0)
+        memory = np.frombuffer(buffer, np.uint8)[:nbytes]
+        self.lines = memory[:lines].view(np.int64).reshape(self.size, _LINE)
+        self.words = memoryview(memory[:lines]).cast("q")  # read and written word by word
+        self.inbox = memory[lines : lines + rows].view(np.uint32)  # rank r's row at r * row
+        self.late = memory[lines + rows : lines + 2 * rows].view(np.uint32)
+        self.win.Lock_all(MPI.MODE_NOCHECK)
+        if self.rank == 0:
+            memory[...] = 0
+        self.win.Sync()
+        node_comm.Barrier()  # nobody reads a word before it is zero
+        self.win.Sync()
+        self.words[self.rank * _LINE + _PID] = os.getpid()
+        self.win.Sync()
+        node_comm.Barrier()
+        self.win.Sync()
+        self.pids = [int(self.words[q * _LINE + _PID]) for q in range(self.size)]
+        self.fences = 0  # fences handed out to calls so far
+        self.calls = 0  # calls so far
+
+    def free(self):
+        if self.win is not None:
+            self.words.release()
+            self.win.Unlock_all()
+            self.win.Free()
+            self.win = None
+
+    # -- host fences ------------------------------------------------------------------------
+    def arrive(self, word, value):
+        self.win.Sync()  # what this rank wrote before (descriptors, signature) goes first
+        self.words[self.rank * _LINE + word] = value
+
+    def passed(self, word, value):
+        words = self.words
+        for q in range(word, self.size * _LINE, _LINE):
+            if words[q] < value:
+                return False
+        self.win.Sync()  # the others' words before what they wrote after
+        return True
+
+    def behind(self, word, value):
+        return [q for q in range(self.size) if self.words[q * _LINE + word] < value]
+
+    # -- what a call publishes at its first fence ------------------------------------------
+    def sign(self, parity, signature):
+        start = self.rank * _LINE + _SIGNATURE + 4 * parity
+        for k, value in enumerate(signature):
+            self.words[start + k] = value
+
+    def signature_of(self, rank, parity):
+        start = rank * _LINE + _SIGNATURE + 4 * parity
+        return tuple(self.words[start : start + 4])
+
+    def publish(self, parity, which, descriptor):
+        start = _DESCRIPTORS + (2 * parity + which) * _DESCRIPTOR
+        self.lines[self.rank, start : start + _DESCRIPTOR] = descriptor
+
+    def descriptor_of(self, rank, parity, which):
+        start = _DESCRIPTORS + (2 * parity + which) * _DESCRIPTOR
+        return self.lines[rank, start : start + _DESCRIPTOR].copy()
+
+    # -- stream fences -------------------------------------------------------------------------
+    def word(self, owner, writer):
+        """The index (in ``inbox``) of the word ``writer`` writes into ``owner``'s row."""
+        return owner * self.row + writer
+
+    def behind_on_device(self, value):
+        """The ranks whose word in this rank's row has not reached ``value``."""
+        row = self.rank * self.row
+        return [q for q in range(self.size)
+                if q != self.rank and ((int(self.inbox[row + q]) - value) & 0xFFFFFFFF) >= 0x80000000]
+
+
+class PeerMemory:
+    """The other processes' device allocations this process has opened (CUDA IPC),
+    one per owner process, base address and buffer id; and this process's own
+    allocations exported so far. One per device backend and process, shared by its
+    communicators (CUDA opens a handle once per process)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.opened = {}  # (owner pid, base) -> (buffer id, the whole allocation, uint8)
+        self.exported = {}  # base -> (buffer id, handle)
+        self.counters = Counter()  # opened, closed, exported
+
+    def handle_of(self, base, buffer_id):
+        """This process's allocation at ``base`` as an IPC handle (exported once)."""
+        known = self.exported.get(base)
+        if known is None or known[0] != buffer_id:
+            known = self.exported[base] = (buffer_id, bytes(self.backend.export(base)))
+            self.counters["exported"] += 1
+        return known[1]
+
+    def view(self, pid, base, buffer_id, handle, size, offset, nbytes):
+        """Bytes ``[offset, offset + nbytes)`` of process ``pid``'s allocation at ``base``
+        (``size`` bytes, ``buffer_id``), opened here through ``handle`` unless it is open
+        already; a mapping of an older allocation at that base is closed first."""
+        key = (pid, base)
+        known = self.opened.get(key)
+        if known is None or known[0] != buffer_id:
+            if known is not None:  # freed and allocated again there: never read the old mapping
+                self.backend.close_allocation(known[1])
+                self.counters["closed"] += 1
+            known = self.opened[key] = (buffer_id, self.backend.open_allocation(handle, size))
+            self.counters["opened"] += 1
+        return known[1][offset : offset + nbytes]
+
+
+_MEMORY = {}  # backend -> its PeerMemory
+
+
+def peer_memory(backend):
+    """The :class:`PeerMemory` of ``backend``'s device in this process."""
+    memory = _MEMORY.get(backend)
+    if memory is None:
+        memory = _MEMORY[backend] = PeerMemory(backend)
+    return memory
+
+
+class PeerNode:
+    """What one communicator keeps for its peer-read calls on one device: the window,
+    the fence mechanism, this rank's window slot (``shm``: device memory, grown as
+    calls need, old ones kept while a peer may still hold them), pooled events, and
+    counters. Made (collectively) at the first such call."""
+
+    def __init__(self, device, node_comm, mechanism, exchange):
+        """``exchange(words)``: every node rank's int64 ``words`` (a timed allgather over
+        the node), for what the ranks settle at the start."""
+        self.device, self.backend = device, device.backend
+        if mechanism == "auto":
+            mechanism = choose_mechanism(self.backend, exchange)
+        if mechanism not in MECHANISMS:
+            raise ValueError(f"device_fence must be auto or one of {', '.join(MECHANISMS)}; got {mechanism!r}")
+        self.mechanism = mechanism
+        self.window = PeerWindow(node_comm)
+        self.memory = peer_memory(self.backend)
+        self.inbox = self.backend.map_host(self.window.inbox) if mechanism == "stream" else None
+        self.late = self.backend.map_host(self.window.late) if mechanism == "kernel" else None
+        self.stream = device.compute
+        if mechanism == "kernel":  # every rank's inbox of flags, in its device memory, opened by the others
+            window = self.window
+            self.flags = self.backend.empty(window.size, np.uint32)
+            self.backend.copy(self.flags, np.zeros(window.size, np.uint32), self.stream)
+            self.backend.synchronize_stream(self.stream)
+            everyone = exchange(self.descriptor(self.flags, self.flags.nbytes))
+            inboxes = [self.flags if q == window.rank else self.open(q, everyone[q], "fence flags").view(np.uint32)
+                       for q in range(window.size)]
+            self.table = self.backend.pointer_table(inboxes)
+        self._events = []  # pooled events, recorded and waited for again and again
+        self.fence_event = self.backend.event()
+        self.end_event = self.backend.event()
+        self.slot, self._slots = None, []  # this rank's window slot (device bytes), and every one made
+        self.nothing = self.backend.empty(0, np.uint8)  # the buffers of a call that moves nothing (a barrier)
+        self._buffers = {}  # the peers' buffers seen, typed (peer_buffer)
+        self._flag_stream = None  # kernel: where flags_now copies the flags out
+        self.counters = Counter()  # calls, fences, host fences
+
+    def take_event(self):
+        return self._events.pop() if self._events else self.backend.event()
+
+    def give_event(self, event):
+        self._events.append(event)
+
+    def slot_of(self, nbytes):
+        """This rank's window slot, at least ``nbytes`` long."""
+        if self.slot is None or self.slot.nbytes < nbytes:
+            self.slot = self.backend.empty(max(1 << max(int(nbytes) - 1, 0).bit_length(), 4096), np.uint8)
+            self._slots.append(self.slot)  # a peer may have it open until its next call's first fence
+        return self.slot
+
+    def descriptor(self, array, nbytes):
+        """The words that tell the other ranks where ``array`` is: its allocation's
+        handle, base address and buffer id, the offset in it, ``nbytes``, the
+        allocation's size; ``nbytes`` -1 where it cannot be shared (memory the device
+        cannot export), 0 for nothing."""
+        words = np.zeros(_DESCRIPTOR, np.int64)
+        if nbytes == 0:
+            return words
+        try:
+            base, size, buffer_id = self.backend.allocation(array)
+            handle = self.memory.handle_of(base, buffer_id)
+        except Exception:  # noqa: BLE001 - whatever the driver says, the others must hear of it
+            words[_HANDLE_WORDS + 3] = _UNSHAREABLE
+            return words
+        words[:_HANDLE_WORDS] = np.frombuffer(handle.ljust(8 * _HANDLE_WORDS, b"\0"), np.int64)
+        words[_HANDLE_WORDS:] = (base, np.uint64(buffer_id).view(np.int64), _ptr(array) - base, nbytes, size)
+        return words
+
+    def open(self, rank, words, what):
+        """Rank ``rank``'s buffer that ``words`` describes, as uint8 device bytes here
+        (None for nothing)."""
+        base, buffer_id, offset, nbytes, size = (int(v) for v in words[_HANDLE_WORDS:])
+        if nbytes == _UNSHAREABLE:
+            raise CollectiveError(f"rank {rank}'s {what} is in device memory this library cannot share through "
+                                  "CUDA IPC (an allocation it cannot export); use 'ring' or 'auto' for such arrays")
+        if nbytes == 0:
+            return None
+        return self.memory.view(self.window.pids[rank], base, buffer_id & (2 ** 64 - 1),
+                                words[:_HANDLE_WORDS].tobytes(), size, offset, nbytes)
+
+    def flags_now(self):
+        """kernel: this rank's flags as they are now, on the host (for messages; the copy
+        runs on a stream of its own beside the fence kernel that spins on them)."""
+        if self._flag_stream is None:
+            self._flag_stream = self.backend.stream("flags")
+        host = np.empty(self.window.size, np.uint32)
+        self.backend.copy(host, self.flags, self._flag_stream)
+        self.backend.synchronize_stream(self._flag_stream)
+        return host
+
+    def peer_buffer(self, rank, words, what, storage):
+        """Rank ``rank``'s buffer that ``words`` describes, typed ``storage`` (a
+        :class:`_Sliced`; None for nothing). Kept: the same buffer in a later call costs
+        a lookup, and its slices too (the peer's allocation stays open anyway)."""
+        key = (rank, words.tobytes(), storage)
+        found = self._buffers.get(key, False)
+        if found is False:
+            raw = self.open(rank, words, what)
+            found = None if raw is None else _Sliced(raw.view(storage))
+            if len(self._buffers) >= 256:
+                self._buffers.clear()
+            self._buffers[key] = found
+        return found
+
+    def release(self):
+        """Let this rank's stream pass every stream fence it may wait at (after a failure,
+        so that its queued work does not wait for ever)."""
+        if self.mechanism == "stream":
+            window = self.window
+            row = window.rank * window.row
+            window.inbox[row : row + window.size] = (window.fences + _AHEAD) & 0xFFFFFFFF
+
+    def free(self, broken=False):
+        """Release the window (collective over the node). Every call has finished its
+        device work by then (a call finishes once its last event has), unless the
+        communicator is ``broken`` on some rank: then a stream may still hold work that
+        writes the window once released, so every rank keeps it (the ranks agree first)."""
+        self.release()
+        if not self.window.comm.allreduce(not broken, op=MPI.LAND):
+            return
+        for mapping in (self.inbox, self.late):
+            if mapping is not None:
+                self.backend.unmap_host(mapping)
+        self.window.free()
+        self._slots, self.slot = [], None
+
+
+def _ptr(array):
+    return array.ptr if hasattr(array, "ptr") else array.data.ptr
+
+
+class _Sliced:
+    """A device array and the slices of it asked for so far (slicing a CuPy array costs
+    microseconds; a peer's buffer is sliced alike call after call)."""
+
+    __slots__ = ("array", "parts")
+
+    def __init__(self, array):
+        self.array, self.parts = array, {}
+
+    def part(self, lo, hi):
+        if lo == 0 and hi == self.array.size:
+            return self.array
+        found = self.parts.get((lo, hi))
+        if found is None:
+            if len(self.parts) >= 64:
+                self.parts.clear()
+            found = self.parts[(lo, hi)] = self.array[lo:hi]
+        return found
+
+
+def choose_mechanism(backend, exchange):
+    """``device_fence="auto"``: in-kernel flags where every rank of the node has a GPU of
+    its own (whose kernels can spin on a flag without holding the others' off the
+    device), else the host's epochs (on a shared GPU a spinning kernel would hold the
+    others off for its whole time slice). The same answer on every rank."""
+    mine = np.frombuffer(backend.uuid.encode().ljust(64, b"\0")[:64], np.int64)
+    everyone = exchange(mine)
+    distinct = len({row.tobytes() for row in everyone}) == len(everyone)
+    return "kernel" if distinct and len(everyone) > 1 else "host"
+
+
+# -- one call's plan, as phases between fences --------------------------------------------------
+_COPY, _REDUCE, _REDUCE_MANY = 0, 1, 2
+
+
+def phases(plan, rank, stride, slot):
+    """``plan``'s operations in phases between its fences (kept beside the plan): each
+    an ``(kind, slices)`` list, a slice ``(buffer, peer, lo, hi)`` with ``reg`` and
+    ``shm`` slices made into a peer's input (``peer`` >= 0; ``stride`` elements per
+    rank) or window slot (``slot`` elements per rank), ``lo``/``hi`` within it."""
+    key = ("_peer_phases", rank, stride, slot)
+    found = plan.__dict__.get(key[0])
+    if found is not None and found[0] == key:
+        return found[1]
+
+    def spec(s):
+        if s.buf == "reg":
+            q = s.lo // stride
+            buf = "in" if q == rank else "reg"
+            return (buf, q, s.lo - q * stride, s.hi - q * stride)
+        if s.buf == "shm":
+            q = s.lo // slot
+            return ("shm", q, s.lo - q * slot, s.hi - q * slot)
+        return (s.buf, -1, s.lo, s.hi)
+
+    made = [[]]
+    for op in plan.ops:
+        if isinstance(op, Fence):
+            made.append([])
+        elif isinstance(op, Copy):
+            made[-1].append((_COPY, (spec(op.dst), spec(op.src))))
+        elif isinstance(op, Reduce):
+            made[-1].append((_REDUCE, (spec(op.dst), spec(op.a), spec(op.b))))
+        elif isinstance(op, ReduceMany):
+            made[-1].append((_REDUCE_MANY, (spec(op.dst),) + tuple(spec(x) for x in op.srcs)))
+        else:
+            raise ValueError(f"the peer-read executor cannot run {op!r}")
+    object.__setattr__(plan, key[0], (key, made))  # the plan is frozen; a cache beside it
+    return made
+
+
+class PeerCall:
+    """One call's plan on the device, run step by step by :class:`PeerHandle` in the
+    order the calls were made (see the module's docstring).
+
+    ``arrays``: the flat device buffers ``in``, ``out``, ``tmp``; ``signature``: four
+    integers every rank must give alike (call number, a code of collective, algorithm,
+    dtype and op, the size in bytes, the root); ``started``: an event recorded on the
+    user's stream at the call; ``before(stream)`` and ``after(stream)``: work of the call
+    beside the plan (packing a strided input; the average's division, unpacking)."""
+
+    def __init__(self, node, plan, arrays, stride, op, dtype, signature, describe, started, before=None, after=None,
+                 limit=None):
+        self.node, self.backend, self.window = node, node.backend, node.window
+        self.arrays, self.op, self.dtype, self.describe = arrays, op, dtype, describe
+        self.signature = tuple(int(v) for v in signature)
+        self.started, self.before, self.after = started, before, after
+        self.limit = DEFAULT_KERNEL_LIMIT if limit is None else limit  # seconds an in-kernel wait lasts at most
+        size = self.window.size
+        self.slot = plan.shm // size if plan.shm else 0  # elements of each rank's window slot
+        self.phases = phases(plan, self.window.rank, stride, self.slot)
+        self.fences = len(self.phases) - 1
+        window = self.window
+        self.base = window.fences  # this call's fences are base + 1 … base + fences
+        window.fences += self.fences
+        window.calls += 1
+        self.number = window.calls
+        self.parity = self.number & 1
+        self.phase = -1  # the phase enqueued last (-1: none yet)
+        self.waiting = False  # host fences: recorded the event before the next fence; arrived once it completed
+        self.arrived = False
+        self.announced = False
+        self.ended = False
+        self.done = False
+        self.peers = None  # rank -> (its input, its window slot), each a _Sliced typed device array
+
+    # -- the steps ------------------------------------------------------------------------------
+    def step(self):
+        """Enqueue and pass what can be now; True if anything moved."""
+        moved = False
+        if self.phase < 0:
+            self._start()
+            moved = True
+        while self.phase < self.fences:
+            if not self._fence(self.phase + 1):
+                return moved
+            self.phase += 1
+            self._enqueue(self.phase)
+            moved = True
+        if not self.ended:
+            self._end()
+            moved = True
+        if self.backend.query(self.node.end_event):
+            if self.node.mechanism == "kernel":
+                self._check_late()
+            self.done = True
+            return True
+        return moved
+
+    def _start(self):
+        self._wait_for_user()
+        device = self.node.device
+        if device.last_end is not None and device.last_end is not self.node.end_event:
+            self.backend.wait(self.node.stream, device.last_end)  # the calls of other routes before this one
+        if self.before is not None:
+            self.before(self.node.stream)
+        if self.node.mechanism == "kernel":  # the previous call's fence kernels have all run
+            window = self.window
+            window.late[window.rank * window.row : window.rank * window.row + window.size] = 0
+        self.phase = 0
+        self.node.counters["calls"] += 1
+        self._enqueue(0)
+
+    def _fence(self, k):
+        """Fence ``k`` (1-based) of this call: True once passed (host) or enqueued (stream)."""
+        node, window = self.node, self.window
+        epoch = self.base + k
+        if node.mechanism == "host":
+            if not self.arrived:
+                if not self._work_done():
+                    return False
+                if k == 1:
+                    self._publish()
+                window.arrive(_EPOCH, epoch)
+                self.arrived = True
+            if not self._others_arrived(k, epoch):
+                return False
+            self.arrived = False
+            node.counters["host fences"] += 1
+            if k == 1:
+                self._meet()
+        else:
+            if k == 1:
+                if not self.announced:
+                    self._publish()
+                    window.arrive(_ANNOUNCED, self.number)
+                    self.announced = True
+                if not self._others_announced():
+                    return False
+                self._meet()
+            if node.mechanism == "stream":
+                self._signal(k, epoch)
+                self._wait_for_others(k, epoch)
+            else:
+                self._fence_kernel(k, epoch)
+        node.counters["fences"] += 1
+        return True
+
+    # Each synchronisation of a call, one method each (the tests take them out one at a
+    # time and show a test failing for each: tests/test_device_peer.py).
+    def _wait_for_user(self):
+        """The stream waits for the user's work before the call (its event)."""
+        self.backend.wait(self.node.stream, self.started)
+        self.node.give_event(self.started)
+
+    def _work_done(self):
+        """host: whether this rank's device work before the fence has run (recording
+        the event that says so the first time)."""
+        if not self.waiting:
+            self.backend.record(self.node.fence_event, self.node.stream)
+            self.waiting = True
+        if not self.backend.query(self.node.fence_event):
+            return False
+        self.waiting = False
+        return True
+
+    def _others_arrived(self, k, epoch):
+        """host: whether every rank has arrived at fence ``k``."""
+        return self.window.passed(_EPOCH, epoch)
+
+    def _others_announced(self):
+        """stream: whether every rank has published where its buffers are for this call."""
+        return self.window.passed(_ANNOUNCED, self.number)
+
+    def _signal(self, k, epoch):
+        """stream: once the work before it has run, the stream writes fence ``k``'s
+        number into every peer's row."""
+        node, window, value = self.node, self.window, epoch & 0xFFFFFFFF
+        for q in range(window.size):
+            if q != window.rank:
+                self.backend.write_value(node.stream, node.inbox, window.word(q, window.rank), value)
+
+    def _fence_kernel(self, k, epoch):
+        """kernel: one small kernel writes fence ``k``'s number into every peer's flags
+        and waits for theirs in its own, at most ``limit`` seconds."""
+        node, window = self.node, self.window
+        self.backend.fence_kernel(node.stream, node.table, node.flags, window.rank, epoch & 0xFFFFFFFF, self.limit,
+                                  node.late, window.rank * window.row)
+
+    def _check_late(self):
+        """kernel: raise naming the ranks a fence kernel gave up on."""
+        window = self.window
+        row = window.late[window.rank * window.row : window.rank * window.row + window.size]
+        late = [q for q in range(window.size) if row[q]]
+        if late:
+            raise CollectiveTimeoutError(f"{self.describe}: its in-kernel fences waited {self.limit:g} s for "
+                                         f"{ranks(late)} to arrive, and gave up (the call's timeout, else "
+                                         f"{DEFAULT_KERNEL_LIMIT:g} s: a kernel cannot be stopped from outside)")
+
+    def _wait_for_others(self, k, epoch):
+        """stream: the stream waits until every peer has written fence ``k``'s number
+        into this rank's row."""
+        node, window, value = self.node, self.window, epoch & 0xFFFFFFFF
+        for q in range(window.size):
+            if q != window.rank:
+                self.backend.wait_value(node.stream, node.inbox, window.word(window.rank, q), value)
+
+    def _publish(self):
+        """Sign the call and say where this rank's input and window slot are."""
+        window, node = self.window, self.node
+        window.sign(self.parity, self.signature)
+        inp = self.arrays["in"]
+        window.publish(self.parity, 0, node.descriptor(inp, inp.nbytes))
+        slot = node.slot_of(self.slot * self.dtype.itemsize) if self.slot else None
+        window.publish(self.parity, 1, node.descriptor(slot, slot.nbytes) if slot is not None
+                       else np.zeros(_DESCRIPTOR, np.int64))
+
+    def _meet(self):
+        """Past the first fence: compare the signatures, open the peers' buffers."""
+        compare_signatures(self.window, self.parity, self.signature, self.describe)
+        node, window, storage = self.node, self.window, self.arrays["in"].dtype
+        self.peers = {}
+        for q in range(window.size):
+            if q == window.rank:
+                continue
+            inp = node.peer_buffer(q, window.descriptor_of(q, self.parity, 0), "input", storage)
+            slot = node.peer_buffer(q, window.descriptor_of(q, self.parity, 1), "window slot",
+                                    storage) if self.slot else None
+            if (inp is None and self.arrays["in"].size) or (slot is None and self.slot):
+                raise CollectiveMismatchError(f"{self.describe}: rank {q} published no buffer for this call where "
+                                              "this rank needs one (a different call there, or a broken exchange)")
+            self.peers[q] = (inp, slot)
+        if self.slot:
+            self.own_slot = _Sliced(node.slot[: self.slot * storage.itemsize].view(storage))
+
+    def _view(self, spec):
+        buf, q, lo, hi = spec
+        if buf == "reg":
+            return self.peers[q][0].part(lo, hi)
+        if buf == "shm":
+            return (self.own_slot if q == self.window.rank else self.peers[q][1]).part(lo, hi)
+        array = self.arrays[buf]
+        return array if lo == 0 and hi == array.size else array[lo:hi]
+
+    def _enqueue(self, k):
+        backend, stream, view = self.backend, self.node.stream, self._view
+        for kind, specs in self.phases[k]:
+            if kind == _COPY:
+                backend.copy(view(specs[0]), view(specs[1]), stream)
+            elif kind == _REDUCE_MANY:
+                backend.reduce_n(stream, self.op, self.dtype, view(specs[0]), [view(s) for s in specs[1:]])
+            else:
+                backend.reduce2(stream, self.op, self.dtype, view(specs[0]), view(specs[1]), view(specs[2]))
+
+    def _end(self):
+        node, stream = self.node, self.node.stream
+        if self.after is not None:
+            self.after(stream)
+        self.backend.record(node.end_event, stream)
+        node.device.last_end = node.end_event  # the other routes' calls wait for it (their workspace)
+        self.ended = True
+
+    # -- what it waits for ----------------------------------------------------------------------
+    def outstanding(self):
+        window, k = self.window, self.phase + 1
+        if self.phase < 0:
+            return "not started (a call before it on this communicator is running)"
+        if self.ended or k > self.fences:
+            late = self._late_on_device()
+            return f"its device work runs{late}"
+        if self.node.mechanism == "host":
+            if self.arrived:
+                return (f"waiting at fence {k} of {self.fences} for {ranks(window.behind(_EPOCH, self.base + k))} "
+                        "to arrive")
+            return f"waiting for this rank's device work before fence {k} of {self.fences}"
+        return f"waiting for {ranks(window.behind(_ANNOUNCED, self.number))} to start it"
+
+    def _late_on_device(self):
+        """Which ranks this rank's device waits for, read from the words the others
+        write (stream) or from its flags (kernel: copied to the host, on a stream of
+        their own)."""
+        mechanism, window = self.node.mechanism, self.window
+        if mechanism == "host":
+            return ""
+        flags = self.node.flags_now() if mechanism == "kernel" else None
+        for k in range(1, self.fences + 1):
+            epoch = (self.base + k) & 0xFFFFFFFF
+            if flags is None:
+                late = window.behind_on_device(epoch)
+            else:
+                late = [q for q in range(window.size)
+                        if q != window.rank and ((int(flags[q]) - epoch) & 0xFFFFFFFF) >= 0x80000000]
+            if late:
+                return f" (at fence {k} of {self.fences} it waits for {ranks(late)} to arrive)"
+        return ""
+
+
+def compare_signatures(window, parity, mine, describe):
+    """Raise on every rank where some rank signed another call (its size, or anything else)."""
+    for rank in range(window.size):
+        theirs = window.signature_of(rank, parity)
+        if theirs == mine:
+            continue
+        if theirs[0] == mine[0] and theirs[1] == mine[1] and theirs[3] == mine[3]:
+            raise MessageSizeError(f"{describe}: rank {rank} called it with {theirs[2]} B where this rank has "
+                                   f"{mine[2]} B; the ranks called it with buffers of different sizes")
+        raise CollectiveMismatchError(f"{describe}: rank {rank} is in a different call (call #{theirs[0]}, or "
+                                      "another collective, algorithm, dtype, op or root); every rank must call "
+                                      "the same collectives in the same order")
+
+
+class PeerHandle(Handle):
+    """A peer-read call in flight: the progress engine runs it in its queue of
+    shared-memory calls (oldest first) whenever it polls."""
+
+    def __init__(self, progress, describe, finish, call, timeout=None, sequence=0):
+        super().__init__(progress, describe, finish, timeout, sequence)
+        self._run = call
+
+    def start(self):
+        self._progress.shm.append(self)
+        self._begin()
+        return self
+
+    def step(self):
+        moved = self._run.step()
+        if self._run.done:
+            self._check_done()
+        return moved
+
+    def _is_done(self):
+        return self._run.done
+
+    def _outstanding(self):
+        return self._run.outstanding()
+
+    def _on_break(self):
+        self._run.node.release()

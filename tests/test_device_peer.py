@@ -1,0 +1,689 @@
+"""The peer-read algorithms (``one_shot``, ``two_shot``) on device arrays, through the
+stand-in GPU at every world size the MPI suite runs (``--device cuda``: on a GPU,
+``make test-gpu``), with each fence mechanism (``host``: epochs the hosts watch in the
+node's shared window; ``stream``: stream write/wait values).
+
+Every result is compared, bit for bit, with the host path on the same inputs (MPI's
+collective on host arrays), with the same plans run in one process
+(``transport.local``, the host executor of the very same schedules) and with NumPy;
+the deterministic mode with the serial fold. The stand-in runs queued work only when
+something waits for it, in a random order across streams, and fills new memory with
+garbage, so a missing synchronisation gives wrong data here, not a rare race: the
+mutation tests at the end take each synchronisation of the new path out in turn and
+show a test failing for every one.
+"""
+
+import gc
+import json
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import collectives as cc
+from collectives.algorithms import PEER_READS, block_bounds
+from collectives.device import bfloat16
+from collectives.transport import device_node, local
+from conftest import (ALL_DTYPES, agree, counts_for, expected_result, ops_for, order_sensitive_input, rank_input,
+                      serial_fold)
+from device_under_test import select
+
+D = None  # the device under test: the stand-in, or a GPU with --device cuda
+MECHANISMS = ["host", "stream", "kernel"]
+PEERS = sorted(PEER_READS)
+REDUCING = ("allreduce", "reduce_scatter", "reduce")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def device_under_test(request):
+    global D
+    D = select(request.config.getoption("--device"), MPI.COMM_WORLD.Get_rank())
+    yield D
+
+
+def stand_in_only(what):
+    if D.name != "standin":
+        pytest.skip(f"{what}: a property of the stand-in itself")
+
+
+def communicator(mechanism, **options):
+    """A communicator whose peer-read fences are ``mechanism``'s, its device paths agreed.
+    The fence kernel is for ranks with a GPU each: on a GPU the ranks share, a kernel
+    spinning on a flag holds the others off for its whole time slice (it still works,
+    slowly), so there it is left to the stand-in and to test_gpu.py's one-process test."""
+    if mechanism == "kernel" and D.name == "cuda" and MPI.COMM_WORLD.Get_size() > D.cupy.cuda.runtime.getDeviceCount():
+        pytest.skip("the fence kernel on a GPU the ranks share: test_gpu.py tests it in one process")
+    comm = cc.Communicator(device_fence=mechanism, **options)
+    comm.allreduce(D.asarray(np.ones(1, np.float32)), algorithm="direct")  # the negotiation
+    return comm
+
+
+_COMMS = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_communicators():
+    yield
+    for comm in _COMMS.values():
+        comm.free()
+    _COMMS.clear()
+
+
+@pytest.fixture(params=MECHANISMS)
+def pcomm(request, device_under_test):
+    """A communicator for each fence mechanism, made once per module."""
+    if request.param not in _COMMS:
+        _COMMS[request.param] = communicator(request.param)
+    return _COMMS[request.param]
+
+
+def call(comm, collective, x, algorithm, op="sum", root=0, out=None, asynchronous=False, **kw):
+    run = getattr(comm, collective + ("_async" if asynchronous else ""))
+    if collective in ("allreduce", "reduce_scatter"):
+        return run(x, op=op, algorithm=algorithm, out=out, **kw)
+    if collective == "allgather":
+        return run(x, algorithm=algorithm, out=out, **kw)
+    if collective == "broadcast":
+        return run(x, root=root, algorithm=algorithm, **kw)
+    return run(x, root=root, op=op, algorithm=algorithm, out=out, **kw)
+
+
+def host_of(x):
+    if x is None:
+        return None
+    return D.asnumpy(x.data).view(np.uint16) if isinstance(x, bfloat16) else D.asnumpy(x)
+
+
+def differs(want, got):
+    """How ``got`` differs from ``want`` bit for bit (None if it does not)."""
+    if want is None or got is None:
+        return None if want is None and got is None else f"one is None: want {want}, got {got}"
+    want, got = np.asarray(want), np.asarray(got)
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return f"{got.dtype}{got.shape} vs {want.dtype}{want.shape}"
+    if got.tobytes() != want.tobytes():
+        return f"{got.ravel()[:4]} vs {want.ravel()[:4]}"
+    return None
+
+
+def in_one_process(collective, algorithm, xs, op, root):
+    """The same plans run for every rank in this process (the in-process runner)."""
+    return local.run_collective(collective, algorithm, [np.ascontiguousarray(x).reshape(-1).copy() for x in xs], op,
+                                root)
+
+
+# -- results ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("collective,algorithm", PEERS)
+def test_every_peer_read_equals_the_host_path_the_same_plans_and_numpy(pcomm, mpi_comm, collective, algorithm):
+    comm, problems = pcomm, []
+    roots = sorted({0, comm.size - 1}) if collective in ("broadcast", "reduce") else [0]
+    for count in counts_for(comm.size, large=False) + [1000]:
+        for root in roots:
+            xs = [rank_input(r, count, "float32") for r in range(comm.size)]
+            x = xs[comm.rank].copy()
+            host = call(comm, collective, x.copy(), "native", root=root)  # MPI's collective on host arrays
+            device_x = D.asarray(x)
+            got = host_of(call(comm, collective, device_x, algorithm, root=root))
+            same_plans = in_one_process(collective, algorithm, xs, "sum", root)[comm.rank]
+            numpy = expected_result(collective, comm.rank, comm.size, xs, "sum", root)
+            label = f"{collective}/{algorithm} n={count} root={root}"
+            for what, want in (("host path", host), ("same plans", same_plans), ("numpy", numpy)):
+                if want is not None and got is not None:
+                    want = np.asarray(want).reshape(got.shape)
+                problem = differs(want, got)
+                if problem:
+                    problems.append(f"{label}: {what}: {problem}")
+            if collective != "broadcast" and D.asnumpy(device_x).tobytes() != x.tobytes():
+                problems.append(f"{label}: the input was modified")
+    agree(mpi_comm, problems)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("collective,algorithm", [ca for ca in PEERS if ca[0] in REDUCING])
+def test_every_dtype_and_op_is_the_same_plans_bits(mpi_comm, collective, algorithm):
+    """Once, with host fences: the mechanisms move no data; dtypes matter to the kernels."""
+    comm = _COMMS.setdefault("host", communicator("host"))
+    problems = []
+    for dtype in ALL_DTYPES:
+        for op in ops_for(dtype):
+            xs = [rank_input(r, 37, dtype, op) for r in range(comm.size)]
+            got = call(comm, collective, D.asarray(xs[comm.rank]), algorithm, op, comm.size - 1)
+            want = in_one_process(collective, algorithm, xs, op, comm.size - 1)[comm.rank]
+            problem = differs(want, host_of(got))
+            if problem:
+                problems.append(f"{collective}/{algorithm} {dtype} {op}: {problem}")
+    agree(mpi_comm, problems)
+
+
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+def test_allreduce_in_place_into_out_strided_and_overlapping(pcomm, mpi_comm, algorithm):
+    comm, problems = pcomm, []
+    xs = [(rank_input(r, 6 * 7, "int32") + len(algorithm)).reshape(6, 7) for r in range(comm.size)]
+    want = comm.allreduce(xs[comm.rank], algorithm="native")
+    x = D.asarray(xs[comm.rank])
+    if comm.allreduce(x, algorithm=algorithm, out=x) is not x or differs(want, D.asnumpy(x)):
+        problems.append("in place")
+    out = D.empty((6, 7), np.int32)
+    if comm.allreduce(D.asarray(xs[comm.rank]), algorithm=algorithm, out=out) is not out or \
+            differs(want, D.asnumpy(out)):
+        problems.append("out=")
+    wide = D.asarray(np.repeat(xs[comm.rank], 2, axis=1))
+    canvas = D.asarray(np.full((6, 14), -1, np.int32))
+    got = comm.allreduce(wide[:, ::2], algorithm=algorithm, out=canvas[:, 1::2])
+    host = D.asnumpy(canvas)
+    if differs(want, np.ascontiguousarray(host[:, 1::2])) or (host[:, ::2] != -1).any() or got.shape != (6, 7):
+        problems.append(f"strided in and out: {host[0]}")
+    view = D.asarray(np.repeat(xs[comm.rank], 2, axis=0))[::2]
+    comm.allreduce(view, algorithm=algorithm, out=view)
+    if differs(want, D.asnumpy(view)):
+        problems.append("in place, strided")
+    both = D.asarray(np.concatenate([xs[comm.rank].ravel(), np.zeros(3, np.int32)]))
+    comm.allreduce(both[:42], algorithm=algorithm, out=both[3:45])
+    if differs(want.ravel(), D.asnumpy(both)[3:45]):
+        problems.append("out overlapping x")
+    avg = comm.allreduce(D.asarray(xs[comm.rank].astype(np.float64)), op="avg", algorithm=algorithm)
+    if differs(comm.allreduce(xs[comm.rank].astype(np.float64), op="avg", algorithm="native"), D.asnumpy(avg)):
+        problems.append("avg")
+    agree(mpi_comm, problems)
+
+
+def test_reduce_in_place_on_every_root(pcomm, mpi_comm):
+    comm, problems = pcomm, []
+    xs = [rank_input(r, 29, "float64") for r in range(comm.size)]
+    for root in range(comm.size):
+        x = D.asarray(xs[comm.rank])
+        got = comm.reduce(x, root=root, algorithm="one_shot", out=x if comm.rank == root else None)
+        if comm.rank == root and (got is not x or differs(sum(xs), D.asnumpy(x))):
+            problems.append(f"root {root}")
+        if comm.rank != root and (got is not None or differs(xs[comm.rank], D.asnumpy(x))):
+            problems.append(f"root {root}: a non-root's input changed or got a result")
+    agree(mpi_comm, problems)
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_deterministic_mode_is_the_serial_fold(mpi_comm, mechanism):
+    """One left fold in rank order on every rank, 16-bit floats included (each step
+    rounds), in place too; auto keeps to the peer reads, which all fold so."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    comm = communicator(mechanism, deterministic=True)
+    size, rank, problems = comm.size, comm.rank, []
+    for dtype in ("float32", "float16", ml_dtypes.bfloat16):
+        for op in ("sum", "max"):
+            inputs = [order_sensitive_input(r, 3000, dtype, op) for r in range(size)]
+            want = serial_fold(op, inputs)
+            bounds = block_bounds(want.size, size)
+
+            def device(x):
+                if np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16) and not D.native_bfloat16:
+                    return bfloat16(D.asarray(x.view(np.uint16)))
+                return D.asarray(x)
+
+            def host(y):
+                return None if y is None else host_of(y).view(want.dtype)
+
+            got = {f"allreduce {a}": host(comm.allreduce(device(inputs[rank]), op=op, algorithm=a))
+                   for a in ("one_shot", "two_shot", "auto")}
+            got["reduce_scatter"] = host(comm.reduce_scatter(device(inputs[rank]), op=op, algorithm="one_shot"))
+            got["reduce"] = host(comm.reduce(device(inputs[rank]), root=size - 1, op=op, algorithm="one_shot"))
+            x = device(inputs[rank])
+            comm.allreduce(x, op=op, out=x, algorithm="one_shot")
+            got["in place"] = host(x)
+            for what, value in got.items():
+                expect = want[bounds[rank]:bounds[rank + 1]] if what == "reduce_scatter" else \
+                    (None if what == "reduce" and rank != size - 1 else want)
+                if differs(expect, value):
+                    problems.append(f"{what} {np.dtype(dtype).name} {op}")
+    comm.free()
+    agree(mpi_comm, problems)
+
+
+def test_the_users_stream_order(pcomm, mpi_comm):
+    """The input is written by work queued on the user's own stream (not run yet), the
+    result read through it; and several calls in flight at once, async, among calls of
+    other routes."""
+    comm, problems = pcomm, []
+    mine = D.new_stream()
+    with D.use_stream(mine):
+        for algorithm in ("one_shot", "two_shot"):
+            x = D.empty(1001, np.float64)
+            values = rank_input(comm.rank, 1001, "float64")
+            D.copy_async(x, values, mine)
+            got = comm.allreduce(x, algorithm=algorithm)
+            if differs(comm.allreduce(values, algorithm="native"), D.asnumpy(got, stream=mine)):
+                problems.append(algorithm)
+            handle = comm.allreduce_async(x, op="max", algorithm=algorithm)
+            if differs(comm.allreduce(values, op="max", algorithm="native"), D.asnumpy(handle.wait(), stream=mine)):
+                problems.append(f"{algorithm} async")
+        xs = [rank_input(r, 501, "float32") for r in range(comm.size)]
+        x = D.asarray(xs[comm.rank], stream=mine)
+        handles = [comm.allreduce_async(x, algorithm=a) for a in ("one_shot", "ring", "two_shot", "direct")]
+        handles += [comm.allgather_async(x[:7], algorithm="one_shot"),
+                    comm.reduce_scatter_async(x, algorithm="one_shot")]
+        results = [h.wait() for h in reversed(handles)][::-1]
+        total = sum(xs)
+        for k, result in enumerate(results[:4]):
+            if differs(total, D.asnumpy(result, stream=mine)):
+                problems.append(f"in flight: allreduce {k}")
+        if differs(np.stack([v[:7] for v in xs]), D.asnumpy(results[4], stream=mine)):
+            problems.append("in flight: allgather")
+        if differs(np.array_split(total, comm.size)[comm.rank], D.asnumpy(results[5], stream=mine)):
+            problems.append("in flight: reduce_scatter")
+    agree(mpi_comm, problems)
+
+
+# -- registration, and what a warm call costs -----------------------------------------------------
+class Counting:
+    """An MPI communicator that counts the calls made on it (a proxy)."""
+
+    def __init__(self, comm):
+        self.comm, self.calls = comm, 0
+
+    def __getattr__(self, name):
+        attribute = getattr(self.comm, name)
+        if callable(attribute):
+            def counted(*args, **kwargs):
+                self.calls += 1
+                return attribute(*args, **kwargs)
+            return counted
+        return attribute
+
+
+def _peer_state(comm):
+    device = next(iter(comm._ctx.devices.values()))
+    return device.peer, device_node.peer_memory(device.backend)
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_a_warm_loop_opens_allocates_builds_and_sends_nothing(mpi_comm, mechanism):
+    """Registration once, then: no IPC handle opened or exported, no device memory, no
+    event, no plan, no MPI call on any of the communicator's MPI communicators; two
+    fences per call (the host watches both with host fences, neither with stream ones)."""
+    from collectives.routes.base import compiled_plan
+
+    comm = communicator(mechanism)
+    memory = device_node.peer_memory(next(iter(comm._ctx.devices.values())).backend)
+    gc.collect()
+    D.free_all_blocks()  # what earlier tests freed: so x is a new allocation, not one the peers have open
+    opened = memory.counters["opened"]
+    n = 1 << 20  # 4 MiB: an allocation of its own
+    x = comm.zeros(n, "float32", device=D.device)  # registered now: every rank opens every other's
+    registered = memory.counters["opened"] - opened
+    comm.allreduce(x, out=x, algorithm="one_shot")  # (two_shot would open the peers' window slots too)
+    first_call = memory.counters["opened"] - opened - registered
+    xs = [rank_input(r, 4096, "float32", "max") for r in range(comm.size)]
+    y = D.asarray(xs[comm.rank])
+    for algorithm in ("one_shot", "two_shot"):  # warm: y is registered lazily, the window slot made
+        comm.allreduce(x, out=x, algorithm=algorithm)
+        comm.allreduce(y, out=y, op="max", algorithm=algorithm)
+    comm.allgather(y[:100], out=D.empty((comm.size, 100), np.float32), algorithm="one_shot")
+    node, memory = _peer_state(comm)
+    before = (memory.counters.copy(), D.counters(), compiled_plan.cache_info().misses, node.counters.copy())
+    ctx = comm._ctx
+    proxies = {name: Counting(getattr(ctx, name)) for name in ("comm", "node_comm", "p2p_comm")}
+    for name, proxy in proxies.items():
+        setattr(ctx, name, proxy)
+    requests = ctx.progress.entries
+    calls = 20
+    try:
+        for k in range(calls // 2):
+            comm.allreduce(y, out=y, op="max", algorithm="one_shot")
+            comm.allreduce(x, out=x, algorithm="two_shot")
+    finally:
+        for name, proxy in proxies.items():
+            setattr(ctx, name, proxy.comm)
+    after = (memory.counters.copy(), D.counters(), compiled_plan.cache_info().misses, node.counters.copy())
+    problems = []
+    if comm.size > 1 and (registered != comm.size - 1 or first_call != 0):
+        problems.append(f"empty(device=) opened {registered} allocations (not one per peer), the first call on "
+                        f"it {first_call}")
+    if after[0] != before[0]:
+        problems.append(f"IPC: {dict(before[0])} -> {dict(after[0])}")
+    if after[1] != before[1]:
+        problems.append(f"device: {before[1]} -> {after[1]}")
+    if after[2] != before[2]:
+        problems.append(f"plans built: {after[2] - before[2]}")
+    mpi = {name: proxy.calls for name, proxy in proxies.items() if proxy.calls}
+    if mpi or ctx.progress.entries != requests:
+        problems.append(f"MPI: {mpi}, requests {requests} -> {ctx.progress.entries}")
+    fences = after[3]["fences"] - before[3]["fences"]
+    host = after[3]["host fences"] - before[3]["host fences"]
+    if comm.size > 1 and (fences != 2 * calls or host != (2 * calls if mechanism == "host" else 0)):
+        problems.append(f"{fences} fences, {host} watched by the host, in {calls} calls")
+    if differs(np.maximum.reduce(xs), D.asnumpy(y)) or differs(np.zeros(n, np.float32), D.asnumpy(x)):
+        problems.append("wrong result")
+    comm.free()
+    agree(mpi_comm, problems)
+
+
+def test_every_call_has_at_most_two_fences_at_any_size():
+    """In the plans themselves: no segments, two fences (none for one rank or nothing)."""
+    from collectives.routes.base import compiled_plan
+    from collectives.schedule import Fence
+
+    for collective, algorithm in PEERS:
+        for size in (1, 2, 3, 4, 8):
+            for count in (0, 1, size + 1, 1 << 20, 1 << 28):
+                for inplace in (False, True) if collective in ("allreduce", "reduce") else (False,):
+                    plan = compiled_plan(collective, algorithm, size - 1, size, count, 0, 1, inplace, False, 0)
+                    fences = sum(isinstance(op, Fence) for op in plan.ops)
+                    assert fences == (0 if size == 1 or count == 0 else 2), (collective, algorithm, size, count)
+                    assert len(plan.ops) <= 2 * size + 3, (collective, algorithm, size, count, len(plan.ops))
+
+
+def test_freed_and_reallocated_memory_is_opened_anew(pcomm, mpi_comm):
+    """A buffer freed and allocated again at the same base gets a new buffer id: the
+    peers close their mapping of the old allocation and open the new one (the stand-in
+    raises where a stale mapping is read)."""
+    comm, problems = pcomm, []
+    comm.allreduce(D.asarray(np.ones(3, np.float32)), algorithm="one_shot")  # the window: made before the rounds
+    memory = _peer_state(comm)[1]
+    count = (3 << 20) // 4  # a segment of its own
+    bases = []
+    gc.collect()
+    D.free_all_blocks()  # what earlier tests freed: so every round's x is a new allocation
+    for round_ in range(3):
+        x = D.asarray(rank_input(comm.rank, count, "float32") + round_)
+        bases.append(getattr(x, "ptr", None) or x.data.ptr)
+        before = memory.counters.copy()
+        got = comm.allreduce(x, algorithm="one_shot")
+        want = sum(rank_input(r, count, "float32") + round_ for r in range(comm.size))
+        if differs(want, D.asnumpy(got)):
+            problems.append(f"round {round_}: wrong result")
+        opened, closed = (memory.counters[k] - before[k] for k in ("opened", "closed"))
+        if comm.size > 1 and opened != comm.size - 1:
+            problems.append(f"round {round_}: the peers opened {opened} allocations, not the new one each")
+        if comm.size > 1 and round_ > 0 and bases[round_] == bases[0] and closed != comm.size - 1:
+            problems.append(f"round {round_}: {closed} mappings of the freed allocation closed")
+        del x, got
+        gc.collect()
+        D.free_all_blocks()
+    if D.name == "standin" and len(set(bases)) != 1:
+        problems.append(f"the stand-in did not reuse the base ({bases}): the test tests nothing")
+    agree(mpi_comm, problems)
+
+
+def test_empty_on_a_device_is_registered_and_usable(mpi_comm):
+    comm = communicator("host")
+    x = comm.zeros((3, 5), "float64", device=D.device)
+    problems = [] if np.array_equal(D.asnumpy(x), np.zeros((3, 5))) else ["zeros() is not zero"]
+    D.copy_async(x, np.full((3, 5), comm.rank + 1.0), x_stream())
+    got = comm.allreduce(x, algorithm="two_shot")
+    if differs(np.full((3, 5), comm.size * (comm.size + 1) / 2), D.asnumpy(got)):
+        problems.append(f"allreduce on it: {D.asnumpy(got)[0]}")
+    with pytest.raises(ValueError, match="device must be None .* got 'gpu'"):
+        comm.empty(4, device="gpu")
+    comm.free()
+    agree(mpi_comm, problems)
+
+
+def x_stream():
+    """The current stream of the device under test (the stand-in's, or CuPy's)."""
+    if D.name == "standin":
+        return D.si.device().current_stream()
+    return D.cupy.cuda.get_current_stream()
+
+
+# -- errors ----------------------------------------------------------------------------------------------
+def test_host_arrays_and_missing_ipc_are_refused_before_any_message(mpi_comm):
+    comm = communicator("host", cuda_ipc=False)  # the device paths: staged, no IPC
+    with pytest.raises(ValueError, match="'one_shot' reads the other ranks' device buffers in place .* device "
+                                         "arrays only"):
+        comm.allreduce(np.ones(4, np.float32), algorithm="one_shot")
+    if comm.size > 1:
+        with pytest.raises(ValueError, match="'two_shot' reads the other ranks' device buffers through CUDA IPC, "
+                                             "which some ranks of this node cannot open"):
+            comm.allreduce(D.asarray(np.ones(4, np.float32)), algorithm="two_shot")
+    # auto would pick a peer read here; without IPC it runs the cost model's message-based choice
+    got = comm.allreduce(D.asarray(np.ones(4, np.float32)))
+    assert np.array_equal(D.asnumpy(got), np.full(4, comm.size, np.float32))
+    comm.free()
+    mpi_comm.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_mismatched_calls_raise_on_every_rank(mpi_comm, mechanism):
+    # The broken communicators are not freed: a failure notice the ranks sent each other
+    # may still be unreceived, and MPI hands a freed communicator's context to the next.
+    comm = communicator(mechanism)
+    count = 64 if comm.rank else 96
+    with pytest.raises(cc.MessageSizeError, match="rank 0 called it with 384 B|this rank has 384 B"):
+        comm.allreduce(D.asarray(np.ones(count, np.float32)), algorithm="one_shot", timeout=30)
+    comm = communicator(mechanism)
+    x = D.asarray(np.ones(60, np.float32))
+    with pytest.raises(cc.CollectiveMismatchError, match="is in a different call"):
+        if comm.rank == 0:
+            comm.allreduce(x, algorithm="one_shot", timeout=30)
+        else:
+            comm.reduce_scatter(x, algorithm="one_shot", timeout=30)
+    mpi_comm.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_a_rank_that_does_not_call_is_named_by_the_others_timeout(mpi_comm, mechanism):
+    comm = communicator(mechanism)
+    comm.allreduce(D.asarray(np.ones(10, np.float32)), algorithm="one_shot")  # the window is made
+    if comm.rank != 0:
+        wait = "waiting at fence 1 of 2 for rank 0 to arrive" if mechanism == "host" else "waiting for rank 0 to start"
+        # (stream and kernel fences: the hosts meet at the first fence to say where their buffers are)
+        with pytest.raises(cc.CollectiveTimeoutError, match=f"Timed out after .*{wait}"):
+            comm.allreduce(D.asarray(np.ones(1000, np.float32)), algorithm="two_shot", timeout=1.0)
+    mpi_comm.Barrier()  # (the communicator is broken on the ranks that waited: not freed)
+
+
+def test_check_mode_runs_them_and_names_a_different_algorithm(mpi_comm):
+    comm = communicator("stream", check=True)
+    got = comm.allreduce(D.asarray(np.ones(8, np.float32)), algorithm="two_shot")
+    problems = [] if np.array_equal(D.asnumpy(got), np.full(8, comm.size, np.float32)) else ["wrong"]
+    if comm.size > 1:
+        with pytest.raises(cc.CollectiveMismatchError, match="algorithm"):
+            comm.allreduce(D.asarray(np.ones(8, np.float32)), algorithm="one_shot" if comm.rank else "two_shot")
+    comm.free()
+    agree(mpi_comm, problems)
+
+
+def test_auto_picks_a_peer_read_and_says_why(pcomm, mpi_comm):
+    comm, problems = pcomm, []
+    for nbytes in (8, 64 << 10, 1 << 20, 64 << 20):
+        choice = comm.choose("allreduce", nbytes, device=True)
+        if comm.size > 1 and (choice[0] not in ("one_shot", "two_shot") or choice.route != "device peer reads"
+                              or "device cost model on one node" not in choice[1]):
+            problems.append(f"{nbytes} B: {tuple(choice)} by {choice.route}")
+    for collective in ("reduce_scatter", "allgather", "broadcast", "reduce"):
+        choice = comm.choose(collective, 4096, device=True)
+        if comm.size > 1 and choice[0] != "one_shot":
+            problems.append(f"{collective}: {tuple(choice)}")
+    xs = [rank_input(r, 5000, "float32") for r in range(comm.size)]
+    if differs(sum(xs), D.asnumpy(comm.allreduce(D.asarray(xs[comm.rank])))):
+        problems.append("auto's result")
+    if comm.choose("allreduce", 1 << 20)[0] in ("one_shot", "two_shot"):
+        problems.append("host arrays got a peer read")
+    agree(mpi_comm, problems)
+
+
+# -- every synchronisation is needed: take each out in turn, and a test fails ----------------------
+def _only_at(fence, value):
+    """A replacement for a fence step of PeerCall that returns ``value`` at fence
+    ``fence`` (None: does nothing) and behaves as before at the other."""
+    def replace(real):
+        def patched(self, k, epoch):
+            return value if k == fence else real(self, k, epoch)
+        return patched
+    return replace
+
+
+def _give_the_event_back(real):
+    return lambda self: self.node.give_event(self.started)  # the stream no longer waits for the user's work
+
+
+MUTATIONS = {  # name: (mechanism, PeerCall method, its replacement given the real one)
+    "host: arrive before this rank's own work has run": ("host", "_work_done", lambda real: lambda self: True),
+    "host: pass fence 1 without the others": ("host", "_others_arrived", _only_at(1, True)),
+    "host: pass fence 2 without the others": ("host", "_others_arrived", _only_at(2, True)),
+    "stream: enqueue without the others' addresses": ("stream", "_others_announced", lambda real: lambda self: True),
+    "stream: no signal at fence 1": ("stream", "_signal", _only_at(1, None)),
+    "stream: no signal at fence 2": ("stream", "_signal", _only_at(2, None)),
+    "stream: no wait at fence 1": ("stream", "_wait_for_others", _only_at(1, None)),
+    "stream: no wait at fence 2": ("stream", "_wait_for_others", _only_at(2, None)),
+    "host: the call does not wait for the user's stream": ("host", "_wait_for_user", _give_the_event_back),
+    "stream: the call does not wait for the user's stream": ("stream", "_wait_for_user", _give_the_event_back),
+    "kernel: no fence kernel at fence 1": ("kernel", "_fence_kernel", _only_at(1, None)),
+    "kernel: no fence kernel at fence 2": ("kernel", "_fence_kernel", _only_at(2, None)),
+    "kernel: enqueue without the others' addresses": ("kernel", "_others_announced", lambda real: lambda self: True),
+}
+WORKLOAD = [("allreduce", "one_shot"), ("allreduce", "two_shot"), ("reduce_scatter", "one_shot"),
+            ("allgather", "one_shot"), ("broadcast", "one_shot"), ("reduce", "one_shot")]
+
+
+def _workload(comm, mpi_comm, rounds):
+    """``rounds`` of every peer-read collective, each input written by work queued on the
+    user's stream just before the call (on rank 0 held back for 20 ms by a word the
+    stream waits for, while every rank polls the call: the others would read rank 0's
+    input too early), and overwritten just after it returns, as a caller may (the
+    others then wait 10 ms before they go on: they would read rank 0's input too late);
+    returns (wrong results, an error) as every rank saw them."""
+    wrong, error = 0, None
+    user, dev = D.new_stream(), D.si.device()
+    gate = np.zeros(1, np.uint32)  # host memory the user's stream waits on (a stream wait value)
+    with D.use_stream(user):
+        for k in range(rounds):
+            for collective, algorithm in WORKLOAD:
+                n = 3000
+                root = k % comm.size
+                xs = [rank_input(r, n, "float32") + k for r in range(comm.size)]
+                try:
+                    x = D.empty(n, np.float32)
+                    if comm.rank == 0:
+                        dev.wait_value(user, gate, 0, gate[0] + 1)
+                    D.copy_async(x, xs[comm.rank], user)
+                    handle = call(comm, collective, x, algorithm, root=root, asynchronous=True, timeout=3)
+                    until = time.monotonic() + 0.02
+                    while time.monotonic() < until:
+                        comm.poll()
+                    gate[0] += 1
+                    if comm.rank != 0:  # rank 0 may now finish and write its input again while the others
+                        time.sleep(0.01)  # do nothing: their reads of it run after that, unless a fence holds it
+                    got = handle.wait()
+                    host = None if got is None else D.asnumpy(got, stream=user)
+                    D.copy_async(x, np.full(n, -7.0, np.float32), user)  # the caller writes its input again
+                    D.asnumpy(x[:1], stream=user)  # (and the stand-in runs that now)
+                    want = expected_result(collective, comm.rank, comm.size, xs, "sum", root)
+                    wrong += differs(want, host) is not None
+                except (cc.CollectiveError, D.si.StaleMapping) as exc:  # a timeout, a mismatch, a stale read
+                    error = error or f"{type(exc).__name__}: {exc}"[:300]
+                if mpi_comm.allreduce(error is not None, op=MPI.LOR):
+                    return mpi_comm.allreduce(wrong), error or "another rank's call failed"
+    return mpi_comm.allreduce(wrong), error
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_workload_passes_with_every_synchronisation(mpi_comm):
+    """The mutation tests' workload, unchanged: no wrong result, no error (so that their
+    failures are the mutations', not the workload's)."""
+    stand_in_only("the workload holds a stand-in stream back")
+    for mechanism in MECHANISMS:
+        comm = communicator(mechanism)
+        assert _workload(comm, mpi_comm, 3) == (0, None), mechanism
+        comm.free()
+
+
+@pytest.mark.long  # make test runs it at 2-4 ranks, make test-long at 5-8
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+def test_taking_out_any_synchronisation_makes_the_workload_fail(mpi_comm, monkeypatch, mutation):
+    """As issue 31 asks: with any one synchronisation of the new path taken out, the
+    stand-in gives wrong results or the call fails (a missing signal: the others time
+    out, naming the rank). Broken communicators are left unfreed (see above)."""
+    stand_in_only("a GPU may run the racing work in time")
+    mechanism, method, replacement = MUTATIONS[mutation]
+    comm = communicator(mechanism)
+    monkeypatch.setattr(device_node.PeerCall, method, replacement(getattr(device_node.PeerCall, method)))
+    wrong, error = _workload(comm, mpi_comm, 6)
+    monkeypatch.undo()
+    assert wrong or error, f"{mutation}: every result right, no error: the stand-in let it pass"
+    if error and "Timed out" in error and "another rank" not in error:
+        assert " for rank" in error, f"{mutation}: a timeout that names no rank: {error}"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_in_kernel_wait_gives_up_and_names_the_rank(mpi_comm, monkeypatch):
+    """kernel fences: rank 0 starts the call but never runs its second fence kernel; the
+    others' fence kernels give up at their time limit (80% of the call's timeout) and
+    the host raises naming rank 0."""
+    comm = communicator("kernel")
+    comm.allreduce(D.asarray(np.ones(10, np.float32)), algorithm="one_shot")
+    if comm.rank == 0:
+        monkeypatch.setattr(device_node.PeerCall, "_fence_kernel",
+                            _only_at(2, None)(device_node.PeerCall._fence_kernel))
+    x = D.asarray(np.ones(1000, np.float32))
+    if comm.rank == 0:
+        comm.allreduce(x, algorithm="one_shot", timeout=20)  # it waits for nobody at fence 2
+    else:
+        with pytest.raises(cc.CollectiveTimeoutError, match="in-kernel fences waited 1.6 s for rank 0 to arrive"):
+            comm.allreduce(x, algorithm="one_shot", timeout=2.0)
+    mpi_comm.Barrier()
+
+
+# -- make bench-gpu's tool, on the stand-in -----------------------------------------------------------
+def test_the_benchmark_measures_tunes_and_reports_on_the_stand_in(mpi_comm, tmp_path_factory):
+    """python -m collectives.tools.bench.peer --quick: the floor of every mechanism, the
+    copy, every contender; a device table auto can read; and --report's targets.md with
+    every target of the issue (the ones without figures: not measured), the README's
+    section replaced, not repeated, when it runs again."""
+    stand_in_only("the benchmark's own check (make bench-gpu measures on a GPU)")
+    from collectives.tools.bench import peer
+    from collectives.tuning import TuningTable
+
+    folder = mpi_comm.bcast(str(tmp_path_factory.mktemp("bench")) if mpi_comm.rank == 0 else None)
+    size = mpi_comm.Get_size()
+    json_path, tuning = f"{folder}/peer-n{size}.json", f"{folder}/tuning.json"
+    assert peer.main(["--device", "standin", "--quick", "--json", json_path, "--tune", tuning]) == 0
+    problems = []
+    if mpi_comm.rank == 0:
+        rows = json.loads(open(json_path).read())["rows"]
+        floors = {r["mechanism"] for r in rows if r["measure"] == "floor"}
+        if floors != {"ipc", "host", "stream", "kernel"}:
+            problems.append(f"floor rows {floors}")
+        names = {(r["collective"], r["contender"]) for r in rows if r["measure"] == "collective"}
+        for collective in ("allreduce", "allgather", "broadcast", "reduce_scatter"):
+            for contender, _, _ in peer.contenders(collective):
+                if (collective, contender) not in names:
+                    problems.append(f"no {collective} {contender} row")
+        if size > 1 and TuningTable.load(tuning, "device_tables").lookup("allreduce", 8, size) is None:
+            problems.append("no device table for allreduce")
+        readme = f"{folder}/README.md"
+        open(readme, "w").write("# results\n\nkept\n")
+        for _ in range(2):
+            peer.report(folder)
+        text = open(readme).read()
+        targets = open(f"{folder}/targets.md").read()
+        if text.count(peer.MARK) != 1 or "kept" not in text or "| target | measured | bound |" not in text:
+            problems.append(f"README: {text[:300]}")
+        for needle in ("allreduce 64-256 MiB, 4 ranks", "allreduce 8 B-256 KiB, 2 ranks", "DDP on a CUDA model",
+                       "auto on device arrays", "not measured"):
+            if needle not in targets:
+                problems.append(f"targets.md has no {needle!r}")
+    agree(mpi_comm, problems)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_stall_warning_names_the_rank_a_fence_waits_for(mpi_comm, caplog):
+    """stall_warn: while rank 0 keeps the others waiting at the first fence, they log
+    which rank they wait for, and the call then completes with the right result."""
+    import logging
+
+    comm = communicator("host", stall_warn=0.2)
+    comm.allreduce(D.asarray(np.ones(10, np.float32)), algorithm="one_shot")  # the window is made
+    x = D.asarray(np.full(100, comm.rank + 1.0, np.float32))
+    if comm.rank == 0:
+        time.sleep(0.8)
+    with caplog.at_level(logging.WARNING, logger="collectives"):
+        got = comm.allreduce(x, algorithm="one_shot")
+    problems = [] if np.array_equal(D.asnumpy(got), np.full(100, comm.size * (comm.size + 1) / 2)) else ["wrong"]
+    if comm.rank != 0 and not any("waiting at fence 1 of 2 for rank 0 to arrive" in r.getMessage()
+                                  for r in caplog.records):
+        problems.append(f"no stall warning naming rank 0: {[r.getMessage() for r in caplog.records]}")
+    comm.free()
+    agree(mpi_comm, problems)
