@@ -27,6 +27,7 @@ from .transport.mpi import RequestHandle
 from .transport.progress import Progress
 from .tuning import LINK_TOLERANCE, Selector
 
+
 def _nothing() -> None:
     return None
 

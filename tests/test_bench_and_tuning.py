@@ -25,6 +25,7 @@ from collectives.algorithms import PEER_READS, SHARED_MEMORY, cost_model_choice
 from collectives.tools.bench import cli, timing, tune
 from collectives.tools.bench.cases import Case, bus_factor, element_count
 from collectives.tuning import Selector, TuningTable
+
 from conftest import agree, expected_result, rank_input, reference
 
 serial = pytest.mark.serial

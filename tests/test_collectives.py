@@ -9,10 +9,20 @@ import numpy as np
 import pytest
 
 import collectives as cc
-
 from collectives.tools.demo import native_result, run_one
-from conftest import (ALL_DTYPES, agree, counts_for, expected_result, host_algorithms, ops_for, rank_input, reference,
-                      runs_here, same)
+
+from conftest import (
+    ALL_DTYPES,
+    agree,
+    counts_for,
+    expected_result,
+    host_algorithms,
+    ops_for,
+    rank_input,
+    reference,
+    runs_here,
+    same,
+)
 
 # shm needs ranks that share memory: skipped in jobs across hosts, where it refuses (test_multihost.py)
 pytestmark = pytest.mark.usefixtures("shared_memory_needed")

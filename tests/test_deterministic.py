@@ -16,7 +16,8 @@ from collectives.algorithms import ORDERED, PEER_READS, build
 from collectives.schedule import compile_plan
 from collectives.transport.local import run_collective
 
-from conftest import order_sensitive_input as rank_input, serial_fold
+from conftest import order_sensitive_input as rank_input
+from conftest import serial_fold
 
 try:
     import ml_dtypes

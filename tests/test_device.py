@@ -17,8 +17,17 @@ from mpi4py import MPI
 import collectives as cc
 from collectives.algorithms import PEER_READS, SHARED_MEMORY, block_bounds
 from collectives.device import bfloat16
-from conftest import (ALL_DTYPES, agree, counts_for, expected_result, ops_for, order_sensitive_input, rank_input,
-                      serial_fold)
+
+from conftest import (
+    ALL_DTYPES,
+    agree,
+    counts_for,
+    expected_result,
+    ops_for,
+    order_sensitive_input,
+    rank_input,
+    serial_fold,
+)
 from device_under_test import select
 
 D = None  # the device under test: the stand-in, or a GPU with --device cuda
@@ -539,8 +548,9 @@ def test_the_stand_in_catches_a_missing_wait(mpi_comm, monkeypatch):
 def _reduce_steps(comm, params, on_device, steps=2, **options):
     """Data-parallel SGD steps (test_training's MLP) with the reducer on host or device
     parameters; returns the parameters after each step, on the host."""
-    from collectives.training import GradientReducer
     from test_training import LR, backward, data
+
+    from collectives.training import GradientReducer
 
     from conftest import shard
 
@@ -618,8 +628,9 @@ def test_broadcast_and_check_parameters_on_the_device(mpi_comm):
 
 @pytest.mark.mpi(min_size=2)
 def test_parameter_server_with_device_parameters_equals_the_host(mpi_comm):
-    from collectives.ps import ParameterServer
     from test_training import LR, backward, data, init_params
+
+    from collectives.ps import ParameterServer
 
     comm = device_communicator("ipc")
     results = []

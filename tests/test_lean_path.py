@@ -17,6 +17,7 @@ import collectives as cc
 from collectives.routes import LeanEntry
 from collectives.specs import SPECS
 from collectives.transport import lean
+
 from conftest import agree, expected_result, host_algorithms, rank_input
 
 WORLD = MPI.COMM_WORLD

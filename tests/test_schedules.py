@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from collectives.algorithms import BUILDERS, ORDERED, VARIABLE, build
-from collectives.sim import alltoallv_counts, reference as sim_reference
 from collectives.schedule import Copy, Recv, Reduce, Schedule, Send, compile_plan, sl
+from collectives.sim import alltoallv_counts
+from collectives.sim import reference as sim_reference
 from collectives.transport.local import run_collective
 
 from conftest import ALL_DTYPES, expected_everywhere, ops_for, rank_input, same

@@ -23,6 +23,7 @@ import collectives.tuning as tuning
 from collectives.tools.bench import timing, tune
 from collectives.topology import Topology
 from collectives.tuning import Selector, TuningTable
+
 from conftest import agree
 
 serial = pytest.mark.serial

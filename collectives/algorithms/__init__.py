@@ -12,9 +12,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from . import (
+    alltoall,
+    binomial,
+    bruck,
+    direct,
+    hierarchical,
+    peer,
+    pipeline,
+    recursive_doubling,
+    recursive_halving,
+    ring,
+    scatter_allgather,
+    shm,
+    tree,
+)
 from ._layout import block_bounds  # noqa: F401 (used by the communicator)
-from . import (alltoall, binomial, bruck, direct, hierarchical, peer, pipeline, recursive_doubling, recursive_halving,
-               ring, scatter_allgather, shm, tree)
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "gather", "scatter", "alltoall")
 ROOTED = ("broadcast", "reduce", "gather", "scatter")  # the collectives that take a root

@@ -40,7 +40,8 @@ use, and all it may use:
 Two backends implement it: :mod:`.cupy_backend` (a real GPU) and :mod:`.standin`.
 """
 
-from ..dtypes import BFLOAT16 as _BFLOAT16, check_dtype
+from ..dtypes import BFLOAT16 as _BFLOAT16
+from ..dtypes import check_dtype
 from .array import DeviceArray, bfloat16, is_device
 
 __all__ = ["DeviceArray", "as_device_array", "bfloat16", "is_device"]

@@ -7,13 +7,23 @@ from functools import cached_property
 import numpy as np
 
 from .. import ops as ops_layer
-from ..algorithms import (BUILDERS, NODE_SYMMETRIC, PEER_READS, SEGMENTED, SHARED_MEMORY, SYMMETRIC, TOPOLOGICAL,
-                          VARIABLE, build, check_ordered)
-from ..algorithms.shm import DEFAULT_SLOT_BYTES, REGISTERED
+from ..algorithms import (
+    BUILDERS,
+    NODE_SYMMETRIC,
+    PEER_READS,
+    SEGMENTED,
+    SHARED_MEMORY,
+    SYMMETRIC,
+    TOPOLOGICAL,
+    VARIABLE,
+    build,
+    check_ordered,
+)
 from ..algorithms.hierarchical import pipeline_pieces
+from ..algorithms.shm import DEFAULT_SLOT_BYTES, REGISTERED
 from ..dtypes import check_dtype
-from ..options import DEFAULT_SEGMENT_SIZE, check_segment_size  # segments as the Communicator cuts them
 from ..errors import CollectiveError
+from ..options import DEFAULT_SEGMENT_SIZE, check_segment_size  # segments as the Communicator cuts them
 from ..schedule import Recv, Reduce, Send, compile_plan
 from ..specs import SPECS
 from ..topology import Topology

@@ -9,8 +9,8 @@ MPI library's collective on host copies), and the result comes back as the kind 
 array the user passed, ready on the user's stream.
 """
 
-from .device import DeviceNativeHandle, DevicePlanHandle
 from .buffers import Buffers
+from .device import DeviceNativeHandle, DevicePlanHandle
 
 
 def extent(data):

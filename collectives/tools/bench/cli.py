@@ -341,7 +341,7 @@ def sweep(args, world, comm, device=None, ordered_comm=None):
             new = tune.write(args.tune, rows, settings, "tables" if device is None else "device_tables", link)
             print(f"\n# tuning for world size {world.Get_size()} merged into {args.tune}:")
             for collective, by_size in new.items():
-                for world_size, entries in by_size.items():
+                for entries in by_size.values():
                     print(f"#   {collective:15s} " + ", ".join(f"{report.human_bytes(b)}+ {a}" for b, a in entries))
     return 1 if wrong else 0
 
