@@ -18,6 +18,7 @@ call is in the routes (:mod:`collectives.routes`).
 
 from __future__ import annotations
 
+import math
 import pickle
 from typing import Any
 
@@ -27,6 +28,7 @@ from mpi4py import MPI
 from . import ops
 from .algorithms import ORDERED, PEER_READS, SHARED_MEMORY, check_algorithm, check_ordered, cost_model_choice
 from .call import Call
+from .device import DeviceArray, as_device_array
 from .dtypes import check_dtype, is_extra
 from .errors import TransportError
 from .gate import gate
@@ -51,11 +53,18 @@ def run(ctx: Any, spec: Any, x: Any, out: Any, op: str, root: Any, algorithm: An
     :class:`~collectives.Handle`. Arguments as the Communicator's methods take them
     (``op`` is ``"-"`` and ``root`` 0 for the collectives without them; ``send`` and
     ``recv``: alltoallv's counts)."""
-    if (blocking and spec.lean and timeout is None and segment_size is None and type(x) is np.ndarray
-            and type(algorithm) is str):
-        result = lean_call(ctx, spec, x, out, op, root, algorithm)
-        if result is not NOT_HANDLED:
-            return result
+    if blocking and spec.lean and segment_size is None and type(algorithm) is str:
+        if type(x) is np.ndarray:
+            if timeout is None:
+                result = lean_call(ctx, spec, x, out, op, root, algorithm)
+                if result is not NOT_HANDLED:
+                    return result
+        else:
+            own = _DEVICE_OWN.get(type(x))
+            if own or (own is None and _device_own(type(x))):
+                result = lean_device_call(ctx, spec, x, out, op, root, algorithm, timeout)
+                if result is not NOT_HANDLED:
+                    return result
     call = Call(spec, x, out, op, root, algorithm, segment_size, timeout, blocking)
     call.send, call.recv = send, recv
     spec.arguments(ctx, call)
@@ -143,22 +152,101 @@ def lean_call(ctx: Any, spec: Any, x: np.ndarray, out: Any, op: str, root: Any, 
     return out
 
 
-def _lean_entry(ctx: Any, spec: Any, algorithm: str, x: np.ndarray, op: str, root: int, inplace: bool) -> Any:
+_DEVICE_OWN: dict[type, bool] = {}  # a type of x -> whether it is a device's own array type (_device_own)
+
+
+def _device_own(kind: type) -> bool:
+    """Whether arrays of type ``kind`` are a device backend's own (``cupy.ndarray``, the
+    stand-in's), which the library uses as they are; remembered per type. A torch
+    tensor, a marked bfloat16 array or another ``__cuda_array_interface__`` object is
+    wrapped anew at every call: the general path takes those."""
+    own = kind is not DeviceArray and (bool(getattr(kind, "__collectives_device__", False))
+                                       or (kind.__module__.split(".", 1)[0] == "cupy" and kind.__name__ == "ndarray"))
+    if len(_DEVICE_OWN) < 64:
+        _DEVICE_OWN[kind] = own
+    return own
+
+
+def lean_device_call(ctx: Any, spec: Any, x: Any, out: Any, op: str, root: Any, algorithm: str, timeout: Any) -> Any:
+    """The lean path of a blocking call on device arrays: the result, or ``NOT_HANDLED``
+    (nothing done, nothing numbered) where the general path must run instead.
+
+    :func:`lean_call`'s rules, for the routes that keep entries for device arrays (the
+    peer reads: :class:`~collectives.routes.peer.PeerRead`): ``x`` and ``out``
+    contiguous arrays of the device's own type (:func:`_device_own`) that do not
+    overlap (or ``out is x``, in place), no stall warning or check mode, no collective
+    of this communicator in flight, the device set up by an earlier call, and a kind
+    of call seen before. Unlike there, a timeout is taken (the call's, or the
+    communicator's): a peer-read call has no messages and no tag, so it runs the same
+    with or without one (on the host a call with a timeout goes among the calls in
+    flight, on their tags); the lean wait watches the clock as the engine's does, and
+    its timeout is the engine's error."""
+    progress, options = ctx.progress, ctx.options
+    if options.check or options.stall_warn is not None or progress.broken is not None or type(op) is not str:
+        return NOT_HANDLED
+    if timeout is None:
+        timeout = options.timeout
+    elif (type(timeout) is not float and type(timeout) is not int) or not 0 < timeout < math.inf:
+        return NOT_HANDLED  # the general path checks it (or takes infinity as no limit)
+    if progress.active and collectives_in_flight(ctx):
+        return NOT_HANDLED  # the general path queues it after them
+    if type(root) is not int or not 0 <= root < ctx.size:
+        return NOT_HANDLED
+    try:
+        array = as_device_array(x)
+    except TypeError:
+        return NOT_HANDLED  # the general path raises it
+    if not x.flags.c_contiguous:
+        return NOT_HANDLED
+    leaf = spec.root_result and root != ctx.rank  # gets no result; out is left alone
+    shape = (ctx.size,) + x.shape if spec.gathers else x.shape
+    if spec.one_buffer:
+        out = x
+    elif out is not None and not (out is x and spec.inplace):
+        from .transport.device_call import overlaps
+
+        if (type(out) is not type(x) or out.shape != shape or out.dtype != x.dtype or not out.flags.c_contiguous
+                or out.device != x.device or overlaps(x, out)):
+            return NOT_HANDLED
+    if leaf:
+        out = None
+    inplace = out is x
+    backend = array.backend
+    key = (backend, spec, algorithm, array.dtype, array.nbytes, op, root, inplace, options.deterministic)
+    entry = ctx.lean_entries.get(key)
+    if entry is None:
+        entry = _lean_entry(ctx, spec, algorithm, array, op, root, inplace)
+        if entry is NOT_HANDLED:
+            return NOT_HANDLED  # the general path sets the device up (collective); nothing learnt yet
+        entry = ctx.lean_entries.put(key, entry or False)
+    if entry is False:
+        return NOT_HANDLED
+    ctx.sequence = (ctx.sequence + 1) % ctx.tag_limit  # as the gate numbers every call
+    progress.call = ctx.sequence
+    return entry.run(array, None if inplace else out, shape, timeout)
+
+
+def _lean_entry(ctx: Any, spec: Any, algorithm: str, x: Any, op: str, root: int, inplace: bool) -> Any:
     """What the lean path keeps for a kind of call: the entry made by the route the
     general path would take for it, or None where the general path must take it (bad
-    arguments, which it reports; a route the lean path does not run)."""
+    arguments, which it reports; a route the lean path does not run). ``x``: a NumPy
+    array, or a DeviceArray: ``NOT_HANDLED`` then where the peer reads would take it
+    and the general path has yet to set the device up for them (ask again later)."""
+    device = isinstance(x, DeviceArray)
     try:
         check_algorithm(spec.name, algorithm)
         check_dtype(x.dtype, "x")
         if op != "-":
             ops.check_op(op, x.dtype)
         check_root(root, ctx.size)
-        name = resolve(ctx, spec.name, algorithm, spec.auto_bytes(x.nbytes, ctx.size), x.dtype)
+        name = resolve(ctx, spec.name, algorithm, spec.auto_bytes(x.nbytes, ctx.size), x.dtype, device)
     except (TypeError, ValueError):
         return None  # the general path raises it
     call = Call(spec, x, None, op, root, name, None, None, True)
-    call.count, call.dtype, call.inplace, call.alone = x.size, x.dtype, inplace, True
+    call.count, call.dtype, call.inplace, call.alone, call.device = x.size, x.dtype, inplace, True, device
     route = route_for(ctx, call)
+    if route is PEER and not PEER.set_up(ctx, x.backend):
+        return NOT_HANDLED
     return route.lean_entry(ctx, call) if route.lean else None
 
 

@@ -30,7 +30,8 @@ class Route:
 
     def lean_entry(self, ctx: Any, call: Any) -> LeanEntry | None:
         """What the lean path keeps for blocking calls of ``call``'s kind (its arrays
-        plain, contiguous, no timeout), or None where it cannot take them."""
+        plain and contiguous: NumPy's, no timeout; or a device's own, see
+        ``calls.lean_device_call``), or None where it cannot take them."""
         return None
 
     def __repr__(self) -> str:
@@ -109,18 +110,25 @@ def finish_in_flight(ctx: Any, sends_and_receives: bool = False) -> None:
 
 class _OutsideCall:
     """A call run outside the engine (the lean path), as the engine's failure handling
-    names it."""
+    names it (``outstanding()``: what it waits for, for a timeout's message)."""
 
-    __slots__ = ("_call", "_describe", "_error")
+    __slots__ = ("_call", "_describe", "_error", "_outstanding")
 
-    def __init__(self, describe: str, call: int):
-        self._describe, self._call, self._error = describe, call, None
+    def __init__(self, describe: str, call: int, outstanding: Any = None):
+        self._describe, self._call, self._error, self._outstanding = describe, call, None, outstanding
 
 
 def look(ctx: Any, describe: str) -> None:
     """What the engine does every 20 ms of waiting, for a call run outside it: read
     other ranks' failure notices (and raise if one came) and answer liveness probes."""
     ctx.progress.look_around(_OutsideCall(describe, ctx.sequence))
+
+
+def time_out(ctx: Any, describe: str, outstanding: Any, waited: float) -> None:
+    """Raise the engine's timeout error for a call run outside it (the lean path of the
+    peer reads), ``waited`` seconds in: the same message (what ``outstanding()`` says it
+    waits for, the ranks' liveness), and the engine breaks as it would have."""
+    ctx.progress.time_out(_OutsideCall(describe, ctx.sequence, outstanding), waited)
 
 
 def breaking_on_failure(ctx: Any, run: Any, describe: Any) -> None:

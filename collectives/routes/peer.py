@@ -4,17 +4,27 @@ runs their plans, reading the other ranks' buffers through CUDA IPC, two fences 
 call. Where the node's ranks cannot open each other's memory (``cuda_ipc=False``, no
 shared IPC namespace), a call that ``auto`` sent here runs the cost model's
 message-based choice instead (every rank alike: the negotiation's answer is the same
-everywhere), and one that named the algorithm raises before any message."""
+everywhere), and one that named the algorithm raises before any message.
+
+A blocking call of a kind seen before, on contiguous arrays of the device's own type,
+takes the lean path (``calls.lean_device_call``): its entry keeps what this route finds
+per call (the algorithm, the plan and its phases, the call's code, the device's state),
+and the call runs its :class:`~collectives.transport.device_node.PeerCall` to its end at
+once, outside the engine, with the same fences, signature, timeout and failure
+handling. A warm call then makes no event, plan or allocation (``out=`` or in place)."""
 
 from __future__ import annotations
 
+import time
 import zlib
 from functools import lru_cache
 from typing import Any
 
 from ..algorithms import ORDERED, PEER_READS, cost_model_choice
+from ..errors import CollectiveError
+from ..transport.lean import Patience
 from . import base
-from .base import Route
+from .base import LeanEntry, Route, look, time_out
 from .device import DEVICE, device_context
 
 
@@ -63,9 +73,10 @@ def call_code(spec: Any, algorithm: str, dtype: Any, op: str) -> int:
 
 
 class PeerRead(Route):
-    """A peer-read algorithm's call on device arrays (checked, numbered, resolved)."""
+    """A peer-read algorithm's call on device arrays (checked, numbered, resolved); on
+    the lean path (``calls.lean_device_call``), a blocking one run to its end at once."""
 
-    name = "device peer reads"
+    name, lean = "device peer reads", True
 
     def takes(self, ctx, call):
         return call.device and (call.spec.name, call.algorithm) in PEER_READS
@@ -128,6 +139,30 @@ class PeerRead(Route):
         handle = PeerHandle(ctx.progress, describe, finish, run, call.timeout, ctx.sequence).start()
         return handle.wait() if call.blocking else handle
 
+    def set_up(self, ctx, backend):
+        """Whether what the lean path needs on ``backend``'s device is made: the device
+        negotiated, and the peer-read state too where the node's ranks can open each
+        other's memory (the general path makes both, collectively, at its first call)."""
+        device = ctx.devices.get(backend)
+        return device is not None and (device.peer is not None or not device.ipc_everywhere)
+
+    def lean_entry(self, ctx, call):
+        """What the lean path keeps for blocking calls of ``call``'s kind on contiguous
+        device arrays (:meth:`set_up` said yes): the plan, its code, the device's
+        peer-read state; each call then runs its :class:`PeerCall` here (:func:`_lean_run`)."""
+        x = call.where
+        device = ctx.devices[x.backend]
+        if not device.ipc_everywhere:
+            return None  # auto runs a message-based algorithm there, a named one raises: the general path
+        x.backend.prepare(x.dtype)  # (compiled already: the general path ran a call on the device)
+        spec, algorithm = call.spec, call.algorithm
+        entry = LeanEntry(self, spec, algorithm, call.count, call.op, call.root)
+        entry.plan = base.compiled_plan(spec.name, algorithm, ctx.rank, ctx.size, call.count, call.root, 1,
+                                        call.inplace, ctx.options.deterministic, 0)
+        entry.code = call_code(spec, algorithm, x.dtype, call.op)
+        entry.run = _lean_run(ctx, entry, device, x, call.inplace)
+        return entry
+
     def barrier(self, ctx, backend, timeout):
         """``Communicator.barrier(device=...)`` (numbered already): one fence of this
         executor, a plan of nothing else, where the node's ranks can open each other's
@@ -150,6 +185,90 @@ class PeerRead(Route):
                        (ctx.sequence, _BARRIER_CODE, 0, 0), describe, started,
                        limit=None if timeout is None else 0.8 * timeout)
         PeerHandle(ctx.progress, describe, _nothing, run, timeout, ctx.sequence).start().wait()
+
+
+def _lean_run(ctx: Any, entry: LeanEntry, device: Any, x: Any, inplace: bool) -> Any:
+    """``run(array, out, shape, timeout)`` of a lean entry: one blocking call of the
+    entry's kind on ``array`` (a DeviceArray of contiguous data, the device's own type)
+    into ``out`` (of ``shape``, contiguous, not overlapping it; ``array.data`` itself in
+    place; None: a new array, or no result on a non-root), numbered already. What
+    PeerRead.run makes or looks up per call is found once here (the route, the
+    algorithm, the plan and its phases, the call's code, the device's state, the
+    message's prefix); the rest is taken as it takes it: a pooled event recorded on the
+    user's stream, the workspace pool's buffer, a :class:`PeerCall` (the call's
+    numbers, its buffers), run to its end by :func:`_wait` instead of the engine."""
+    from ..transport.device_node import PeerCall
+
+    spec, plan, node, backend = entry.spec, entry.plan, device.peer, x.backend
+    dtype, storage, count, op, root, size = x.dtype, x.data.dtype, entry.count, entry.op, entry.root, ctx.size
+    code, nbytes = entry.code, x.nbytes
+    in_place = spec.one_buffer or inplace  # broadcast, or out=x: the input is the result
+    leaf = spec.root_result and ctx.rank != root  # no result here
+    average = spec.reduces and op == "avg" and size > 1
+    prefix = f"{spec.name}(algorithm={entry.algorithm!r}, {x.where}) call #"
+    tmp_bytes = plan.tmp * storage.itemsize
+
+    def run(array, out, shape, timeout):
+        data = array.data
+        started = node.take_event()
+        backend.record(started, array.stream)  # the user's work before this call, not after it
+        inp = data if data.ndim == 1 else data.reshape(-1)
+        if in_place:
+            result, returned = inp, data
+        elif leaf:
+            result = returned = None
+        elif out is None:
+            returned = array.allocate(shape)  # (on the user's stream, as the general path allocates it)
+            result = returned.reshape(-1)
+            returned = array.rewrap(returned)
+        else:
+            result, returned = (out if out.ndim == 1 else out.reshape(-1)), out
+        raw, tmp = None, inp[:0]
+        if tmp_bytes:  # the pool's buffer (made once), given back at the end: release_memory() may drop it
+            raw = device.workspace.take(tmp_bytes)
+            tmp = raw[:tmp_bytes].view(storage)
+        after = None
+        if average and result is not None and result.size:
+            def after(stream):
+                backend.divide(stream, dtype, result, size)
+        sequence = ctx.sequence
+        describe = f"{prefix}{sequence}"
+        try:
+            call = PeerCall(node, plan, {"in": inp, "out": inp[:0] if result is None else result, "tmp": tmp}, count,
+                            op, dtype, (sequence, code, nbytes, root), describe, started, after=after,
+                            limit=None if timeout is None else 0.8 * timeout)
+            _wait(ctx, call, backend, timeout, describe)
+        except BaseException as exc:  # the engine breaks as on the general path
+            if ctx.progress.broken is None:
+                ctx.progress.fail(exc if isinstance(exc, Exception) else CollectiveError(
+                    f"{describe} was interrupted ({type(exc).__name__})"))
+            node.release()  # its queued device work waits at no fence for ever (PeerHandle._on_break)
+            raise
+        if raw is not None:
+            device.workspace.give(raw)
+        return returned
+
+    return run
+
+
+def _wait(ctx: Any, call: Any, backend: Any, timeout: float | None, describe: str) -> None:
+    """Run ``call`` (a PeerCall) to its end, waiting as the host's lean path waits
+    (``transport.lean.Patience``): the device polled and the call stepped; once it
+    moves no more, polled without yielding for ``SPIN`` seconds, then yielding the CPU
+    between polls; every ``LOOK_EVERY`` seconds of waiting the other ranks' failure
+    notices read and liveness probes answered, and past ``timeout`` seconds the
+    engine's timeout error, naming what the call waits for."""
+    poll, step = backend.poll, call.step
+    start = time.monotonic()
+    patience = Patience(lambda: look(ctx, describe))
+    while True:
+        poll()
+        if step():
+            if call.done:
+                return
+            patience.progressed()
+        elif patience.idle() and timeout is not None and time.monotonic() - start >= timeout:
+            time_out(ctx, describe, call.outstanding, time.monotonic() - start)
 
 
 def _barrier_plan() -> Any:

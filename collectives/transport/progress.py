@@ -230,7 +230,7 @@ class Progress:
             self.look_around(handle)
             self._look_for_strays()
             if now >= deadline:
-                self._time_out(handle, now - start)
+                self.time_out(handle, now - start)
             if now >= next_warning:
                 next_warning = now + self.stall_warn
                 log.warning("rank %s: %s has waited %.1f s %s", _rank(self), handle._describe, now - start,
@@ -282,7 +282,10 @@ class Progress:
         self.shm = []
         self.probes.clear()
 
-    def _time_out(self, handle, waited):
+    def time_out(self, handle, waited):
+        """Break with the :class:`CollectiveTimeoutError` of ``handle`` (or a call run
+        outside the engine, as ``routes.base`` names one), ``waited`` seconds in: what
+        it waits for, and which ranks answer liveness probes."""
         outstanding = handle._outstanding()
         alive = ""
         if self.liveness is not None and self.liveness.size > 1:
