@@ -27,6 +27,7 @@ from collectives.routes.base import compiled_plan
 from collectives.routes.peer import PeerRead
 from collectives.specs import SPECS
 from collectives.transport import device_node
+
 from conftest import agree, expected_result, order_sensitive_input, rank_input, serial_fold
 from device_under_test import select
 
@@ -145,8 +146,8 @@ def test_the_lean_path_gives_the_general_paths_bits(lcomm, mpi_comm, spy, collec
     roots = sorted({0, size - 1}) if SPECS[collective].rooted else [0]
     kinds = ((np.int32, "sum"), (np.float32, "avg"), (np.float64, "max")) if SPECS[collective].reduces else \
         ((np.int32, "-"), (np.float64, "-"))
-    hows = {"allreduce": ("fresh", "out", "inplace"), "reduce": ("fresh", "out", "inplace"), "allgather": ("fresh", "out"),
-            "broadcast": ("fresh",)}[collective]  # (broadcast works in x itself)
+    hows = {"allreduce": ("fresh", "out", "inplace"), "reduce": ("fresh", "out", "inplace"),
+            "allgather": ("fresh", "out"), "broadcast": ("fresh",)}[collective]  # (broadcast works in x itself)
     for how in hows:
         for dtype, op in kinds:
             for shape in ((37,), (3, 5)):

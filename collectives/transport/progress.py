@@ -26,7 +26,8 @@ from mpi4py import MPI
 from ..errors import CollectiveError, CollectiveTimeoutError, MessageSizeError, TransportError
 from ..options import check_timeout
 from . import tags
-from .liveness import DEFAULT_GRACE, describe as describe_liveness
+from .liveness import DEFAULT_GRACE
+from .liveness import describe as describe_liveness
 
 log = logging.getLogger("collectives")
 
