@@ -646,6 +646,22 @@ class DeviceCostModel:
 SHIPPED_DEVICE_MODEL = DeviceCostModel()
 
 
+# Per collective, for predict_device: each peer-read algorithm's memory traffic (bytes,
+# of n the table's bytes at p ranks) and kernel launches; then the message-based
+# contender over CUDA IPC, its rounds of p - 1 handshakes and the bytes of one step.
+DEVICE_COSTS = {
+    "allreduce": ({"one_shot": (lambda p, n: (p + 1) * n, lambda p: 1),
+                   "two_shot": (lambda p, n: (3 + 1 / p) * n, lambda p: 1 + p)},
+                  "ring", 2, lambda p, n: n / p),
+    "reduce_scatter": ({"one_shot": (lambda p, n: (1 + 1 / p) * n, lambda p: 1)}, "ring", 1, lambda p, n: n / p),
+    "allgather": ({"one_shot": (lambda p, n: 2 * n, lambda p: p)}, "ring", 1, lambda p, n: n / p),
+    # the root reads nothing: p - 1 ranks copy; broadcast has no ring, its tree moves as much here
+    "broadcast": ({"one_shot": (lambda p, n: 2 * n * (p - 1) / p, lambda p: 1)}, "binomial", 1, lambda p, n: n),
+    # the root folds every input
+    "reduce": ({"one_shot": (lambda p, n: (p + 1) * n / p, lambda p: 1)}, "direct", 2, lambda p, n: n / p),
+}
+
+
 def predict_device(collective, nbytes, size, model=SHIPPED_DEVICE_MODEL):
     """``{algorithm: seconds}`` of the peer-read algorithms of ``collective`` and its ring
     (over CUDA IPC) on one node of ``size`` ranks, ``nbytes`` as a tuning table counts
@@ -659,23 +675,11 @@ def predict_device(collective, nbytes, size, model=SHIPPED_DEVICE_MODEL):
     def peer(traffic, launches):
         return m.call + 2 * m.fence + launches * m.launch + ranks * traffic / m.bandwidth
 
-    if collective == "allreduce":
-        times = {"one_shot": peer((p + 1) * n, 1), "two_shot": peer((3 + 1 / p) * n, 1 + p),
-                 "ring": m.call + 2 * (p - 1) * (m.ipc_step + n / p / m.ipc_rate)}
-    elif collective == "reduce_scatter":
-        times = {"one_shot": peer((1 + 1 / p) * n, 1), "ring": m.call + (p - 1) * (m.ipc_step + n / p / m.ipc_rate)}
-    elif collective == "allgather":
-        times = {"one_shot": peer(2 * n, p), "ring": m.call + (p - 1) * (m.ipc_step + n / p / m.ipc_rate)}
-    elif collective == "broadcast":  # the root reads nothing: p - 1 ranks copy
-        times = {"one_shot": peer(2 * n * (p - 1) / p, 1), "ring": m.call + (p - 1) * (m.ipc_step + n / m.ipc_rate)}
-    elif collective == "reduce":  # the root folds every input
-        times = {"one_shot": peer((p + 1) * n / p, 1), "ring": m.call + 2 * (p - 1) * (m.ipc_step + n / p / m.ipc_rate)}
-    else:
+    if collective not in DEVICE_COSTS:
         return {}
-    if collective == "broadcast":
-        times["binomial"] = times.pop("ring")  # broadcast has no ring: its tree moves as much here
-    elif collective == "reduce":
-        times["direct"] = times.pop("ring")
+    reads, other, rounds, step = DEVICE_COSTS[collective]
+    times = {algorithm: peer(traffic(p, n), launches(p)) for algorithm, (traffic, launches) in reads.items()}
+    times[other] = m.call + rounds * (p - 1) * (m.ipc_step + step(p, n) / m.ipc_rate)
     return {a: t for a, t in times.items() if a in BUILDERS[collective]}
 
 
