@@ -22,6 +22,7 @@ from mpi4py import MPI
 import collectives as cc
 from collectives.algorithms import PEER_READS
 from collectives.reference import mpi_result
+from collectives.specs import SPECS
 
 
 def make_input(rank, count, dtype, op):
@@ -36,7 +37,8 @@ def make_input(rank, count, dtype, op):
 def collective_input(rank, size, collective, count, dtype, op):
     """Rank ``rank``'s input of ``count`` elements, for scatter and alltoall ``size`` rows
     of them."""
-    if collective in ("scatter", "alltoall"):
+    spec = SPECS[collective]
+    if spec.root_input or spec.blocked:
         return make_input(rank, size * count, dtype, op).reshape(size, count)
     return make_input(rank, count, dtype, op)
 
@@ -48,25 +50,17 @@ def native_result(mpi, collective, x, op="sum", root=0):
 
 
 def run_one(comm, collective, algorithm, x, op, root):
-    if collective == "allreduce":
-        return comm.allreduce(x, op=op, algorithm=algorithm)
-    if collective == "reduce_scatter":
-        return comm.reduce_scatter(x, op=op, algorithm=algorithm)
-    if collective == "allgather":
-        return comm.allgather(x, algorithm=algorithm)
-    if collective == "gather":
-        return comm.gather(x, root=root, algorithm=algorithm)
-    if collective == "scatter":
-        return comm.scatter(x, root=root, algorithm=algorithm)
-    if collective == "alltoall":
-        return comm.alltoall(x, algorithm=algorithm)
-    if collective == "broadcast":
-        return comm.broadcast(x.copy(), root=root, algorithm=algorithm)
-    return comm.reduce(x, root=root, op=op, algorithm=algorithm)
+    """``comm.<collective>`` on ``x`` with the arguments its spec takes (root, op);
+    broadcast on a copy, since it fills its x (not alltoallv: no counts here)."""
+    spec = SPECS[collective]
+    kw = {"root": root} if spec.rooted else {}
+    if spec.reduces:
+        kw["op"] = op
+    return getattr(comm, collective)(x.copy() if spec.one_buffer else x, algorithm=algorithm, **kw)
 
 
 def ops_for(collective, dtype):
-    if collective not in ("allreduce", "reduce_scatter", "reduce"):
+    if not SPECS[collective].reduces:
         return ["sum"]
     return [op for op in cc.ops_for(dtype) if op != "avg" or np.dtype(dtype).kind == "f"]
 

@@ -78,7 +78,7 @@ class Call:
         kind = "async" if self.is_async else "sync"
         extra = " in place" if self.inplace else ""
         root = f", root={self.root}" if self.collective in ROOTED else ""
-        op = f", op={self.op!r}" if self.collective in ("allreduce", "reduce_scatter", "reduce") else ""
+        op = f", op={self.op!r}" if SPECS[self.collective].reduces else ""
         return (f"call {self.index}: {self.collective}(algorithm={self.algorithm!r}, {self.dtype.name}, "
                 f"count={self.count}{op}{root}) {kind}{extra}")
 
@@ -102,7 +102,7 @@ def draw(rng, index, size):
         count = int(np.exp(rng.uniform(np.log(SMALL_MAX), np.log(LARGE_MAX))))
     root = int(rng.integers(size))
     is_async = bool(rng.random() < 0.5)
-    inplace = bool(rng.random() < 0.15) and collective in ("allreduce", "reduce")
+    inplace = bool(rng.random() < 0.15) and SPECS[collective].inplace
     return Call(index, collective, algorithm, dtype, op, count, root, is_async, inplace)
 
 
@@ -141,28 +141,21 @@ def scatter_rows(call, rank, size):
 
 def start(comm, call):
     """Make ``call`` on ``comm``: ``(handle or result, the input kept alive)``."""
-    rank = comm.rank
-    if call.collective == "broadcast" and rank != call.root:
+    rank, spec = comm.rank, SPECS[call.collective]
+    if spec.one_buffer and rank != call.root:
         x = np.full(call.count, 100, call.dtype)  # outside the inputs' range: a broadcast that did nothing shows
-    elif call.collective in ("scatter", "alltoall"):
+    elif spec.root_input or spec.blocked:
         x = scatter_rows(call, rank, comm.size)
     else:
         x = rank_input(call.index, rank, call.count, call.dtype, call.op)
     suffix = "_async" if call.is_async else ""
     method = getattr(comm, call.collective + suffix)
-    c = call.collective
-    if c == "allreduce":
-        result = method(x, op=call.op, algorithm=call.algorithm, **({"out": x} if call.inplace else {}))
-    elif c == "reduce_scatter":
-        result = method(x, op=call.op, algorithm=call.algorithm)
-    elif c in ("allgather", "alltoall"):
-        result = method(x, algorithm=call.algorithm)
-    elif c in ("broadcast", "gather", "scatter"):
-        result = method(x, root=call.root, algorithm=call.algorithm)
-    else:
-        kw = {"out": x} if call.inplace else {}
-        result = method(x, root=call.root, op=call.op, algorithm=call.algorithm, **kw)
-    return result, x
+    kw = {"root": call.root} if spec.rooted else {}  # the arguments the spec takes
+    if spec.reduces:
+        kw["op"] = call.op
+    if call.inplace:  # drawn for the collectives that run in place only
+        kw["out"] = x
+    return method(x, algorithm=call.algorithm, **kw), x
 
 
 def compare(call, rank, size, result):

@@ -12,6 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ...sim.simulate import alltoallv_counts
+from ...specs import SPECS
 from ..demo import collective_input, native_result
 
 MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN, "band": MPI.BAND, "bor": MPI.BOR,
@@ -19,14 +20,29 @@ MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN, "ba
 PEER_ALGORITHMS = ("native", "gloo")  # contenders that are not ours
 
 
+# nccl-tests' busbw / algbw factor of each collective at p ranks; 1 where it has no entry
+# (broadcast, reduce).
+BUS_FACTORS = {
+    "allreduce": lambda p: 2 * (p - 1) / p,
+    "reduce_scatter": lambda p: (p - 1) / p,
+    "allgather": lambda p: (p - 1) / p,
+    "gather": lambda p: (p - 1) / p,
+    "scatter": lambda p: (p - 1) / p,
+    "alltoall": lambda p: (p - 1) / p,
+    "alltoallv": lambda p: (p - 1) / p,
+}
+
+
 def bus_factor(collective, world_size):
     """nccl-tests' busbw / algbw factor (``../shared/reference/cost-model.md``)."""
-    p = world_size
-    if collective == "allreduce":
-        return 2 * (p - 1) / p
-    if collective in ("reduce_scatter", "allgather", "gather", "scatter", "alltoall", "alltoallv"):
-        return (p - 1) / p
-    return 1.0
+    factor = BUS_FACTORS.get(collective)
+    return 1.0 if factor is None else factor(world_size)
+
+
+def _per_block(spec):
+    """Whether the benchmark's size is the whole buffer of one block per rank, and its
+    count one block (allgather, gather, scatter, alltoall, alltoallv)."""
+    return spec.gathers or spec.root_input or spec.blocked or spec.variable
 
 
 def element_count(collective, nbytes, world_size, itemsize):
@@ -39,9 +55,10 @@ def element_count(collective, nbytes, world_size, itemsize):
     alltoall the size is a rank's input); for alltoallv the average block, the blocks
     being uneven (``sim.alltoallv_counts``: 0, 1 and 2 times it).
     """
-    if collective in ("reduce_scatter", "allgather", "gather", "scatter", "alltoall", "alltoallv"):
+    spec = SPECS[collective]
+    if spec.scatters or _per_block(spec):
         per_rank = max(1, nbytes // (itemsize * world_size))
-        return per_rank * world_size if collective == "reduce_scatter" else per_rank
+        return per_rank * world_size if spec.scatters else per_rank
     return max(1, nbytes // itemsize)
 
 
@@ -54,13 +71,16 @@ class Case:
 
     def __init__(self, collective, nbytes, world, dtype, op, inplace, root=0, device=None):
         self.collective, self.dtype, self.op, self.root = collective, np.dtype(dtype), op, root
-        self.inplace = inplace and collective not in ("gather", "scatter", "alltoall", "alltoallv")  # no in-place form
+        self.spec = spec = SPECS[collective]
+        # gather, scatter, alltoall and alltoallv have no in-place form here
+        self.inplace = inplace and not (spec.root_input or spec.blocked or spec.variable
+                                        or (spec.gathers and spec.root_result))
         self.world = world  # the mpi4py communicator the native calls run on
         self.rank, self.size = world.Get_rank(), world.Get_size()
         self.count = element_count(collective, nbytes, self.size, self.dtype.itemsize)
-        scale = self.size if collective in ("allgather", "gather", "scatter", "alltoall", "alltoallv") else 1
+        scale = self.size if _per_block(spec) else 1
         self.nbytes = self.count * self.dtype.itemsize * scale
-        if collective == "alltoallv":  # rank i sends count * ((j - i mod p + 1) % 3) to rank j
+        if spec.variable:  # rank i sends count * ((j - i mod p + 1) % 3) to rank j
             counts = alltoallv_counts(self.size, self.count)
             self.send_counts, self.recv_counts = counts[self.rank].tolist(), counts[:, self.rank].tolist()
             self.fresh = collective_input(self.rank, self.size, "allreduce", sum(self.send_counts), self.dtype,
@@ -69,34 +89,29 @@ class Case:
             self.fresh = collective_input(self.rank, self.size, collective, self.count, self.dtype,
                                           "prod" if op == "prod" else "sum")
         self.x = self.fresh.copy()
-        if collective == "gather":
-            self.out = np.empty((self.size, self.count), self.dtype)
-        elif collective == "scatter":
-            self.out = np.empty(self.count, self.dtype)
-        elif collective == "alltoall":
-            self.out = np.empty((self.size, self.count), self.dtype)
-        elif collective == "alltoallv":
-            self.out = np.empty(sum(self.recv_counts), self.dtype)
-        elif collective == "allgather":
-            self.out = np.empty((self.size, self.count), self.dtype)
-            if inplace:  # MPI_IN_PLACE style: this rank's input is its row of the output
-                self.x = self.out[self.rank]
-        elif collective == "reduce_scatter":
-            self.out = np.empty(len(np.array_split(self.fresh, self.size)[self.rank]), self.dtype)
-        elif collective == "broadcast":
+        if spec.one_buffer:
             self.out = self.x  # broadcast is in place by definition
+        elif spec.variable:
+            self.out = np.empty(sum(self.recv_counts), self.dtype)
+        elif spec.scatters:
+            self.out = np.empty(len(np.array_split(self.fresh, self.size)[self.rank]), self.dtype)
+        elif spec.root_input:
+            self.out = np.empty(self.count, self.dtype)
+        elif spec.gathers or spec.blocked:
+            self.out = np.empty((self.size, self.count), self.dtype)
+            if spec.gathers and self.inplace:  # MPI_IN_PLACE style: this rank's input is its row of the output
+                self.x = self.out[self.rank]
         else:
             self.out = self.x if inplace else np.empty_like(self.x)
         self.device = device
         if device is not None:  # device twins of x and out, laid out alike
-            if collective == "allgather":
+            if spec.gathers and self.inplace:
                 self.dout = device.empty(self.out.shape, self.dtype)
-                self.dx = self.dout[self.rank] if inplace else device.empty(self.x.shape, self.dtype)
-            elif collective in ("reduce_scatter", "gather", "scatter", "alltoall", "alltoallv"):
-                self.dx, self.dout = device.empty(self.x.shape, self.dtype), device.empty(self.out.shape, self.dtype)
+                self.dx = self.dout[self.rank]
+            elif self.out is self.x:
+                self.dx = self.dout = device.empty(self.x.shape, self.dtype)
             else:
-                self.dx = device.empty(self.x.shape, self.dtype)
-                self.dout = self.dx if inplace or collective == "broadcast" else device.empty(self.x.shape, self.dtype)
+                self.dx, self.dout = device.empty(self.x.shape, self.dtype), device.empty(self.out.shape, self.dtype)
         self._reset()
 
     def registered(self, pool):
@@ -104,7 +119,7 @@ class Case:
         and, for allreduce, in place: what ``shm`` reads in place across ranks."""
         twin = copy.copy(self)
         twin.x = pool[: self.x.nbytes].view(self.dtype).reshape(self.x.shape)
-        twin.inplace = self.collective in ("allreduce", "broadcast")
+        twin.inplace = (self.spec.inplace or self.spec.one_buffer) and not self.spec.root_result  # allreduce, broadcast
         if twin.inplace:
             twin.out = twin.x
         twin._reset()
@@ -130,24 +145,14 @@ class Case:
         return self._ours(comm, algorithm, self.x, self.out)
 
     def _ours(self, comm, algorithm, x, out):
-        c, op, root = self.collective, self.op, self.root
-        if c == "allreduce":
-            return lambda: comm.allreduce(x, op, algorithm, out)
-        if c == "reduce_scatter":
-            return lambda: comm.reduce_scatter(x, op, algorithm, out)
-        if c == "allgather":
-            return lambda: comm.allgather(x, algorithm, out)
-        if c == "broadcast":
-            return lambda: comm.broadcast(x, root, algorithm)
-        if c == "gather":
-            return lambda: comm.gather(x, root, algorithm, out)
-        if c == "scatter":
-            return lambda: comm.scatter(x, root, algorithm, out)
-        if c == "alltoall":
-            return lambda: comm.alltoall(x, algorithm, out)
-        if c == "alltoallv":
-            return lambda: comm.alltoallv(x, self.send_counts, self.recv_counts, algorithm, out)
-        return lambda: comm.reduce(x, root, op, algorithm, out)
+        # The Communicator's positional arguments, from the spec: x, (send_counts,
+        # recv_counts), root, op, algorithm, out (none for broadcast, which works in x).
+        spec = self.spec
+        args = ((x,) + ((self.send_counts, self.recv_counts) if spec.variable else ())
+                + ((self.root,) if spec.rooted else ()) + ((self.op,) if spec.reduces else ())
+                + (algorithm,) + (() if spec.one_buffer else (out,)))
+        method = getattr(comm, self.collective)
+        return lambda: method(*args)
 
     def native(self, mpi_comm):
         """The MPI library's own collective, through mpi4py directly (on a device: on host
@@ -173,29 +178,8 @@ class Case:
         return staged
 
     def _native(self, mpi_comm):
-        c, x, out, root, mpi_op = self.collective, self.x, self.out, self.root, MPI_OPS.get(self.op, MPI.SUM)
-        send = MPI.IN_PLACE if self.inplace else x
-        if c == "allreduce":
-            return lambda: mpi_comm.Allreduce(send, out, mpi_op)
-        if c == "reduce_scatter":
-            counts = [len(b) for b in np.array_split(self.fresh, self.size)]
-            return lambda: mpi_comm.Reduce_scatter(x, out, counts, mpi_op)
-        if c == "allgather":
-            return lambda: mpi_comm.Allgather(send, out)
-        if c == "broadcast":
-            return lambda: mpi_comm.Bcast(x, root)
-        if c == "gather":
-            return lambda: mpi_comm.Gather(x, out if self.rank == root else None, root)
-        if c == "scatter":
-            return lambda: mpi_comm.Scatter(x if self.rank == root else None, out, root)
-        if c == "alltoall":
-            return lambda: mpi_comm.Alltoall(x, out)
-        if c == "alltoallv":
-            send, recv = self._vector_specs(x, out)
-            return lambda: mpi_comm.Alltoallv(send, recv)
-        if self.rank != root:  # MPI_IN_PLACE is for the root only
-            return lambda: mpi_comm.Reduce(x, None, mpi_op, root)
-        return lambda: mpi_comm.Reduce(send, out, mpi_op, root)
+        send = MPI.IN_PLACE if self.inplace else self.x
+        return NATIVE[self.collective](self, mpi_comm, send, MPI_OPS.get(self.op, MPI.SUM))
 
     def _vector_specs(self, x, out):
         """mpi4py's ``[buffer, (counts, displacements)]`` for MPI_Alltoallv."""
@@ -209,31 +193,19 @@ class Case:
         import torch
         import torch.distributed as dist
 
-        if (self.op not in ("sum", "max", "min", "prod")
-                or self.collective not in ("allreduce", "broadcast", "allgather")):
+        if self.op not in ("sum", "max", "min", "prod") or self.collective not in GLOO:
             return None
         reduce_op = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
                      "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[self.op]
         x, out = torch.from_numpy(self.x), torch.from_numpy(self.out.reshape(-1))  # zero copy, flat
-        if self.collective == "allreduce":
-            if self.inplace:
-                return lambda: dist.all_reduce(out, reduce_op, group=group)
-
-            def allreduce():  # gloo reduces in place: out of place costs the user a copy
-                out.copy_(x)
-                dist.all_reduce(out, reduce_op, group=group)
-
-            return allreduce
-        if self.collective == "broadcast":
-            return lambda: dist.broadcast(x, self.root, group=group)
-        return lambda: dist.all_gather_into_tensor(out, x, group=group)
+        return GLOO[self.collective](self, dist, group, reduce_op, x, out)
 
     # -- checking ----------------------------------------------------------------
     def count_wrong(self, run):
         """Run once on fresh input; the number of elements on this rank that differ
         from what the MPI library's own collective gives."""
         self._reset()
-        if self.collective == "alltoallv":
+        if self.spec.variable:  # not in mpi_result: the counts are the case's
             expected = np.empty_like(self.out)
             self.world.Alltoallv(*self._vector_specs(self.fresh, expected))
         else:
@@ -262,8 +234,88 @@ class Case:
         return got
 
     def _host_result(self):
-        if self.collective == "broadcast":
+        if self.spec.one_buffer:
             return self.x
-        if self.collective in ("reduce", "gather") and self.rank != self.root:
+        if self.spec.root_result and self.rank != self.root:
             return None
         return self.out
+
+
+# The MPI library's own call for each collective, through mpi4py: ``(case, mpi4py
+# communicator, x or MPI_IN_PLACE, MPI op) -> a no-argument callable`` (Case.native).
+def _native_allreduce(case, mpi_comm, send, mpi_op):
+    out = case.out
+    return lambda: mpi_comm.Allreduce(send, out, mpi_op)
+
+
+def _native_reduce_scatter(case, mpi_comm, send, mpi_op):
+    x, out = case.x, case.out
+    counts = [len(b) for b in np.array_split(case.fresh, case.size)]
+    return lambda: mpi_comm.Reduce_scatter(x, out, counts, mpi_op)
+
+
+def _native_allgather(case, mpi_comm, send, mpi_op):
+    out = case.out
+    return lambda: mpi_comm.Allgather(send, out)
+
+
+def _native_broadcast(case, mpi_comm, send, mpi_op):
+    x, root = case.x, case.root
+    return lambda: mpi_comm.Bcast(x, root)
+
+
+def _native_reduce(case, mpi_comm, send, mpi_op):
+    x, out, root = case.x, case.out, case.root
+    if case.rank != root:  # MPI_IN_PLACE is for the root only
+        return lambda: mpi_comm.Reduce(x, None, mpi_op, root)
+    return lambda: mpi_comm.Reduce(send, out, mpi_op, root)
+
+
+def _native_gather(case, mpi_comm, send, mpi_op):
+    x, out, root, rank = case.x, case.out, case.root, case.rank
+    return lambda: mpi_comm.Gather(x, out if rank == root else None, root)
+
+
+def _native_scatter(case, mpi_comm, send, mpi_op):
+    x, out, root, rank = case.x, case.out, case.root, case.rank
+    return lambda: mpi_comm.Scatter(x if rank == root else None, out, root)
+
+
+def _native_alltoall(case, mpi_comm, send, mpi_op):
+    x, out = case.x, case.out
+    return lambda: mpi_comm.Alltoall(x, out)
+
+
+def _native_alltoallv(case, mpi_comm, send, mpi_op):
+    sends, recvs = case._vector_specs(case.x, case.out)
+    return lambda: mpi_comm.Alltoallv(sends, recvs)
+
+
+NATIVE = {"allreduce": _native_allreduce, "reduce_scatter": _native_reduce_scatter, "allgather": _native_allgather,
+          "broadcast": _native_broadcast, "reduce": _native_reduce, "gather": _native_gather,
+          "scatter": _native_scatter, "alltoall": _native_alltoall, "alltoallv": _native_alltoallv}
+
+
+# torch.distributed's gloo call for the collectives gloo has: ``(case, torch.distributed,
+# group, reduce op, x and out as tensors) -> a no-argument callable`` (Case.gloo).
+def _gloo_allreduce(case, dist, group, reduce_op, x, out):
+    if case.inplace:
+        return lambda: dist.all_reduce(out, reduce_op, group=group)
+
+    def allreduce():  # gloo reduces in place: out of place costs the user a copy
+        out.copy_(x)
+        dist.all_reduce(out, reduce_op, group=group)
+
+    return allreduce
+
+
+def _gloo_broadcast(case, dist, group, reduce_op, x, out):
+    root = case.root
+    return lambda: dist.broadcast(x, root, group=group)
+
+
+def _gloo_allgather(case, dist, group, reduce_op, x, out):
+    return lambda: dist.all_gather_into_tensor(out, x, group=group)
+
+
+GLOO = {"allreduce": _gloo_allreduce, "broadcast": _gloo_broadcast, "allgather": _gloo_allgather}

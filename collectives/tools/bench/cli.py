@@ -27,7 +27,7 @@ from ...ops import OPS, check_op
 from ...topology import measure_link
 from ...tuning import TuningTable
 from . import membound, report, timing, tune
-from .cases import Case, bus_factor
+from .cases import GLOO, Case, bus_factor
 from .devices import BenchDevice
 
 _UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": 1024**2, "MB": 1024**2, "MIB": 1024**2,
@@ -147,7 +147,7 @@ def contenders(collective, args, one_node=True):
     names = ["native"] + [a for a in wanted if a in algorithms(collective) and a != "native"
                           and not ((args.device != "host" or not one_node) and (collective, a) in SHARED_MEMORY)
                           and not ((args.device == "host" or not one_node) and (collective, a) in PEER_READS)]
-    if "gloo" in args.peers and collective in ("allreduce", "broadcast", "allgather") and args.op != "avg":
+    if "gloo" in args.peers and collective in GLOO and args.op != "avg":
         names.append("gloo")
     if args.deterministic and collective in ORDERED:
         names.append("deterministic")

@@ -70,21 +70,24 @@ def _min():
     return MPI.MIN
 
 
+# The table above: each collective's bytes read + written per rank, for ``n`` bytes (the
+# benchmark's size) at ``p`` ranks.
+TRAFFIC = {
+    "allreduce": lambda n, p: (2 + (p - 1) / p) * n,
+    "reduce_scatter": lambda n, p: n + n / p,
+    "allgather": lambda n, p: 2 * n,
+    "broadcast": lambda n, p: 2 * n * (p - 1) / p,
+}
+
+
 def traffic(collective, nbytes, world_size):
     """Bytes the ranks must read and write for ``collective`` on ``nbytes`` (the
     benchmark's size) at ``world_size`` ranks, per rank, or None where there is no row."""
     n, p = float(nbytes), world_size
     if p == 1:
         return None  # nothing to move: MPI and ours copy or do nothing
-    if collective == "allreduce":
-        return (2 + (p - 1) / p) * n
-    if collective == "reduce_scatter":
-        return n + n / p
-    if collective == "allgather":
-        return 2 * n
-    if collective == "broadcast":
-        return 2 * n * (p - 1) / p
-    return None
+    formula = TRAFFIC.get(collective)
+    return None if formula is None else formula(n, p)
 
 
 def bound_us(collective, nbytes, world_size, bandwidth):

@@ -3,6 +3,8 @@
 import csv
 import json
 
+from ...specs import SPECS
+
 COLUMNS = [  # key, header, width, format ("" for text)
     ("bytes", "bytes", 11, "d"),
     ("count", "count", 10, "d"),
@@ -49,7 +51,7 @@ def _align(text, width):
 
 def header(collective, meta):
     place = "in place" if meta["inplace"] else "out of place"
-    op = f" {meta['op']}" if collective in ("allreduce", "reduce_scatter", "reduce") else ""
+    op = f" {meta['op']}" if SPECS[collective].reduces else ""
     titles = " ".join(_align(title, width) for _, title, width, _ in COLUMNS)
     return (f"\n# {collective}  {meta['dtype']}{op}  {place}  world size {meta['world_size']}"
             f"  (times in us, bw in GB/s, vs_nat = native time / time, bound = time / memory-traffic bound, "
