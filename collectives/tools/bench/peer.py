@@ -47,6 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ...specs import SPECS
+
 MiB = 1 << 20
 MECHANISMS = ("host", "stream", "kernel")
 ALLREDUCE_SIZES = "8,64,512,4K,32K,256K,1M,4M,16M,64M,256M"
@@ -142,23 +144,30 @@ def copy_rate(world, device, nbytes):
 
 
 def _call(comm, collective, algorithm, x, out):
-    if collective == "allreduce":
-        return comm.allreduce(x, algorithm=algorithm, out=out)
-    if collective == "reduce_scatter":
-        return comm.reduce_scatter(x, algorithm=algorithm, out=out)
-    if collective == "allgather":
-        return comm.allgather(x, algorithm=algorithm, out=out)
-    return comm.broadcast(x, algorithm=algorithm)
+    """One blocking call (a collective that works in ``x`` itself gets no ``out``)."""
+    if SPECS[collective].one_buffer:
+        return getattr(comm, collective)(x, algorithm=algorithm)
+    return getattr(comm, collective)(x, algorithm=algorithm, out=out)
+
+
+# Per collective: its message-based algorithm over CUDA IPC (broadcast has no ring: its
+# tree), the peer reads besides one_shot, and whether auto is timed (allreduce: the
+# targets ask for auto there); then busbw's factor of the bytes (nccl-tests' rule) and
+# the same-GPU bound of busbw from B (the module's docstring).
+CONTENDERS = {"allreduce": ("ring", ("two_shot",), True), "reduce_scatter": ("ring", (), False),
+              "allgather": ("ring", (), False), "broadcast": ("binomial", (), False)}
+BUS_FACTORS = {"allreduce": lambda p: 2 * (p - 1) / p, "allgather": lambda p: (p - 1) / p,
+               "reduce_scatter": lambda p: (p - 1) / p, "broadcast": lambda p: 1.0}
+BOUNDS = {"allreduce": lambda p, B: B * (p - 1) / p ** 2, "allgather": lambda p, B: B * (p - 1) / (2 * p ** 2),
+          "broadcast": lambda p, B: B / (2 * (p - 1)), "reduce_scatter": lambda p, B: B * (p - 1) / (p * (p + 1))}
 
 
 def contenders(collective):
     """(name, communicator key, algorithm) of every contender for ``collective``."""
-    ring = "binomial" if collective == "broadcast" else "ring"
-    names = [("one_shot", "ipc", "one_shot")]
-    if collective == "allreduce":
-        names.append(("two_shot", "ipc", "two_shot"))
+    ring, peer_reads, auto = CONTENDERS[collective]
+    names = [("one_shot", "ipc", "one_shot")] + [(name, "ipc", name) for name in peer_reads]
     names += [(ring, "ipc", ring), ("staged", "staged", ring), ("native", "ipc", "native")]
-    if collective == "allreduce":
+    if auto:
         names.append(("auto", "ipc", "auto"))
     return names
 
@@ -168,31 +177,30 @@ def collective_rows(world, device, args, comms, collective, nbytes, copy_B):
     from . import timing
 
     p, rank = world.Get_size(), world.Get_rank()
-    count = max(nbytes // 4, 1)
-    if collective == "allgather":
+    spec = SPECS[collective]
+    if spec.gathers:  # nbytes: the gathered result
         count = max(nbytes // 4 // p, 1)
         x, out = device.empty(count, np.float32), device.empty((p, count), np.float32)
-    elif collective == "reduce_scatter":
+    elif spec.scatters:  # each rank's result is its block
         count = max(nbytes // 4 // p, 1) * p
         x, out = device.empty(count, np.float32), device.empty(count // p, np.float32)
     else:
+        count = max(nbytes // 4, 1)
         x, out = device.empty(count, np.float32), device.empty(count, np.float32)
     device.upload(x, np.full(count, rank + 1, np.float32))
     calls = {}
     for name, key, algorithm in contenders(collective):
         comm = comms[key]
-        calls[name] = (lambda c=comm, a=algorithm: (_call(c, collective, a, x, out if collective != "broadcast"
-                                                                                else None), device.sync()))
+        calls[name] = (lambda c=comm, a=algorithm: (_call(c, collective, a, x, out), device.sync()))
     iters = {name: timing.iterations(world, call, 2, args.budget, args.rounds, 2000) for name, call in calls.items()}
     samples = timing.interleaved_rounds(world, calls, iters, args.rounds)
     rows = []
-    chosen = comms["ipc"].choose(collective, count * 4 * (p if collective == "allgather" else 1), device=True)
-    bytes_seen = count * 4 * (p if collective == "allgather" else 1)
+    bytes_seen = spec.auto_bytes(count * 4, p)
+    chosen = comms["ipc"].choose(collective, bytes_seen, device=True)
     for name, parts in samples.items():
         stats = timing.combine(world, np.concatenate(parts), [len(s) for s in parts])
         t = stats["p50_us"] * 1e-6
-        busbw = {"allreduce": 2 * (p - 1) / p, "allgather": (p - 1) / p, "reduce_scatter": (p - 1) / p,
-                 "broadcast": 1.0}[collective] * bytes_seen / t / 1e9
+        busbw = BUS_FACTORS[collective](p) * bytes_seen / t / 1e9
         row = {"measure": "collective", "collective": collective, "contender": name, "bytes": bytes_seen,
                "world_size": p, "busbw_GBps": busbw, "copy_B_GBps": copy_B / 1e9, **stats}
         if name == "auto":
@@ -278,8 +286,7 @@ def human_bytes(n):
 
 def bound(collective, p, B):
     """The same-GPU bound of ``collective``'s busbw (bytes/s), from B (module docstring)."""
-    return {"allreduce": B * (p - 1) / p ** 2, "allgather": B * (p - 1) / (2 * p ** 2),
-            "broadcast": B / (2 * (p - 1)), "reduce_scatter": B * (p - 1) / (p * (p + 1))}[collective]
+    return BOUNDS[collective](p, B)
 
 
 def report(folder):
