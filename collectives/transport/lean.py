@@ -141,12 +141,14 @@ def run(program, comm, tag, buffers, op_name, describe, abandon, look=None):
     patience = Patience(look)
     try:
         while True:
-            scheduler.run(local, post)
+            if scheduler.ready:  # (only after progress: most turns of a wait start nothing)
+                scheduler.run(local, post)
             if scheduler.remaining == 0:
                 return
-            if probes and probes.poll(lambda i, request: requests.__setitem__(owners.index(i), request),
-                                      lambda i, got, request: _probed_wrong(i, got, request, owners, sizes, abandon,
-                                                                            describe, peers, len(kinds))):
+            if probes is not None and probes.entries and probes.poll(
+                    lambda i, request: requests.__setitem__(owners.index(i), request),
+                    lambda i, got, request: _probed_wrong(i, got, request, owners, sizes, abandon, describe, peers,
+                                                          len(kinds))):
                 patience.progressed()
             finished = MPI.Request.Testsome(requests, statuses)
             if not finished:
@@ -354,7 +356,8 @@ class PersistentProgram:
         i = -1  # the operation being tested, for MPI's errors
         try:
             while True:
-                scheduler.run(self._local, self._post)
+                if scheduler.ready:  # (only after progress: most turns of a wait start nothing)
+                    scheduler.run(self._local, self._post)
                 if scheduler.remaining == 0:
                     return
                 progressed = False

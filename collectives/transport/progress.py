@@ -113,7 +113,7 @@ class Progress:
         """Complete what has finished, without blocking. Returns True if some request or
         device work completed."""
         progressed = False
-        if self.probes:
+        if self.probes.entries:  # (not len(): this runs at every turn of every wait)
             progressed = self._advance_probes()
         if self._requests:
             try:
@@ -220,7 +220,7 @@ class Progress:
         while not handle._finished and handle._error is None:
             if self.advance():
                 continue
-            if not self._requests and not self._device and not self.shm and not self.probes:
+            if not self._requests and not self._device and not self.shm and not self.probes.entries:
                 raise CollectiveError(f"{handle._describe} is unfinished with no message in flight "
                                       "(a bug in the library: please report it)")
             yield_cpu()
