@@ -339,7 +339,7 @@ def test_a_warm_loop_opens_allocates_builds_and_sends_nothing(mpi_comm, mechanis
                         f"it {first_call}")
     if after[0] != before[0]:
         problems.append(f"IPC: {dict(before[0])} -> {dict(after[0])}")
-    if after[1] != before[1]:
+    if not before[1] or after[1] != before[1]:  # (the device counts something: the counters are read)
         problems.append(f"device: {before[1]} -> {after[1]}")
     if after[2] != before[2]:
         problems.append(f"plans built: {after[2] - before[2]}")
