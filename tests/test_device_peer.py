@@ -462,6 +462,38 @@ def test_mismatched_calls_raise_on_every_rank(mpi_comm, mechanism):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_memory_that_cannot_be_shared_makes_every_rank_raise_alike(mpi_comm, mechanism):
+    """Rank 0's input lies where no other process can open it (the stand-in: outside its
+    pool; a GPU: managed memory, which CUDA IPC cannot export): every rank raises at the
+    first fence the same error, naming rank 0 and the argument, rank 0 too, which used to
+    wait at the second fence for the ranks that had raised until its timeout (here 20 s:
+    so that a regression fails instead of hanging). ``auto`` alike: it chooses a peer read
+    there. Broken communicators are left unfreed (see above)."""
+    problems = []
+    for algorithm in ("one_shot", "two_shot", "auto"):
+        comm = communicator(mechanism)
+        host = rank_input(comm.rank, 1000, "float32")
+        x = D.unshareable(host) if comm.rank == 0 else D.asarray(host)
+        start = time.monotonic()
+        try:
+            comm.allreduce(x, algorithm=algorithm, timeout=20)
+            said = "no error"
+        except cc.CollectiveError as exc:
+            said = f"{type(exc).__name__}: {str(exc).split(': ', 1)[-1]}"  # (less the call's description)
+        waited = time.monotonic() - start
+        everyone = mpi_comm.allgather(said)
+        if len(set(everyone)) != 1:
+            problems.append(f"{algorithm}: the ranks said different things: {everyone}")
+        if not said.startswith("CollectiveError: the input x of rank 0 is in device memory this library cannot "
+                               "share through CUDA IPC") or "algorithm='ring'" not in said:
+            problems.append(f"{algorithm}: {said}")
+        if waited > 10:
+            problems.append(f"{algorithm}: raised after {waited:.1f} s")
+    agree(mpi_comm, problems)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mechanism", MECHANISMS)
 def test_a_rank_that_does_not_call_is_named_by_the_others_timeout(mpi_comm, mechanism):
     comm = communicator(mechanism)
     comm.allreduce(D.asarray(np.ones(10, np.float32)), algorithm="one_shot")  # the window is made

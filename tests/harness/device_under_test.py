@@ -42,6 +42,11 @@ class StandIn:
         """Give the pool's unused segments back (they may be allocated again, under new ids)."""
         self.si.device().free_all_blocks()
 
+    def unshareable(self, host):
+        """A device array holding ``host`` in memory no other process can open: outside
+        the stand-in's pool (as CUDA's managed memory is outside what IPC exports)."""
+        return self.si.StandInArray(self.si.device(), np.ascontiguousarray(host).copy())
+
     def counters(self):
         """What the device was asked to make so far (events, allocations ...)."""
         return dict(self.si.device().counters)
@@ -82,6 +87,14 @@ class Cuda:
 
     def free_all_blocks(self):
         self.cupy.get_default_memory_pool().free_all_blocks()
+
+    def unshareable(self, host):
+        """A device array holding ``host`` in managed memory, which CUDA IPC cannot export."""
+        host = np.ascontiguousarray(host)
+        x = self.cupy.ndarray(host.shape, host.dtype, self.cupy.cuda.malloc_managed(max(host.nbytes, 1)))
+        x.set(host)
+        self.cupy.cuda.get_current_stream().synchronize()
+        return x
 
     def counters(self):
         """What the device was asked to make so far (the CuPy backend counts as the stand-in does)."""
