@@ -339,7 +339,7 @@ def test_a_warm_loop_opens_allocates_builds_and_sends_nothing(mpi_comm, mechanis
                         f"it {first_call}")
     if after[0] != before[0]:
         problems.append(f"IPC: {dict(before[0])} -> {dict(after[0])}")
-    if after[1] != before[1]:
+    if not before[1] or after[1] != before[1]:  # (the device counts something: the counters are read)
         problems.append(f"device: {before[1]} -> {after[1]}")
     if after[2] != before[2]:
         problems.append(f"plans built: {after[2] - before[2]}")
@@ -458,6 +458,38 @@ def test_mismatched_calls_raise_on_every_rank(mpi_comm, mechanism):
         else:
             comm.reduce_scatter(x, algorithm="one_shot", timeout=30)
     mpi_comm.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_memory_that_cannot_be_shared_makes_every_rank_raise_alike(mpi_comm, mechanism):
+    """Rank 0's input lies where no other process can open it (the stand-in: outside its
+    pool; a GPU: managed memory, which CUDA IPC cannot export): every rank raises at the
+    first fence the same error, naming rank 0 and the argument, rank 0 too, which used to
+    wait at the second fence for the ranks that had raised until its timeout (here 20 s:
+    so that a regression fails instead of hanging). ``auto`` alike: it chooses a peer read
+    there. Broken communicators are left unfreed (see above)."""
+    problems = []
+    for algorithm in ("one_shot", "two_shot", "auto"):
+        comm = communicator(mechanism)
+        host = rank_input(comm.rank, 1000, "float32")
+        x = D.unshareable(host) if comm.rank == 0 else D.asarray(host)
+        start = time.monotonic()
+        try:
+            comm.allreduce(x, algorithm=algorithm, timeout=20)
+            said = "no error"
+        except cc.CollectiveError as exc:
+            said = f"{type(exc).__name__}: {str(exc).split(': ', 1)[-1]}"  # (less the call's description)
+        waited = time.monotonic() - start
+        everyone = mpi_comm.allgather(said)
+        if len(set(everyone)) != 1:
+            problems.append(f"{algorithm}: the ranks said different things: {everyone}")
+        if not said.startswith("CollectiveError: the input x of rank 0 is in device memory this library cannot "
+                               "share through CUDA IPC") or "algorithm='ring'" not in said:
+            problems.append(f"{algorithm}: {said}")
+        if waited > 10:
+            problems.append(f"{algorithm}: raised after {waited:.1f} s")
+    agree(mpi_comm, problems)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -21,6 +21,7 @@ This module is imported only when a device array is first seen.
 import contextlib
 import ctypes
 import threading
+from collections import Counter
 
 import numpy as np
 
@@ -67,6 +68,7 @@ def device_array(x, name):
     stream = b.current_stream()
 
     def allocate(shape):  # on the user's stream: CuPy's pool then reuses it in the user's order
+        b.counters["allocations"] += 1
         with cupy.cuda.Device(b.id), stream:
             return cupy.empty(shape, x.dtype)
 
@@ -97,6 +99,7 @@ def _torch_array(tensor, name):
     stream = external_stream(torch.cuda.current_stream(tensor.device).cuda_stream, b.id)
 
     def allocate(shape):  # torch's caching allocator owns results, on torch's current stream
+        b.counters["allocations"] += 1
         made = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
         return cupy.from_dlpack(made.view(torch.int16) if made.dtype == torch.bfloat16 else made)
 
@@ -141,6 +144,11 @@ class CupyDevice:
         self.uuid = "pci:%04x:%02x:%02x" % self.pci
         self.ipc_capable = True
         self._modules = {}
+        # What the device was asked to make, as the stand-in counts it (integer increments,
+        # for tests that a warm call makes nothing): events, allocations (device memory, the
+        # results made for the user included), pinned host buffers, other processes'
+        # allocations opened, host memory registered.
+        self.counters = Counter()
 
     def __repr__(self):
         return f"<cuda:{self.id} {self.name}>"
@@ -150,6 +158,7 @@ class CupyDevice:
         """Device memory from CuPy's pool. ``stream``: the stream it is used on, if not
         the library's long-lived buffers: the pool hands freed memory out again only in
         that stream's order, so a temporary freed while its work is queued stays safe."""
+        self.counters["allocations"] += 1
         with cupy.cuda.Device(self.id), (stream if stream is not None else contextlib.nullcontext()):
             return cupy.empty(shape, dtype)
 
@@ -164,6 +173,7 @@ class CupyDevice:
         return np.dtype(np.uint16) if dtype.name == "bfloat16" else dtype
 
     def pinned(self, nbytes):
+        self.counters["pinned"] += 1
         memory = cupy.cuda.alloc_pinned_memory(max(int(nbytes), 1))
         return np.frombuffer(memory, np.uint8, int(nbytes))  # keeps the pinned block alive
 
@@ -177,6 +187,7 @@ class CupyDevice:
             return cupy.cuda.get_current_stream()
 
     def event(self, interprocess=False):
+        self.counters["events"] += 1
         with cupy.cuda.Device(self.id):
             return cupy.cuda.Event(block=False, disable_timing=True, interprocess=interprocess)
 
@@ -325,6 +336,7 @@ class CupyDevice:
 
     def open_allocation(self, handle, nbytes):
         """Another process's allocation (an :meth:`export` handle), ``nbytes`` of it."""
+        self.counters["opened"] += 1
         with cupy.cuda.Device(self.id):
             ptr = runtime.ipcOpenMemHandle(bytes(handle), _IPC_LAZY_PEER_ACCESS)
             return _wrap(ptr, int(nbytes), self.id)
@@ -336,6 +348,7 @@ class CupyDevice:
     def map_host(self, words):
         """``words`` (uint32 host memory) registered for the device: what
         :meth:`write_value` and :meth:`wait_value` take."""
+        self.counters["host_mappings"] += 1
         start = words.ctypes.data
         first = start - start % _PAGE
         length = -(-(start + words.nbytes - first) // _PAGE) * _PAGE
@@ -374,6 +387,7 @@ class CupyDevice:
 
     def pointer_table(self, arrays):
         """The device addresses of ``arrays``, in device memory (the fence kernel's table)."""
+        self.counters["allocations"] += 1
         with cupy.cuda.Device(self.id):
             return cupy.asarray(np.array([_ptr(a) for a in arrays], np.uint64))
 

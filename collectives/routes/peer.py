@@ -56,10 +56,13 @@ def register(ctx: Any, device: Any, array: Any, nbytes: int, timeout: float | No
         return
     import numpy as np
 
+    from ..transport.device_node import check_shareable
+
     node = peer_node(ctx, device, timeout)
     mine = node.descriptor(array, nbytes)
     everyone = np.empty((ctx.node_comm.Get_size(), mine.size), np.int64)
     ctx.request("empty()", lambda: ctx.node_comm.Iallgather(mine, everyone), timeout, everyone.nbytes)
+    check_shareable(everyone, "registered array", "empty()")  # every rank alike, before opening any
     for rank, words in enumerate(everyone):
         if rank != node.window.rank:
             node.open(rank, words, "registered array")

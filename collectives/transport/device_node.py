@@ -144,6 +144,11 @@ class PeerWindow:
         start = _DESCRIPTORS + (2 * parity + which) * _DESCRIPTOR
         return self.lines[rank, start : start + _DESCRIPTOR].copy()
 
+    def descriptors(self, parity, which):
+        """Every rank's descriptor of buffer ``which`` (a view: one row per rank)."""
+        start = _DESCRIPTORS + (2 * parity + which) * _DESCRIPTOR
+        return self.lines[:, start : start + _DESCRIPTOR]
+
     # -- stream fences -------------------------------------------------------------------------
     def word(self, owner, writer):
         """The index (in ``inbox``) of the word ``writer`` writes into ``owner``'s row."""
@@ -228,6 +233,7 @@ class PeerNode:
             self.backend.copy(self.flags, np.zeros(window.size, np.uint32), self.stream)
             self.backend.synchronize_stream(self.stream)
             everyone = exchange(self.descriptor(self.flags, self.flags.nbytes))
+            check_shareable(everyone, "fence flags", "the peer-read set-up")
             inboxes = [self.flags if q == window.rank else self.open(q, everyone[q], "fence flags").view(np.uint32)
                        for q in range(window.size)]
             self.table = self.backend.pointer_table(inboxes)
@@ -273,11 +279,11 @@ class PeerNode:
 
     def open(self, rank, words, what):
         """Rank ``rank``'s buffer that ``words`` describes, as uint8 device bytes here
-        (None for nothing)."""
+        (None for nothing). Check every rank's descriptor first (:func:`check_shareable`),
+        so that every rank raises alike where one cannot be shared."""
         base, buffer_id, offset, nbytes, size = (int(v) for v in words[_HANDLE_WORDS:])
-        if nbytes == _UNSHAREABLE:
-            raise CollectiveError(f"rank {rank}'s {what} is in device memory this library cannot share through "
-                                  "CUDA IPC (an allocation it cannot export); use 'ring' or 'auto' for such arrays")
+        if nbytes == _UNSHAREABLE:  # (the callers checked: only if one did not)
+            raise CollectiveError(unshareable_message(what, [rank]))
         if nbytes == 0:
             return None
         return self.memory.view(self.window.pids[rank], base, buffer_id & (2 ** 64 - 1),
@@ -582,9 +588,14 @@ class PeerCall:
                        else np.zeros(_DESCRIPTOR, np.int64))
 
     def _meet(self):
-        """Past the first fence: compare the signatures, open the peers' buffers."""
+        """Past the first fence: compare the signatures; check that every rank's buffers
+        (this rank's too) can be shared, so that where one cannot, every rank raises
+        alike, none waiting at the second fence for ranks that raised; open the peers'."""
         compare_signatures(self.window, self.parity, self.signature, self.describe)
         node, window, storage = self.node, self.window, self.arrays["in"].dtype
+        check_shareable(window.descriptors(self.parity, 0), "input x", self.describe)
+        if self.slot:
+            check_shareable(window.descriptors(self.parity, 1), "window slot", self.describe)
         self.peers = {}
         for q in range(window.size):
             if q == window.rank:
@@ -659,6 +670,27 @@ class PeerCall:
             if late:
                 return f" (at fence {k} of {self.fences} it waits for {ranks(late)} to arrive)"
         return ""
+
+
+def unshareable_message(what, which):
+    """What every rank says where the ranks ``which`` published a ``what`` that cannot be
+    shared (the same words on every rank)."""
+    return (f"the {what} of {ranks(which)} {'is' if len(which) == 1 else 'are'} in device memory this library "
+            "cannot share through CUDA IPC (an allocation the driver cannot export: managed memory, a "
+            "stream-ordered pool such as cudaMallocAsync's, torch's expandable segments). The peer reads "
+            "('one_shot', 'two_shot') cannot read it, and 'auto' chooses them for device arrays of one node: "
+            "name a message-based algorithm (algorithm='ring') for such arrays, or allocate them where they can "
+            "be shared (Communicator.empty(device=...), CuPy's default pool, torch's caching allocator)")
+
+
+def check_shareable(descriptors, what, describe):
+    """Raise where some rank's descriptor (a row of ``descriptors`` per rank, this
+    rank's included) says its ``what`` cannot be shared: every rank reads the same rows,
+    so every rank raises the same error, naming the ranks, before anyone opens or reads
+    anything."""
+    which = np.flatnonzero(descriptors[:, _HANDLE_WORDS + 3] == _UNSHAREABLE)
+    if which.size:
+        raise CollectiveError(f"{describe}: {unshareable_message(what, which.tolist())}")
 
 
 def compare_signatures(window, parity, mine, describe):

@@ -42,6 +42,11 @@ class StandIn:
         """Give the pool's unused segments back (they may be allocated again, under new ids)."""
         self.si.device().free_all_blocks()
 
+    def unshareable(self, host):
+        """A device array holding ``host`` in memory no other process can open: outside
+        the stand-in's pool (as CUDA's managed memory is outside what IPC exports)."""
+        return self.si.StandInArray(self.si.device(), np.ascontiguousarray(host).copy())
+
     def counters(self):
         """What the device was asked to make so far (events, allocations ...)."""
         return dict(self.si.device().counters)
@@ -83,9 +88,19 @@ class Cuda:
     def free_all_blocks(self):
         self.cupy.get_default_memory_pool().free_all_blocks()
 
+    def unshareable(self, host):
+        """A device array holding ``host`` in managed memory, which CUDA IPC cannot export."""
+        host = np.ascontiguousarray(host)
+        x = self.cupy.ndarray(host.shape, host.dtype, self.cupy.cuda.malloc_managed(max(host.nbytes, 1)))
+        x.set(host)
+        self.cupy.cuda.get_current_stream().synchronize()
+        return x
+
     def counters(self):
-        """CuPy counts nothing of the kind: the stand-in's counters only."""
-        return None
+        """What the device was asked to make so far (the CuPy backend counts as the stand-in does)."""
+        from collectives.device.cupy_backend import backend
+
+        return dict(backend(self.id).counters)
 
 
 def select(name, rank):
