@@ -3,10 +3,11 @@
 buffers where they are, through CUDA IPC, and meet at the plans' fences, which are a
 call's only synchronisation: two per call, at any size, and no message.
 
-    rank r, one call (one stream: the device context's compute stream)
+    rank r, one call (one stream: the peer calls' own, which holds nothing else)
     ──────────────────────────────────────────────────────────────────
-    the stream waits for the user's stream (an event recorded at the call)
-    phase 0: what needs no other rank (allgather's own row), as kernels
+    the stream waits for the user's stream (an event recorded at the call), and for
+    the other routes' calls that ended before the call was made (their workspace)
+    phase 0: what needs no other rank (allgather's own row: one copy)
     fence 1: arrive, publishing where this rank's input and window slot are
              (allocation, buffer id, offset: the node's shared window, host memory);
              pass once every rank has arrived; open what this process has not opened
@@ -226,7 +227,11 @@ class PeerNode:
         self.memory = peer_memory(self.backend)
         self.inbox = self.backend.map_host(self.window.inbox) if mechanism == "stream" else None
         self.late = self.backend.map_host(self.window.late) if mechanism == "kernel" else None
-        self.stream = device.compute
+        # A stream of its own, which holds the peer calls only, in call order on every
+        # rank: their device-side waits for the other ranks (stream and kernel fences)
+        # must not hold up work of the other routes' calls in flight, which each rank
+        # queues on the shared streams in an order of its own (a deadlock across ranks).
+        self.stream = self.backend.stream("peer")
         if mechanism == "kernel":  # every rank's inbox of flags, in its device memory, opened by the others
             window = self.window
             self.flags = self.backend.empty(window.size, np.uint32)
@@ -427,6 +432,10 @@ class PeerCall:
         self.arrays, self.op, self.dtype, self.describe = arrays, op, dtype, describe
         self.signature = tuple(int(v) for v in signature)
         self.started, self.before, self.after = started, before, after
+        # The other routes' calls that ended before this call was made (their workspace,
+        # which this call may have taken, is free once it has run): their last event now,
+        # not at the start, which may come after later calls' (they must not be waited for).
+        self.previous = node.device.last_end
         self.limit = DEFAULT_KERNEL_LIMIT if limit is None else limit  # seconds an in-kernel wait lasts at most
         size = self.window.size
         self.slot = plan.shm // size if plan.shm else 0  # elements of each rank's window slot
@@ -471,9 +480,7 @@ class PeerCall:
 
     def _start(self):
         self._wait_for_user()
-        device = self.node.device
-        if device.last_end is not None and device.last_end is not self.node.end_event:
-            self.backend.wait(self.node.stream, device.last_end)  # the calls of other routes before this one
+        self._wait_for_other_routes()
         if self.before is not None:
             self.before(self.node.stream)
         if self.node.mechanism == "kernel":  # the previous call's fence kernels have all run
@@ -524,6 +531,12 @@ class PeerCall:
         """The stream waits for the user's work before the call (its event)."""
         self.backend.wait(self.node.stream, self.started)
         self.node.give_event(self.started)
+
+    def _wait_for_other_routes(self):
+        """The stream waits for the other routes' calls that ended before this call was
+        made (it may reuse the workspace they gave back once they had queued their work)."""
+        if self.previous is not None:
+            self.backend.wait(self.node.stream, self.previous)
 
     def _work_done(self):
         """host: whether this rank's device work before the fence has run (recording
@@ -634,7 +647,9 @@ class PeerCall:
         if self.after is not None:
             self.after(stream)
         self.backend.record(node.end_event, stream)
-        node.device.last_end = node.end_event  # the other routes' calls wait for it (their workspace)
+        # (not device.last_end: the other routes' calls need not wait for this one, whose
+        # workspace goes back once its work has run; waiting would tie their streams, which
+        # earlier calls of theirs still use, to this call's waits for the other ranks)
         self.ended = True
 
     # -- what it waits for ----------------------------------------------------------------------
