@@ -15,6 +15,7 @@ show a test failing for every one.
 
 import gc
 import json
+import re
 import time
 
 import numpy as np
@@ -755,6 +756,43 @@ def test_an_in_kernel_wait_gives_up_and_names_the_rank(mpi_comm, monkeypatch):
         with pytest.raises(cc.CollectiveTimeoutError, match="in-kernel fences waited 1.6 s for rank 0 to arrive"):
             comm.allreduce(x, algorithm="one_shot", timeout=2.0)
     mpi_comm.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_broken_communicator_stops_its_fence_kernels(mpi_comm, monkeypatch):
+    """kernel fences: rank 0 never runs its second fence kernel; the others' would wait
+    for it up to their time limit (here 300 s), but their host times out first (1.5 s):
+    the communicator breaks, which stops them (PeerNode.release sets the word they
+    look at), and their stream runs on within seconds, not minutes."""
+    comm = communicator("kernel")
+    comm.allreduce(D.asarray(np.ones(10, np.float32)), algorithm="one_shot")
+    real = device_node.PeerCall._fence_kernel
+    if comm.rank == 0:
+        monkeypatch.setattr(device_node.PeerCall, "_fence_kernel", _only_at(2, None)(real))
+    else:
+        def patient(self, k, epoch):
+            self.limit = 300.0
+            return real(self, k, epoch)
+        monkeypatch.setattr(device_node.PeerCall, "_fence_kernel", patient)
+    x = D.asarray(np.ones(1000, np.float32))
+    problems = []
+    if comm.rank == 0:
+        comm.allreduce(x, algorithm="one_shot", timeout=20)  # it waits for nobody at fence 2
+    else:
+        try:
+            comm.allreduce(x, algorithm="one_shot", timeout=1.5)
+            problems.append("no timeout")
+        except cc.CollectiveTimeoutError as exc:
+            if not re.search(r"Timed out after .*\(at fence 2 of 2 it waits for rank 0 to arrive\)", str(exc)):
+                problems.append(f"another timeout: {exc}")
+        node = _peer_state(comm)[0]
+        until = time.monotonic() + 10
+        while not node.backend.query(node.end_event) and time.monotonic() < until:
+            time.sleep(0.01)
+        if not node.backend.query(node.end_event):
+            problems.append("the fence kernel still waits for rank 0 10 s after the communicator broke")
+    monkeypatch.undo()
+    agree(mpi_comm, problems)
 
 
 # -- make bench-gpu's tool, on the stand-in -----------------------------------------------------------
