@@ -1,7 +1,9 @@
 """The device executor of the peer-read plans (``one_shot``, ``two_shot``:
 :mod:`collectives.algorithms.peer`): the ranks of one node read each other's device
-buffers where they are, through CUDA IPC, and meet at the plans' fences, which are a
-call's only synchronisation: two per call, at any size, and no message.
+buffers where they are, through CUDA IPC, and meet at the plans' fences: two per
+call, at any size, and no message. With ``host`` fences those are the call's only
+synchronisations; with ``stream`` and ``kernel`` fences the hosts also meet once per
+call, at the first fence, to publish where their buffers are: three synchronisations.
 
     rank r, one call (one stream: the peer calls' own, which holds nothing else)
     ──────────────────────────────────────────────────────────────────
@@ -11,13 +13,15 @@ call's only synchronisation: two per call, at any size, and no message.
     fence 1: arrive, publishing where this rank's input and window slot are
              (allocation, buffer id, offset: the node's shared window, host memory);
              pass once every rank has arrived; open what this process has not opened
-    phase 1: kernels that read the other ranks' buffers (one fold of p inputs, or copies)
+    phase 1: read the other ranks' buffers: a fold is one kernel over the p inputs
+             (at most 16 inputs a kernel); allgather and broadcast copy, one copy per
+             rank read
     fence 2: nobody reads this rank's input any more
-    phase 2: two_shot's copies out of the window slots
+    phase 2: two_shot's copies out of the window slots, one per rank
     the call finishes once its last kernel has run (an event the host polls)
 
-A fence is one of two mechanisms, chosen per communicator (``device_fence``,
-``COLLECTIVES_DEVICE_FENCE``; ``make bench-gpu`` measures both):
+A fence is one of three mechanisms, chosen per communicator (``device_fence``,
+``COLLECTIVES_DEVICE_FENCE``; ``make bench-gpu`` measures them):
 
 - ``host``: the host waits (polling an event) for its device work before the fence,
   then writes the fence's number into its counter in the node's shared window and
@@ -27,17 +31,25 @@ A fence is one of two mechanisms, chosen per communicator (``device_fence``,
   meets at every fence by itself: the stream writes the fence's number into a word of
   each peer's row of the window (``cuStreamWriteValue32``, after the work before it)
   and waits until every peer has written it into this rank's row
-  (``cuStreamWaitValue32``). The host enqueues the whole call at once.
+  (``cuStreamWaitValue32``). The host enqueues the whole call at once. So the call
+  has three synchronisations: the hosts' meeting, then the device's two fences.
+- ``kernel`` (ranks on distinct GPUs): as ``stream``, the hosts meet at the first
+  fence to publish where their buffers are; then at each fence a small kernel writes
+  the fence's number into every peer's flags and spins on its own, at most a time
+  limit. Three synchronisations too.
 
-Either way a call finishes once its last event has completed: so its result is ready
-for anything the user queues afterwards (the user's stream needs no wait), and a
-timeout covers its device work too and names the ranks that have not reached the
-fence it waits at (the host reads the counters, or this rank's row of words). Calls run in the order they were
-made (the progress engine's queue of shared-memory calls): a call enqueues nothing
-until the one before it has enqueued everything. At the first fence each rank also
-signs the call (number, collective, algorithm, dtype, op, size, root) and every rank
-compares the signatures once it has passed: ranks that called different things all
-raise instead of reading each other's memory.
+Whatever the mechanism, a call finishes once its last event has completed: so its
+result is ready for anything the user queues afterwards (the user's stream needs no
+wait), its workspace goes back to the pool only then (the other routes' calls need not
+wait for it on the device), and a timeout covers its device work too and names the
+ranks that have not reached the fence it waits at (the host reads the counters, this
+rank's row of words, or its flags). Calls run in the order they were made (the
+progress engine's queue of shared-memory calls): a call enqueues nothing until the one
+before it has enqueued everything. At the first fence each rank also signs the call
+(number, collective, algorithm, dtype, op, size, root), and once past it every rank
+compares the signatures and checks every rank's descriptors (its own too): ranks that
+called different things, or a buffer that cannot be shared, make every rank raise
+alike instead of reading each other's memory or waiting for ranks that raised.
 
 Registration: a rank's input is exported once per allocation (its base address and the
 driver's buffer id: CuPy's and torch's pools sub-allocate, so a buffer is base plus
@@ -249,7 +261,11 @@ class PeerNode:
         self.nothing = self.backend.empty(0, np.uint8)  # the buffers of a call that moves nothing (a barrier)
         self._buffers = {}  # the peers' buffers seen, typed (peer_buffer)
         self._flag_stream = None  # kernel: where flags_now copies the flags out
-        self.counters = Counter()  # calls, fences, host fences
+        # calls; fences (the plans': two a call); host meetings (the hosts wait for each
+        # other: at both fences with host fences, once a call with stream and kernel ones,
+        # to publish where the buffers are); synchronisations (between the ranks: two a
+        # call with host fences, three with stream and kernel ones)
+        self.counters = Counter()
 
     def take_event(self):
         return self._events.pop() if self._events else self.backend.event()
@@ -513,7 +529,8 @@ class PeerCall:
             if not self._others_arrived(k, epoch):
                 return False
             self.arrived = False
-            node.counters["host fences"] += 1
+            node.counters["host meetings"] += 1  # the fence is the hosts' meeting
+            node.counters["synchronisations"] += 1
             if k == 1:
                 self._meet()
         else:
@@ -524,7 +541,10 @@ class PeerCall:
                     self.announced = True
                 if not self._others_announced():
                     return False
+                node.counters["host meetings"] += 1  # a meeting of its own, before the device's two fences
+                node.counters["synchronisations"] += 1
                 self._meet()
+            node.counters["synchronisations"] += 1  # (the device's fence)
             if node.mechanism == "stream":
                 self._signal(k, epoch)
                 self._wait_for_others(k, epoch)
