@@ -202,6 +202,65 @@ def test_reduce_in_place_on_every_root(pcomm, mpi_comm):
     agree(mpi_comm, problems)
 
 
+def test_the_other_peer_reads_take_strided_out_overlapping_and_in_place_arrays(pcomm, mpi_comm):
+    """reduce_scatter, allgather, broadcast and reduce (``one_shot``) on strided inputs,
+    into strided ``out=`` arrays (the elements between them untouched), into ``out=``
+    arrays that overlap the input, and in place where the collective is (broadcast
+    always; reduce at the root with ``out=x``), every root of broadcast and reduce."""
+    comm, problems = pcomm, []
+    size, rank, n = pcomm.size, pcomm.rank, 6 * pcomm.size
+    xs = [rank_input(r, n, "int32") + 1 for r in range(size)]  # never -1: the canvas shows through
+    mine = xs[rank]
+
+    def interleaved(v):
+        """A device array holding ``v`` at the even places and -1 at the odd ones."""
+        return D.asarray(np.stack([v, np.full_like(v, -1)], axis=-1).reshape(*v.shape[:-1], -1))
+
+    def check(what, want, canvas, picked, got=None, returned=None):
+        host = D.asnumpy(canvas)
+        inside, outside = host[..., picked::2], host[..., 1 - picked::2]
+        if differs(np.asarray(want), np.ascontiguousarray(inside)) or (outside != -1).any():
+            problems.append(f"{what}: {host.ravel()[:8]}")
+        if returned is not None and got is not returned:
+            problems.append(f"{what}: did not return out=")
+
+    want = expected_result("reduce_scatter", rank, size, xs)
+    canvas = D.asarray(np.full(2 * want.size, -1, np.int32))
+    got = comm.reduce_scatter(interleaved(mine)[::2], algorithm="one_shot", out=canvas[1::2])
+    check("reduce_scatter, strided in and out", want, canvas, 1)
+    both = D.asarray(np.concatenate([mine, np.zeros(3, np.int32)]))
+    comm.reduce_scatter(both[:n], algorithm="one_shot", out=both[2 : 2 + want.size])
+    if differs(want, D.asnumpy(both)[2 : 2 + want.size]):
+        problems.append("reduce_scatter, out overlapping x")
+
+    want = expected_result("allgather", rank, size, xs)
+    canvas = D.asarray(np.full((size, 2 * n), -1, np.int32))
+    out = canvas[:, 1::2]
+    got = comm.allgather(interleaved(mine)[::2], algorithm="one_shot", out=out)
+    check("allgather, strided in and out", want, canvas, 1, got, out)
+    both = D.asarray(np.concatenate([mine, np.zeros(size * n, np.int32)]))
+    comm.allgather(both[:n], algorithm="one_shot", out=both[3 : 3 + size * n].reshape(size, n))
+    if differs(want.ravel(), D.asnumpy(both)[3 : 3 + size * n]):
+        problems.append("allgather, out overlapping x")
+
+    for root in range(size):
+        canvas = interleaved(mine)
+        got = comm.broadcast(canvas[::2], root=root, algorithm="one_shot")
+        check(f"broadcast from {root}, strided, in place", xs[root], canvas, 0)
+        want = expected_result("reduce", rank, size, xs, root=root)
+        canvas = D.asarray(np.full(2 * n, -1, np.int32))
+        out = canvas[1::2] if rank == root else None
+        got = comm.reduce(interleaved(mine)[::2], root=root, algorithm="one_shot", out=out)
+        if rank == root:
+            check(f"reduce to {root}, strided in and out", want, canvas, 1, got, out)
+        elif got is not None:
+            problems.append(f"reduce to {root}: a result on a non-root")
+        canvas = interleaved(mine)
+        got = comm.reduce(canvas[::2], root=root, algorithm="one_shot", out=canvas[::2] if rank == root else None)
+        check(f"reduce to {root}, strided, in place", want if rank == root else mine, canvas, 0)
+    agree(mpi_comm, problems)
+
+
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 def test_deterministic_mode_is_the_serial_fold(mpi_comm, mechanism):
     """One left fold in rank order on every rank, 16-bit floats included (each step
