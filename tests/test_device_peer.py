@@ -15,6 +15,7 @@ show a test failing for every one.
 
 import gc
 import json
+import re
 import time
 
 import numpy as np
@@ -201,6 +202,65 @@ def test_reduce_in_place_on_every_root(pcomm, mpi_comm):
     agree(mpi_comm, problems)
 
 
+def test_the_other_peer_reads_take_strided_out_overlapping_and_in_place_arrays(pcomm, mpi_comm):
+    """reduce_scatter, allgather, broadcast and reduce (``one_shot``) on strided inputs,
+    into strided ``out=`` arrays (the elements between them untouched), into ``out=``
+    arrays that overlap the input, and in place where the collective is (broadcast
+    always; reduce at the root with ``out=x``), every root of broadcast and reduce."""
+    comm, problems = pcomm, []
+    size, rank, n = pcomm.size, pcomm.rank, 6 * pcomm.size
+    xs = [rank_input(r, n, "int32") + 1 for r in range(size)]  # never -1: the canvas shows through
+    mine = xs[rank]
+
+    def interleaved(v):
+        """A device array holding ``v`` at the even places and -1 at the odd ones."""
+        return D.asarray(np.stack([v, np.full_like(v, -1)], axis=-1).reshape(*v.shape[:-1], -1))
+
+    def check(what, want, canvas, picked, got=None, returned=None):
+        host = D.asnumpy(canvas)
+        inside, outside = host[..., picked::2], host[..., 1 - picked::2]
+        if differs(np.asarray(want), np.ascontiguousarray(inside)) or (outside != -1).any():
+            problems.append(f"{what}: {host.ravel()[:8]}")
+        if returned is not None and got is not returned:
+            problems.append(f"{what}: did not return out=")
+
+    want = expected_result("reduce_scatter", rank, size, xs)
+    canvas = D.asarray(np.full(2 * want.size, -1, np.int32))
+    got = comm.reduce_scatter(interleaved(mine)[::2], algorithm="one_shot", out=canvas[1::2])
+    check("reduce_scatter, strided in and out", want, canvas, 1)
+    both = D.asarray(np.concatenate([mine, np.zeros(3, np.int32)]))
+    comm.reduce_scatter(both[:n], algorithm="one_shot", out=both[2 : 2 + want.size])
+    if differs(want, D.asnumpy(both)[2 : 2 + want.size]):
+        problems.append("reduce_scatter, out overlapping x")
+
+    want = expected_result("allgather", rank, size, xs)
+    canvas = D.asarray(np.full((size, 2 * n), -1, np.int32))
+    out = canvas[:, 1::2]
+    got = comm.allgather(interleaved(mine)[::2], algorithm="one_shot", out=out)
+    check("allgather, strided in and out", want, canvas, 1, got, out)
+    both = D.asarray(np.concatenate([mine, np.zeros(size * n, np.int32)]))
+    comm.allgather(both[:n], algorithm="one_shot", out=both[3 : 3 + size * n].reshape(size, n))
+    if differs(want.ravel(), D.asnumpy(both)[3 : 3 + size * n]):
+        problems.append("allgather, out overlapping x")
+
+    for root in range(size):
+        canvas = interleaved(mine)
+        got = comm.broadcast(canvas[::2], root=root, algorithm="one_shot")
+        check(f"broadcast from {root}, strided, in place", xs[root], canvas, 0)
+        want = expected_result("reduce", rank, size, xs, root=root)
+        canvas = D.asarray(np.full(2 * n, -1, np.int32))
+        out = canvas[1::2] if rank == root else None
+        got = comm.reduce(interleaved(mine)[::2], root=root, algorithm="one_shot", out=out)
+        if rank == root:
+            check(f"reduce to {root}, strided in and out", want, canvas, 1, got, out)
+        elif got is not None:
+            problems.append(f"reduce to {root}: a result on a non-root")
+        canvas = interleaved(mine)
+        got = comm.reduce(canvas[::2], root=root, algorithm="one_shot", out=canvas[::2] if rank == root else None)
+        check(f"reduce to {root}, strided, in place", want if rank == root else mine, canvas, 0)
+    agree(mpi_comm, problems)
+
+
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 def test_deterministic_mode_is_the_serial_fold(mpi_comm, mechanism):
     """One left fold in rank order on every rank, 16-bit floats included (each step
@@ -272,6 +332,42 @@ def test_the_users_stream_order(pcomm, mpi_comm):
     agree(mpi_comm, problems)
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_peer_reads_in_flight_among_calls_of_the_other_routes(mpi_comm, mechanism):
+    """Rounds of async calls of every device route at once (ring, direct and the peer
+    reads, on strided inputs: packed into workspace, which they hand on to each other),
+    each right. The peer calls used to run on the stream the other routes' calls share:
+    their waits for the other ranks there (stream and kernel fences) held up work of an
+    earlier ring call that another rank had queued before them, which that rank's peer
+    call waited for: a deadlock across ranks (at 3 ranks and more, within a few rounds).
+    The calls' timeout makes that fail here instead of hanging."""
+    comm, problems = communicator(mechanism), []
+    user = D.new_stream()
+    with D.use_stream(user):
+        for k in range(40):
+            n = 1000 + 7 * k
+            xs = [rank_input(r, 2 * n, "float32") + k for r in range(comm.size)]
+            total = sum(x[::2] for x in xs)
+            handles = []
+            try:
+                for algorithm in ("ring", "one_shot", "direct", "two_shot", "ring", "one_shot"):
+                    x = D.asarray(xs[comm.rank], stream=user)[::2]
+                    handles.append((algorithm, comm.allreduce_async(x, algorithm=algorithm, timeout=20)))
+                y = D.asarray(xs[comm.rank], stream=user)[::2]
+                handles.append(("one_shot in place", comm.allreduce_async(y, out=y, algorithm="one_shot", timeout=20)))
+                for algorithm, handle in handles:
+                    if differs(total, D.asnumpy(handle.wait(), stream=user)):
+                        problems.append(f"round {k}: {algorithm}")
+            except cc.CollectiveError as exc:
+                problems.append(f"round {k}: {type(exc).__name__}: {exc}"[:300])
+            if mpi_comm.allreduce(len(problems)):
+                break
+    if not problems:
+        comm.free()  # (a broken one is left unfreed: see test_mismatched_calls_raise_on_every_rank)
+    agree(mpi_comm, problems)
+
+
 # -- registration, and what a warm call costs -----------------------------------------------------
 class Counting:
     """An MPI communicator that counts the calls made on it (a proxy)."""
@@ -297,8 +393,11 @@ def _peer_state(comm):
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 def test_a_warm_loop_opens_allocates_builds_and_sends_nothing(mpi_comm, mechanism):
     """Registration once, then: no IPC handle opened or exported, no device memory, no
-    event, no plan, no MPI call on any of the communicator's MPI communicators; two
-    fences per call (the host watches both with host fences, neither with stream ones)."""
+    event, no plan (the device's counters: the stand-in's or the CuPy backend's), no MPI
+    call on any of the communicator's MPI communicators; two fences per call. The
+    synchronisations between the ranks: with host fences the hosts meet at both fences
+    (two); with stream and kernel fences the hosts meet once, at the first fence, to
+    publish where the buffers are, beside the device's two fences (three)."""
     from collectives.routes.base import compiled_plan
 
     comm = communicator(mechanism)
@@ -346,10 +445,12 @@ def test_a_warm_loop_opens_allocates_builds_and_sends_nothing(mpi_comm, mechanis
     mpi = {name: proxy.calls for name, proxy in proxies.items() if proxy.calls}
     if mpi or ctx.progress.entries != requests:
         problems.append(f"MPI: {mpi}, requests {requests} -> {ctx.progress.entries}")
-    fences = after[3]["fences"] - before[3]["fences"]
-    host = after[3]["host fences"] - before[3]["host fences"]
-    if comm.size > 1 and (fences != 2 * calls or host != (2 * calls if mechanism == "host" else 0)):
-        problems.append(f"{fences} fences, {host} watched by the host, in {calls} calls")
+    fences, meetings, synchronisations = (after[3][k] - before[3][k]
+                                          for k in ("fences", "host meetings", "synchronisations"))
+    want = (2, 2, 2) if mechanism == "host" else (2, 1, 3)
+    if comm.size > 1 and (fences, meetings, synchronisations) != tuple(calls * w for w in want):
+        problems.append(f"{fences} fences, {meetings} host meetings, {synchronisations} synchronisations in "
+                        f"{calls} calls; want {want} a call")
     if differs(np.maximum.reduce(xs), D.asnumpy(y)) or differs(np.zeros(n, np.float32), D.asnumpy(x)):
         problems.append("wrong result")
     comm.free()
@@ -564,6 +665,8 @@ MUTATIONS = {  # name: (mechanism, PeerCall method, its replacement given the re
     "kernel: no fence kernel at fence 1": ("kernel", "_fence_kernel", _only_at(1, None)),
     "kernel: no fence kernel at fence 2": ("kernel", "_fence_kernel", _only_at(2, None)),
     "kernel: enqueue without the others' addresses": ("kernel", "_others_announced", lambda real: lambda self: True),
+    "kernel: the call does not wait for the user's stream": ("kernel", "_wait_for_user", _give_the_event_back),
+    "no wait for the other routes' calls before": ("host", "_wait_for_other_routes", lambda real: lambda self: None),
 }
 WORKLOAD = [("allreduce", "one_shot"), ("allreduce", "two_shot"), ("reduce_scatter", "one_shot"),
             ("allgather", "one_shot"), ("broadcast", "one_shot"), ("reduce", "one_shot")]
@@ -610,14 +713,75 @@ def _workload(comm, mpi_comm, rounds):
     return mpi_comm.allreduce(wrong), error
 
 
+def _after_a_ring_call(comm, mpi_comm, rounds):
+    """``rounds`` of: a ring allreduce into a strided ``out=``, async, whose last kernel
+    (the unpacking of the result from workspace) the stand-in holds back for 20 ms (a
+    word its stream waits for), polled until it has queued all its work and handed its
+    workspace back; then, on another stream of the user's (the user's stream would order
+    it after the ring call), a peer read with a strided input and a strided ``out=`` as
+    large, while every rank polls: it takes that very workspace (the last buffer of its
+    size class handed back, or the one before: for its result, or for its input) and
+    writes it, and unless it waits for the ring call's work, the ring call unpacks what
+    the peer call wrote. Returns (wrong results, an error) as every rank saw them."""
+    from collectives.transport.device_call import DeviceCall
+
+    wrong, error = 0, None
+    device, dev = next(iter(comm._ctx.devices.values())), D.si.device()
+    streams, gate = (D.new_stream(), D.new_stream()), np.zeros(1, np.uint32)
+    n = 4097  # 16388 B: a size class of its own but for the ring call's tmp at 2 ranks
+    real = DeviceCall.epilogue
+
+    def held(call, stream):  # the ring call's last kernel (on the compute stream) waits for the gate
+        if stream is device.compute:
+            dev.wait_value(stream, gate, 0, gate[0] + 1)
+        real(call, stream)
+
+    DeviceCall.epilogue = held
+    try:
+        for k in range(rounds):
+            xs = [rank_input(r, n, "float32") + k for r in range(comm.size)]
+            try:
+                ended, canvas = device.last_end, D.empty(2 * n, np.float32)
+                with D.use_stream(streams[0]):
+                    x = D.asarray(xs[comm.rank], stream=streams[0])
+                    ring = comm.allreduce_async(x, out=canvas[::2], algorithm="ring", timeout=10)
+                until = time.monotonic() + 10
+                while device.last_end is ended and time.monotonic() < until:
+                    comm.poll()
+                with D.use_stream(streams[1]):
+                    y = D.asarray(np.repeat(2 * xs[comm.rank], 2), stream=streams[1])[::2]
+                    result = D.empty(2 * n, np.float32)
+                    peer = comm.allreduce_async(y, out=result[::2], algorithm="one_shot", timeout=10)
+                until = time.monotonic() + 0.02
+                while time.monotonic() < until:
+                    comm.poll()
+                gate[0] += 1
+                want = sum(xs)
+                ring.wait()
+                peer.wait()
+                wrong += differs(want, D.asnumpy(canvas, stream=streams[0])[::2]) is not None
+                wrong += differs(2 * want, D.asnumpy(result, stream=streams[1])[::2]) is not None
+            except (cc.CollectiveError, D.si.StaleMapping) as exc:
+                error = error or f"{type(exc).__name__}: {exc}"[:300]
+            if mpi_comm.allreduce(error is not None, op=MPI.LOR):
+                return mpi_comm.allreduce(wrong), error or "another rank's call failed"
+    finally:
+        DeviceCall.epilogue = real
+    return mpi_comm.allreduce(wrong), error
+
+
+WORKLOAD_OF = {"no wait for the other routes' calls before": _after_a_ring_call}  # (the others: _workload)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_the_workload_passes_with_every_synchronisation(mpi_comm):
-    """The mutation tests' workload, unchanged: no wrong result, no error (so that their
-    failures are the mutations', not the workload's)."""
+    """The mutation tests' workloads, unchanged: no wrong result, no error (so that their
+    failures are the mutations', not the workloads')."""
     stand_in_only("the workload holds a stand-in stream back")
     for mechanism in MECHANISMS:
         comm = communicator(mechanism)
         assert _workload(comm, mpi_comm, 3) == (0, None), mechanism
+        assert _after_a_ring_call(comm, mpi_comm, 3) == (0, None), mechanism
         comm.free()
 
 
@@ -632,7 +796,7 @@ def test_taking_out_any_synchronisation_makes_the_workload_fail(mpi_comm, monkey
     mechanism, method, replacement = MUTATIONS[mutation]
     comm = communicator(mechanism)
     monkeypatch.setattr(device_node.PeerCall, method, replacement(getattr(device_node.PeerCall, method)))
-    wrong, error = _workload(comm, mpi_comm, 6)
+    wrong, error = WORKLOAD_OF.get(mutation, _workload)(comm, mpi_comm, 6)
     monkeypatch.undo()
     assert wrong or error, f"{mutation}: every result right, no error: the stand-in let it pass"
     if error and "Timed out" in error and "another rank" not in error:
@@ -656,6 +820,43 @@ def test_an_in_kernel_wait_gives_up_and_names_the_rank(mpi_comm, monkeypatch):
         with pytest.raises(cc.CollectiveTimeoutError, match="in-kernel fences waited 1.6 s for rank 0 to arrive"):
             comm.allreduce(x, algorithm="one_shot", timeout=2.0)
     mpi_comm.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_broken_communicator_stops_its_fence_kernels(mpi_comm, monkeypatch):
+    """kernel fences: rank 0 never runs its second fence kernel; the others' would wait
+    for it up to their time limit (here 300 s), but their host times out first (1.5 s):
+    the communicator breaks, which stops them (PeerNode.release sets the word they
+    look at), and their stream runs on within seconds, not minutes."""
+    comm = communicator("kernel")
+    comm.allreduce(D.asarray(np.ones(10, np.float32)), algorithm="one_shot")
+    real = device_node.PeerCall._fence_kernel
+    if comm.rank == 0:
+        monkeypatch.setattr(device_node.PeerCall, "_fence_kernel", _only_at(2, None)(real))
+    else:
+        def patient(self, k, epoch):
+            self.limit = 300.0
+            return real(self, k, epoch)
+        monkeypatch.setattr(device_node.PeerCall, "_fence_kernel", patient)
+    x = D.asarray(np.ones(1000, np.float32))
+    problems = []
+    if comm.rank == 0:
+        comm.allreduce(x, algorithm="one_shot", timeout=20)  # it waits for nobody at fence 2
+    else:
+        try:
+            comm.allreduce(x, algorithm="one_shot", timeout=1.5)
+            problems.append("no timeout")
+        except cc.CollectiveTimeoutError as exc:
+            if not re.search(r"Timed out after .*\(at fence 2 of 2 it waits for rank 0 to arrive\)", str(exc)):
+                problems.append(f"another timeout: {exc}")
+        node = _peer_state(comm)[0]
+        until = time.monotonic() + 10
+        while not node.backend.query(node.end_event) and time.monotonic() < until:
+            time.sleep(0.01)
+        if not node.backend.query(node.end_event):
+            problems.append("the fence kernel still waits for rank 0 10 s after the communicator broke")
+    monkeypatch.undo()
+    agree(mpi_comm, problems)
 
 
 # -- make bench-gpu's tool, on the stand-in -----------------------------------------------------------

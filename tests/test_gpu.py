@@ -207,7 +207,9 @@ def test_the_fence_kernel_meets_and_gives_up_on_one_gpu_with_several_streams(cup
     """The distinct-GPU fence (kernels/collectives.cu) as four "ranks" of one process, one
     stream each (blocks of 32 threads: co-resident): every fence passes with every
     flag written; then rank 3 never comes, and the others give up at their limit and
-    set its late word (host memory the host reads) only."""
+    set its late word (host memory the host reads) only; then it never comes again, and
+    the others, given 10 s, stop within a moment once the host sets their own words (the
+    stop word PeerNode.release sets), setting nothing."""
     p = 4
     flags = [cupy.zeros(p, cupy.uint32) for _ in range(p)]
     table = backend.pointer_table(flags)
@@ -233,6 +235,20 @@ def test_the_fence_kernel_meets_and_gives_up_on_one_gpu_with_several_streams(cup
         assert 0.2 <= waited < 5, waited
         want = np.zeros((p, p), np.uint32)
         want[: p - 1, p - 1] = 1
+        assert np.array_equal(late_words.reshape(p, p), want)
+        late_words[...] = 0
+        start = time.perf_counter()
+        for r in range(p - 1):
+            backend.fence_kernel(streams[r], table, flags[r], r, 5, 10.0, late, r * p)
+        time.sleep(0.05)  # they spin
+        for r in range(p - 1):
+            late_words[r * p + r] = 1  # the stop word
+        for stream in streams:
+            stream.synchronize()
+        waited = time.perf_counter() - start
+        assert waited < 2, waited
+        want = np.zeros((p, p), np.uint32)
+        want[np.arange(p - 1), np.arange(p - 1)] = 1  # the stop words only: no rank is named late
         assert np.array_equal(late_words.reshape(p, p), want)
     finally:
         backend.unmap_host(late)

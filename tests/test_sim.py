@@ -8,6 +8,7 @@ so that the blocks are equal, as the formulas assume.
 """
 
 import math
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -17,7 +18,8 @@ from hypothesis import strategies as st
 import collectives as cc
 import collectives.sim as sim
 import collectives.schedule as sim_schedule
-from collectives.algorithms import BUILDERS, NODE_SYMMETRIC, ORDERED, PEER_READS, SHARED_MEMORY, SYMMETRIC, hierarchical
+from collectives.algorithms import (BUILDERS, NODE_SYMMETRIC, ORDERED, PEER_READS, SHARED_MEMORY, SYMMETRIC, block_bounds,
+                                    hierarchical)
 
 from conftest import ALL_DTYPES, expected_everywhere, ops_for
 
@@ -418,14 +420,54 @@ def test_registered_time_equals_the_closed_form(collective, gamma):
     assert not problems, "\n".join(problems[:10])
 
 
+def _peer_reads_need(collective, algorithm, rank, p, count, root):
+    """The (rank, element) pairs of the other ranks' inputs that ``rank``'s part of a
+    peer read needs: what its result is made of."""
+    whole = range(count)
+    if collective == "allreduce" and algorithm == "one_shot" or collective == "allgather":
+        return {(q, i) for q in range(p) if q != rank for i in whole}
+    if collective in ("allreduce", "reduce_scatter"):  # its block of every other input
+        bounds = block_bounds(count, p)
+        return {(q, i) for q in range(p) if q != rank for i in range(bounds[rank], bounds[rank + 1])}
+    if collective == "broadcast":
+        return set() if rank == root else {(root, i) for i in whole}
+    assert collective == "reduce", collective
+    return {(q, i) for q in range(p) if q != rank for i in whole} if rank == root else set()
+
+
 @pytest.mark.parametrize("collective,algorithm", sorted(PEER_READS))
-def test_peer_reads_always_read_in_place(collective, algorithm):
-    # registered=True asks the shm algorithms for their registered forms; the peer-read
-    # ones have no other form, so it changes nothing.
+def test_peer_reads_read_what_they_need_once_where_it_lies_between_the_fences(collective, algorithm):
+    """Each rank's plan reads, straight from the other ranks' inputs (``reg``: rank q's
+    input at q·count), exactly the elements its result needs, each once, and only between
+    its two fences; it never writes another rank's input, and stages nothing into the
+    window (``shm``) before the first fence, as the shm algorithms' unregistered forms do
+    (uneven blocks, both ends for the root, in place too)."""
+    copy, reduce, many, fence = sim_schedule.Copy, sim_schedule.Reduce, sim_schedule.ReduceMany, sim_schedule.Fence
     for p in (2, 3, 8):
-        plain, flagged = sim.costs(collective, algorithm, p, 6 * p), sim.costs(collective, algorithm, p, 6 * p,
-                                                                               registered=True)
-        assert plain.time(A, B, G) == flagged.time(A, B, G) and counters(plain) == counters(flagged)
+        count = 6 * p + 1
+        roots = sorted({0, p - 1}) if collective in ("broadcast", "reduce") else [0]
+        forms = (False, True) if collective in ("allreduce", "reduce") else (False,)
+        for root, inplace in ((root, inplace) for root in roots for inplace in forms):
+            plans = sim.simulate.plans_for(collective, algorithm, p, count, root=root, inplace=inplace)
+            for rank, plan in enumerate(plans):
+                where = f"{collective} {algorithm} p={p} root={root} inplace={inplace} rank {rank}"
+                fences = [k for k, op in enumerate(plan.ops) if isinstance(op, fence)]
+                assert len(fences) == 2, where
+                read = Counter()
+                for k, op in enumerate(plan.ops):
+                    if isinstance(op, fence):
+                        continue
+                    srcs = (op.src,) if isinstance(op, copy) else (op.a, op.b) if isinstance(op, reduce) else \
+                        tuple(op.srcs)
+                    assert isinstance(op, (copy, reduce, many)), (where, op)
+                    assert op.dst.buf != "reg", f"{where}: writes another rank's input: {op}"
+                    assert k > fences[0] or op.dst.buf != "shm", f"{where}: stages into the window first: {op}"
+                    for src in srcs:
+                        if src.buf == "reg":
+                            assert fences[0] < k < fences[1], f"{where}: reads an input outside the fences: {op}"
+                            read.update(divmod(j, count) for j in range(src.lo, src.hi))
+                need = _peer_reads_need(collective, algorithm, rank, p, count, root)
+                assert read == Counter(need), f"{where}: read {sorted(read.items())[:6]}, needs {sorted(need)[:6]}"
 
 
 ORDERED_ALGORITHMS = [(c, a) for c, names in ORDERED.items() for a in names]

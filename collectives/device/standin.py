@@ -215,8 +215,9 @@ class SharedEvent(Event):
 
 class _FenceKernel:
     """A fence kernel queued on a stand-in stream: it starts (writes its flags) when it
-    reaches the head of its stream, and is done once every peer's flag has come, or its
-    time limit has passed."""
+    reaches the head of its stream, and is done once every peer's flag has come, its
+    time limit has passed, or the host has set its stop word (``late[late_index +
+    rank]``, which no fence writes)."""
 
     def __init__(self, table, flags, rank, epoch, limit, late, late_index):
         self.table, self.flags, self.rank, self.epoch, self.limit = table, flags, rank, epoch, limit
@@ -234,9 +235,14 @@ class _FenceKernel:
                     _check(flags)
                     flags._memory.view(np.uint32)[self.rank] = self.epoch
             self.started = time.monotonic()
-        return not self._waiting() or time.monotonic() - self.started > self.limit
+        return not self._waiting() or self._stopped() or time.monotonic() - self.started > self.limit
+
+    def _stopped(self):
+        return bool(self.late[self.late_index + self.rank])
 
     def finish(self):
+        if self._stopped():  # released: it sets nothing
+            return
         for q in self._waiting():
             self.late[self.late_index + q] = 1
 
@@ -617,7 +623,8 @@ class StandInDevice:
         writes ``epoch`` into word ``rank`` of every other rank's flags (``table[q]``),
         then waits until every other rank q has written it into word q of ``flags``, at
         most ``limit`` seconds from its start; a rank it gave up on gets ``late[late_index
-        + q] = 1``."""
+        + q] = 1``. It stops at once, setting nothing, once ``late[late_index + rank]`` is
+        set (the host's word to stop)."""
         with self._lock:
             self._push(stream, ("fence", _FenceKernel(table, flags, rank, epoch & 0xFFFFFFFF, limit, late,
                                                       late_index), None))

@@ -1,22 +1,27 @@
 """The device executor of the peer-read plans (``one_shot``, ``two_shot``:
 :mod:`collectives.algorithms.peer`): the ranks of one node read each other's device
-buffers where they are, through CUDA IPC, and meet at the plans' fences, which are a
-call's only synchronisation: two per call, at any size, and no message.
+buffers where they are, through CUDA IPC, and meet at the plans' fences: two per
+call, at any size, and no message. With ``host`` fences those are the call's only
+synchronisations; with ``stream`` and ``kernel`` fences the hosts also meet once per
+call, at the first fence, to publish where their buffers are: three synchronisations.
 
-    rank r, one call (one stream: the device context's compute stream)
+    rank r, one call (one stream: the peer calls' own, which holds nothing else)
     ──────────────────────────────────────────────────────────────────
-    the stream waits for the user's stream (an event recorded at the call)
-    phase 0: what needs no other rank (allgather's own row), as kernels
+    the stream waits for the user's stream (an event recorded at the call), and for
+    the other routes' calls that ended before the call was made (their workspace)
+    phase 0: what needs no other rank (allgather's own row: one copy)
     fence 1: arrive, publishing where this rank's input and window slot are
              (allocation, buffer id, offset: the node's shared window, host memory);
              pass once every rank has arrived; open what this process has not opened
-    phase 1: kernels that read the other ranks' buffers (one fold of p inputs, or copies)
+    phase 1: read the other ranks' buffers: a fold is one kernel over the p inputs
+             (at most 16 inputs a kernel); allgather and broadcast copy, one copy per
+             rank read
     fence 2: nobody reads this rank's input any more
-    phase 2: two_shot's copies out of the window slots
+    phase 2: two_shot's copies out of the window slots, one per rank
     the call finishes once its last kernel has run (an event the host polls)
 
-A fence is one of two mechanisms, chosen per communicator (``device_fence``,
-``COLLECTIVES_DEVICE_FENCE``; ``make bench-gpu`` measures both):
+A fence is one of three mechanisms, chosen per communicator (``device_fence``,
+``COLLECTIVES_DEVICE_FENCE``; ``make bench-gpu`` measures them):
 
 - ``host``: the host waits (polling an event) for its device work before the fence,
   then writes the fence's number into its counter in the node's shared window and
@@ -26,17 +31,25 @@ A fence is one of two mechanisms, chosen per communicator (``device_fence``,
   meets at every fence by itself: the stream writes the fence's number into a word of
   each peer's row of the window (``cuStreamWriteValue32``, after the work before it)
   and waits until every peer has written it into this rank's row
-  (``cuStreamWaitValue32``). The host enqueues the whole call at once.
+  (``cuStreamWaitValue32``). The host enqueues the whole call at once. So the call
+  has three synchronisations: the hosts' meeting, then the device's two fences.
+- ``kernel`` (ranks on distinct GPUs): as ``stream``, the hosts meet at the first
+  fence to publish where their buffers are; then at each fence a small kernel writes
+  the fence's number into every peer's flags and spins on its own, at most a time
+  limit. Three synchronisations too.
 
-Either way a call finishes once its last event has completed: so its result is ready
-for anything the user queues afterwards (the user's stream needs no wait), and a
-timeout covers its device work too and names the ranks that have not reached the
-fence it waits at (the host reads the counters, or this rank's row of words). Calls run in the order they were
-made (the progress engine's queue of shared-memory calls): a call enqueues nothing
-until the one before it has enqueued everything. At the first fence each rank also
-signs the call (number, collective, algorithm, dtype, op, size, root) and every rank
-compares the signatures once it has passed: ranks that called different things all
-raise instead of reading each other's memory.
+Whatever the mechanism, a call finishes once its last event has completed: so its
+result is ready for anything the user queues afterwards (the user's stream needs no
+wait), its workspace goes back to the pool only then (the other routes' calls need not
+wait for it on the device), and a timeout covers its device work too and names the
+ranks that have not reached the fence it waits at (the host reads the counters, this
+rank's row of words, or its flags). Calls run in the order they were made (the
+progress engine's queue of shared-memory calls): a call enqueues nothing until the one
+before it has enqueued everything. At the first fence each rank also signs the call
+(number, collective, algorithm, dtype, op, size, root), and once past it every rank
+compares the signatures and checks every rank's descriptors (its own too): ranks that
+called different things, or a buffer that cannot be shared, make every rank raise
+alike instead of reading each other's memory or waiting for ranks that raised.
 
 Registration: a rank's input is exported once per allocation (its base address and the
 driver's buffer id: CuPy's and torch's pools sub-allocate, so a buffer is base plus
@@ -226,7 +239,11 @@ class PeerNode:
         self.memory = peer_memory(self.backend)
         self.inbox = self.backend.map_host(self.window.inbox) if mechanism == "stream" else None
         self.late = self.backend.map_host(self.window.late) if mechanism == "kernel" else None
-        self.stream = device.compute
+        # A stream of its own, which holds the peer calls only, in call order on every
+        # rank: their device-side waits for the other ranks (stream and kernel fences)
+        # must not hold up work of the other routes' calls in flight, which each rank
+        # queues on the shared streams in an order of its own (a deadlock across ranks).
+        self.stream = self.backend.stream("peer")
         if mechanism == "kernel":  # every rank's inbox of flags, in its device memory, opened by the others
             window = self.window
             self.flags = self.backend.empty(window.size, np.uint32)
@@ -244,7 +261,11 @@ class PeerNode:
         self.nothing = self.backend.empty(0, np.uint8)  # the buffers of a call that moves nothing (a barrier)
         self._buffers = {}  # the peers' buffers seen, typed (peer_buffer)
         self._flag_stream = None  # kernel: where flags_now copies the flags out
-        self.counters = Counter()  # calls, fences, host fences
+        # calls; fences (the plans': two a call); host meetings (the hosts wait for each
+        # other: at both fences with host fences, once a call with stream and kernel ones,
+        # to publish where the buffers are); synchronisations (between the ranks: two a
+        # call with host fences, three with stream and kernel ones)
+        self.counters = Counter()
 
     def take_event(self):
         return self._events.pop() if self._events else self.backend.event()
@@ -314,12 +335,19 @@ class PeerNode:
         return found
 
     def release(self):
-        """Let this rank's stream pass every stream fence it may wait at (after a failure,
-        so that its queued work does not wait for ever)."""
+        """Let this rank's stream pass every fence it may wait at (after a failure, so
+        that its queued work does not wait for ever): ``stream``, the words it waits
+        for, written far ahead; ``kernel``, the rank's own word of its row of ``late``
+        (which no fence kernel writes: they write the peers' words) set, which its fence
+        kernels read as they spin and then stop, within a tenth of a millisecond, instead
+        of spinning to their time limit (up to 300 s). For good: a call starting
+        afterwards does not clear it (a broken communicator starts none)."""
+        window = self.window
+        row = window.rank * window.row
         if self.mechanism == "stream":
-            window = self.window
-            row = window.rank * window.row
             window.inbox[row : row + window.size] = (window.fences + _AHEAD) & 0xFFFFFFFF
+        elif self.mechanism == "kernel":
+            window.late[row + window.rank] = 1
 
     def free(self, broken=False):
         """Release the window (collective over the node). Every call has finished its
@@ -427,6 +455,10 @@ class PeerCall:
         self.arrays, self.op, self.dtype, self.describe = arrays, op, dtype, describe
         self.signature = tuple(int(v) for v in signature)
         self.started, self.before, self.after = started, before, after
+        # The other routes' calls that ended before this call was made (their workspace,
+        # which this call may have taken, is free once it has run): their last event now,
+        # not at the start, which may come after later calls' (they must not be waited for).
+        self.previous = node.device.last_end
         self.limit = DEFAULT_KERNEL_LIMIT if limit is None else limit  # seconds an in-kernel wait lasts at most
         size = self.window.size
         self.slot = plan.shm // size if plan.shm else 0  # elements of each rank's window slot
@@ -471,14 +503,13 @@ class PeerCall:
 
     def _start(self):
         self._wait_for_user()
-        device = self.node.device
-        if device.last_end is not None and device.last_end is not self.node.end_event:
-            self.backend.wait(self.node.stream, device.last_end)  # the calls of other routes before this one
+        self._wait_for_other_routes()
         if self.before is not None:
             self.before(self.node.stream)
         if self.node.mechanism == "kernel":  # the previous call's fence kernels have all run
-            window = self.window
-            window.late[window.rank * window.row : window.rank * window.row + window.size] = 0
+            window, row = self.window, self.window.rank * self.window.row
+            window.late[row : row + window.rank] = 0  # (not the rank's own word: release's, see PeerNode.release)
+            window.late[row + window.rank + 1 : row + window.size] = 0
         self.phase = 0
         self.node.counters["calls"] += 1
         self._enqueue(0)
@@ -498,7 +529,8 @@ class PeerCall:
             if not self._others_arrived(k, epoch):
                 return False
             self.arrived = False
-            node.counters["host fences"] += 1
+            node.counters["host meetings"] += 1  # the fence is the hosts' meeting
+            node.counters["synchronisations"] += 1
             if k == 1:
                 self._meet()
         else:
@@ -509,7 +541,10 @@ class PeerCall:
                     self.announced = True
                 if not self._others_announced():
                     return False
+                node.counters["host meetings"] += 1  # a meeting of its own, before the device's two fences
+                node.counters["synchronisations"] += 1
                 self._meet()
+            node.counters["synchronisations"] += 1  # (the device's fence)
             if node.mechanism == "stream":
                 self._signal(k, epoch)
                 self._wait_for_others(k, epoch)
@@ -524,6 +559,12 @@ class PeerCall:
         """The stream waits for the user's work before the call (its event)."""
         self.backend.wait(self.node.stream, self.started)
         self.node.give_event(self.started)
+
+    def _wait_for_other_routes(self):
+        """The stream waits for the other routes' calls that ended before this call was
+        made (it may reuse the workspace they gave back once they had queued their work)."""
+        if self.previous is not None:
+            self.backend.wait(self.node.stream, self.previous)
 
     def _work_done(self):
         """host: whether this rank's device work before the fence has run (recording
@@ -563,7 +604,7 @@ class PeerCall:
         """kernel: raise naming the ranks a fence kernel gave up on."""
         window = self.window
         row = window.late[window.rank * window.row : window.rank * window.row + window.size]
-        late = [q for q in range(window.size) if row[q]]
+        late = [q for q in range(window.size) if row[q] and q != window.rank]  # (its own word: release's)
         if late:
             raise CollectiveTimeoutError(f"{self.describe}: its in-kernel fences waited {self.limit:g} s for "
                                          f"{ranks(late)} to arrive, and gave up (the call's timeout, else "
@@ -634,7 +675,9 @@ class PeerCall:
         if self.after is not None:
             self.after(stream)
         self.backend.record(node.end_event, stream)
-        node.device.last_end = node.end_event  # the other routes' calls wait for it (their workspace)
+        # (not device.last_end: the other routes' calls need not wait for this one, whose
+        # workspace goes back once its work has run; waiting would tie their streams, which
+        # earlier calls of theirs still use, to this call's waits for the other ranks)
         self.ended = True
 
     # -- what it waits for ----------------------------------------------------------------------
