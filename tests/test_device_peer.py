@@ -26,8 +26,17 @@ import collectives as cc
 from collectives.algorithms import PEER_READS, block_bounds
 from collectives.device import bfloat16
 from collectives.transport import device_node, local
-from conftest import (ALL_DTYPES, agree, counts_for, expected_result, ops_for, order_sensitive_input, rank_input,
-                      serial_fold)
+
+from conftest import (
+    ALL_DTYPES,
+    agree,
+    counts_for,
+    expected_result,
+    ops_for,
+    order_sensitive_input,
+    rank_input,
+    serial_fold,
+)
 from device_under_test import select
 
 D = None  # the device under test: the stand-in, or a GPU with --device cuda
@@ -425,7 +434,7 @@ def test_a_warm_loop_opens_allocates_builds_and_sends_nothing(mpi_comm, mechanis
     requests = ctx.progress.entries
     calls = 20
     try:
-        for k in range(calls // 2):
+        for _ in range(calls // 2):
             comm.allreduce(y, out=y, op="max", algorithm="one_shot")
             comm.allreduce(x, out=x, algorithm="two_shot")
     finally:

@@ -16,10 +16,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import collectives as cc
-import collectives.sim as sim
 import collectives.schedule as sim_schedule
-from collectives.algorithms import (BUILDERS, NODE_SYMMETRIC, ORDERED, PEER_READS, SHARED_MEMORY, SYMMETRIC, block_bounds,
-                                    hierarchical)
+import collectives.sim as sim
+from collectives.algorithms import (
+    BUILDERS,
+    NODE_SYMMETRIC,
+    ORDERED,
+    PEER_READS,
+    SHARED_MEMORY,
+    SYMMETRIC,
+    block_bounds,
+    hierarchical,
+)
 
 from conftest import ALL_DTYPES, expected_everywhere, ops_for
 

@@ -23,9 +23,8 @@ import ctypes
 import threading
 from collections import Counter
 
-import numpy as np
-
 import cupy
+import numpy as np
 from cupy.cuda import runtime
 
 from ..dtypes import EXTRA_DTYPES

@@ -209,7 +209,7 @@ class PeerMemory:
         return known[1][offset : offset + nbytes]
 
 
-_MEMORY = {}  # backend -> its PeerMemory
+_MEMORY: dict = {}  # backend -> its PeerMemory
 
 
 def peer_memory(backend):
