@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 import collectives as cc
 import collectives.sim as sim
 import collectives.schedule as sim_schedule
-from collectives.algorithms import (BUILDERS, NODE_SYMMETRIC, ORDERED, PEER_READS, SHARED_MEMORY, SYMMETRIC, block_bounds,
-                                    hierarchical)
+from collectives.algorithms import (BUILDERS, NODE_SYMMETRIC, ORDERED, PEER_READS, SHARED_MEMORY, SYMMETRIC,
+                                    block_bounds, hierarchical)
 
 from conftest import ALL_DTYPES, expected_everywhere, ops_for
 
