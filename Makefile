@@ -204,7 +204,7 @@ bench-multihost: install
 # where no GPU is visible. One rank runs without mpiexec, as test-serial does (a serial
 # test's subprocess must not inherit an mpiexec job's environment).
 GPU_SIZES     ?= 1 2 3 4
-GPU_TESTS     ?= tests/test_device.py tests/test_device_peer.py tests/test_gpu.py tests/test_torch_backend_gpu.py
+GPU_TESTS     ?= tests/test_device.py tests/test_device_peer.py tests/test_device_lean.py tests/test_gpu.py tests/test_torch_backend_gpu.py
 test-gpu:
 	@$(PYTHON) -c "import cupy, sys; n = cupy.cuda.runtime.getDeviceCount(); print(f'{n} GPU(s):', cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()); sys.exit(n == 0)"
 	@for n in $(GPU_SIZES); do \
