@@ -152,12 +152,10 @@ def _call(comm, collective, algorithm, x, out):
 
 # Per collective: its message-based algorithm over CUDA IPC (broadcast has no ring: its
 # tree), the peer reads besides one_shot, and whether auto is timed (allreduce: the
-# targets ask for auto there); then busbw's factor of the bytes (nccl-tests' rule) and
-# the same-GPU bound of busbw from B (the module's docstring).
+# targets ask for auto there); then the same-GPU bound of busbw from B (the module's
+# docstring). busbw's factor is collectives-bench's (cases.bus_factor).
 CONTENDERS = {"allreduce": ("ring", ("two_shot",), True), "reduce_scatter": ("ring", (), False),
               "allgather": ("ring", (), False), "broadcast": ("binomial", (), False)}
-BUS_FACTORS = {"allreduce": lambda p: 2 * (p - 1) / p, "allgather": lambda p: (p - 1) / p,
-               "reduce_scatter": lambda p: (p - 1) / p, "broadcast": lambda p: 1.0}
 BOUNDS = {"allreduce": lambda p, B: B * (p - 1) / p ** 2, "allgather": lambda p, B: B * (p - 1) / (2 * p ** 2),
           "broadcast": lambda p, B: B / (2 * (p - 1)), "reduce_scatter": lambda p, B: B * (p - 1) / (p * (p + 1))}
 
@@ -175,6 +173,7 @@ def contenders(collective):
 def collective_rows(world, device, args, comms, collective, nbytes, copy_B):
     """Every contender of ``collective`` at ``nbytes``, interleaved."""
     from . import timing
+    from .cases import bus_factor
 
     p, rank = world.Get_size(), world.Get_rank()
     spec = SPECS[collective]
@@ -200,7 +199,7 @@ def collective_rows(world, device, args, comms, collective, nbytes, copy_B):
     for name, parts in samples.items():
         stats = timing.combine(world, np.concatenate(parts), [len(s) for s in parts])
         t = stats["p50_us"] * 1e-6
-        busbw = BUS_FACTORS[collective](p) * bytes_seen / t / 1e9
+        busbw = bus_factor(collective, p) * bytes_seen / t / 1e9
         row = {"measure": "collective", "collective": collective, "contender": name, "bytes": bytes_seen,
                "world_size": p, "busbw_GBps": busbw, "copy_B_GBps": copy_B / 1e9, **stats}
         if name == "auto":
