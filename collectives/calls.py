@@ -29,6 +29,7 @@ from . import ops
 from .algorithms import ORDERED, PEER_READS, SHARED_MEMORY, check_algorithm, check_ordered, cost_model_choice
 from .call import Call
 from .device import DeviceArray, as_device_array
+from .device.array import is_own_array_type
 from .dtypes import check_dtype, is_extra
 from .errors import TransportError
 from .gate import gate
@@ -156,12 +157,10 @@ _DEVICE_OWN: dict[type, bool] = {}  # a type of x -> whether it is a device's ow
 
 
 def _device_own(kind: type) -> bool:
-    """Whether arrays of type ``kind`` are a device backend's own (``cupy.ndarray``, the
-    stand-in's), which the library uses as they are; remembered per type. A torch
-    tensor, a marked bfloat16 array or another ``__cuda_array_interface__`` object is
-    wrapped anew at every call: the general path takes those."""
-    own = kind is not DeviceArray and (bool(getattr(kind, "__collectives_device__", False))
-                                       or (kind.__module__.split(".", 1)[0] == "cupy" and kind.__name__ == "ndarray"))
+    """:func:`~collectives.device.array.is_own_array_type`, remembered per type. The
+    others (a torch tensor, a marked bfloat16 array) are wrapped anew at every call: the
+    general path takes those."""
+    own = is_own_array_type(kind)
     if len(_DEVICE_OWN) < 64:
         _DEVICE_OWN[kind] = own
     return own

@@ -54,6 +54,15 @@ class DeviceArray:
         return f"<device array {self.where} shape={self.shape} dtype={self.dtype.name}>"
 
 
+def is_own_array_type(kind):
+    """Whether arrays of type ``kind`` are a device backend's own (``cupy.ndarray``, the
+    stand-in's), which the library uses as they are. A torch tensor, a marked bfloat16
+    array, a :class:`DeviceArray` or another ``__cuda_array_interface__`` object is not
+    (:func:`is_device` says which of those live in device memory)."""
+    return kind is not DeviceArray and (bool(getattr(kind, "__collectives_device__", False))
+                                        or (kind.__module__.split(".", 1)[0] == "cupy" and kind.__name__ == "ndarray"))
+
+
 def is_device(x):
     """Whether ``x`` (as given by a user) lives in device memory, without importing
     anything: a cheap test on its type."""
