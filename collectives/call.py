@@ -19,35 +19,34 @@ from .arrays import flat_input, flat_view, overlaps, same_memory
 
 
 class Call:
-    """One call, its arguments and what was made of them (see the module's docstring)."""
+    """One call, its arguments and what was made of them (see the module's docstring).
+    What the call path fills in later starts as the class's default (a call sets only
+    what it passed: the hot path makes one per call)."""
 
-    __slots__ = ("algorithm", "alone", "auto", "blocking", "count", "counts", "describe", "device", "dtype", "finish",
-                 "gate_shape", "inp", "inplace", "nbytes", "op", "out", "plan", "recv", "result", "root",
-                 "segment_size", "send", "sequence", "shape", "spec", "timeout", "where", "x")
+    auto = False  # the algorithm was auto's choice (a route may choose again: see routes.peer)
+    shape: tuple[int, ...] = ()  # the result's shape
+    count = 0  # the element count the plan is built for (see algorithms.build)
+    nbytes = 0  # the size auto sees (see Communicator.choose)
+    dtype: Any = None
+    device = False  # the arrays are on a device
+    gate_shape: tuple[int, ...] = ()  # the shape check mode compares
+    counts: Any = None  # per-peer counts: alltoallv's (send, recv); reduce_scatter's blocks (for MPI)
+    send: Any = None  # alltoallv: the rows sent to each rank, and those received (None: to learn)
+    recv: Any = None
+    alone = False  # blocking, no timeout or stall warning: runs after the calls in flight
+    sequence = 0
+    describe = ""
+    inp: Any = None  # flat buffers, made by the route
+    result: Any = None
+    inplace = False
+    finish: Callable[[], Any] | None = None
+    plan: Any = None  # the compiled plan, once a route has asked for it
 
     def __init__(self, spec: Any, x: Any, out: Any, op: str, root: int, algorithm: str, segment_size: int | None,
                  timeout: float | None, blocking: bool):
         self.spec, self.x, self.out, self.op, self.root = spec, x, out, op, root
         self.algorithm, self.segment_size, self.timeout, self.blocking = algorithm, segment_size, timeout, blocking
-        self.auto = False  # the algorithm was auto's choice (a route may choose again: see routes.peer)
-        self.shape: tuple[int, ...] = ()  # the result's shape
-        self.count = 0  # the element count the plan is built for (see algorithms.build)
-        self.nbytes = 0  # the size auto sees (see Communicator.choose)
         self.where: Any = x  # the array that says the dtype and the device (x, or out for a scatter without x)
-        self.dtype: Any = None
-        self.device = False  # the arrays are on a device
-        self.gate_shape: tuple[int, ...] = ()  # the shape check mode compares
-        self.counts: Any = None  # per-peer counts: alltoallv's (send, recv); reduce_scatter's blocks (for MPI)
-        self.send: Any = None  # alltoallv: the rows sent to each rank, and those received (None: to learn)
-        self.recv: Any = None
-        self.alone = False  # blocking, no timeout or stall warning: runs after the calls in flight
-        self.sequence = 0
-        self.describe = ""
-        self.inp: Any = None  # flat buffers, made by the route
-        self.result: Any = None
-        self.inplace = False
-        self.finish: Callable[[], Any] | None = None
-        self.plan: Any = None  # the compiled plan, once a route has asked for it
 
 
 def nothing() -> None:

@@ -7,9 +7,11 @@ route that runs it.
                                             before: its kept LeanEntry runs it at once
         Call(...); spec.arguments(...)      checks; shape, count, bytes auto sees
         resolve(...)                        the algorithm (auto: tuning.Selector)
+        route_for(...)                      the first route that takes it (collectives.routes);
+                                            resolve's and route_for's answers kept per kind of call
         gate(...)                           numbered; check mode compares the ranks' calls
         spec.agree(...)                     what the ranks settle first (alltoallv's counts)
-        route_for(...).run(...)             the first route that takes it (collectives.routes)
+        route.run(...)                      runs it
 
 Nothing here branches on a collective's name: what differs between collectives is in
 their specs (:mod:`collectives.specs`), and what differs between ways of running a
@@ -32,7 +34,7 @@ from .device import DeviceArray, as_device_array
 from .device.array import is_own_array_type
 from .dtypes import check_dtype, is_extra
 from .errors import TransportError
-from .gate import gate
+from .gate import gate, number
 from .options import check_root
 from .routes import NATIVE_BLOCKING, PEER, ROUTES, SHARED, route_for
 from .routes.base import collectives_in_flight, finish_in_flight
@@ -69,16 +71,29 @@ def run(ctx: Any, spec: Any, x: Any, out: Any, op: str, root: Any, algorithm: An
     call = Call(spec, x, out, op, root, algorithm, segment_size, timeout, blocking)
     call.send, call.recv = send, recv
     spec.arguments(ctx, call)
-    call.timeout = ctx.options.timeout_for(timeout)
-    call.auto = call.algorithm == "auto"
-    call.algorithm = resolve(ctx, spec.name, call.algorithm, call.nbytes, call.dtype, call.device)
-    call.alone = ctx.options.alone(blocking, call.timeout)
-    gate(ctx, spec.name, call.timeout, call.algorithm, call.op, call.dtype, call.gate_shape,
-         call.root if spec.rooted else -1, blocking, memory=call.where)
+    options = ctx.options
+    call.timeout = timeout = options.timeout_for(timeout)
+    call.alone = alone = options.alone(blocking, timeout)
+    algorithm = call.algorithm
+    call.auto = algorithm == "auto"
+    # The algorithm and the route follow from these alone (the selector and the
+    # options they read are the communicator's, fixed): worked out once per kind.
+    kind = (spec, algorithm, call.dtype, call.nbytes, call.count, call.device, alone)
+    known = ctx.call_kinds.get(kind)
+    if known is None:
+        call.algorithm = resolve(ctx, spec.name, algorithm, call.nbytes, call.dtype, call.device)
+        known = ctx.call_kinds.put(kind, (call.algorithm, route_for(ctx, call),
+                                          f"{spec.name}(algorithm={call.algorithm!r}) call #"))
+    call.algorithm, route, describe = known
+    if options.check:
+        gate(ctx, spec.name, timeout, call.algorithm, call.op, call.dtype, call.gate_shape,
+             call.root if spec.rooted else -1, blocking, memory=call.where)
+    else:
+        number(ctx, spec.name)  # the gate without check mode's comparison
     spec.agree(ctx, call)
-    call.sequence = ctx.sequence
-    call.describe = f"{spec.name}(algorithm={call.algorithm!r}) call #{ctx.sequence}"
-    return route_for(ctx, call).run(ctx, call)
+    call.sequence = sequence = ctx.sequence
+    call.describe = f"{describe}{sequence}"
+    return route.run(ctx, call)
 
 
 def lean_call(ctx: Any, spec: Any, x: np.ndarray, out: Any, op: str, root: Any, algorithm: str) -> Any:

@@ -112,6 +112,7 @@ class Context:
         self.devices: dict[Any, Any] = {}  # backend -> DeviceContext, made at the first call on that device
         # The caches of kinds of calls (see collectives.cache):
         self.lean_entries = BoundedCache(4096)  # kind of call -> what the lean path runs (routes.LeanEntry)
+        self.call_kinds = BoundedCache(4096)  # kind of call -> (its algorithm, its route): the general path's
         self.native_starters = BoundedCache(256)  # (collective, op, root, blocking) -> MPI's bound collective
         self.persistent = BoundedCache(64, evict=lambda program: program.free())  # small calls' programs
         self.registered_entries = BoundedCache(256)  # a shared-memory fast entry, registered form

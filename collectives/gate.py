@@ -19,14 +19,9 @@ def gate(ctx: Any, collective: str, timeout: float | None, algorithm: str = "-",
          shape: tuple[int, ...] = (), root: int = -1, blocking: bool = True, memory: Any = None) -> None:
     """Number the call (its sequence number is its messages' tag); raise if the
     communicator is broken; in check mode, compare fingerprints (one allgather, within
-    ``timeout``) and raise on every rank if they differ."""
-    if ctx.progress.broken is not None:
-        raise CollectiveError(f"{collective}: this communicator is broken by an earlier failure "
-                              f"({ctx.progress.broken}); make a new Communicator, though after a timeout "
-                              "the job usually has to stop")
-    sequence = ctx.next_call()
-    if len(ctx.progress.active) >= ctx.tags.calls - 2:  # its base tag would be a call's in flight
-        finish_in_flight(ctx)
+    ``timeout``) and raise on every rank if they differ. Outside check mode it is
+    :func:`number` (which the call path calls then, without the arguments)."""
+    sequence = number(ctx, collective)
     if ctx.options.check:
         alone = ctx.options.alone(blocking, timeout)
         if algorithm == "native":
@@ -42,3 +37,17 @@ def gate(ctx: Any, collective: str, timeout: float | None, algorithm: str = "-",
         ctx.request(f"the check-mode exchange before {collective}", lambda: ctx.comm.Iallgather(record, gathered),
                     timeout, gathered.nbytes)
         check_mode.compare(gathered)
+
+
+def number(ctx: Any, collective: str) -> int:
+    """:func:`gate` outside check mode: raise if the communicator is broken, else
+    number the call and return its number."""
+    progress = ctx.progress
+    if progress.broken is not None:
+        raise CollectiveError(f"{collective}: this communicator is broken by an earlier failure "
+                              f"({progress.broken}); make a new Communicator, though after a timeout "
+                              "the job usually has to stop")
+    sequence = ctx.next_call()
+    if len(progress.active) >= ctx.tags.calls - 2:  # its base tag would be a call's in flight
+        finish_in_flight(ctx)
+    return sequence

@@ -127,12 +127,9 @@ def _in_place(send: Any, recv: Any) -> Any:
     return MPI.IN_PLACE if send is recv else send
 
 
-def _x(call: Any) -> Any:
-    return as_array(call.x, "x")
-
-
 def _out(call: Any, shape: tuple[int, ...]) -> Any:
-    return None if call.out is None else check_out(call.out, shape, call.x.dtype, like=call.x)
+    """``call.out`` checked (the caller skips it where it is None: a call's hot path)."""
+    return check_out(call.out, shape, call.x.dtype, like=call.x)
 
 
 def _sized(call: Any, shape: tuple[int, ...], count: int, nbytes: int, gate_shape: tuple[int, ...] | None = None
@@ -146,10 +143,10 @@ class Allreduce(Spec):
     name, reduces, inplace, lean = "allreduce", True, True, True
 
     def arguments(self, ctx, call):
-        call.x = x = _x(call)
+        call.x = x = as_array(call.x, "x")
         ops.check_op(call.op, x.dtype)
         check_algorithm(self.name, call.algorithm)
-        call.out = _out(call, x.shape)
+        call.out = None if call.out is None else _out(call, x.shape)
         if call.segment_size is not None:
             check_segment_size(call.segment_size)
         _sized(call, x.shape, x.size, x.nbytes)
@@ -163,13 +160,13 @@ class ReduceScatter(Spec):
     name, reduces, scatters = "reduce_scatter", True, True
 
     def arguments(self, ctx, call):
-        call.x = x = _x(call)
+        call.x = x = as_array(call.x, "x")
         ops.check_op(call.op, x.dtype)
         check_algorithm(self.name, call.algorithm)
         bounds = block_bounds(x.size, ctx.size)
         call.counts = [bounds[r + 1] - bounds[r] for r in range(ctx.size)]  # every rank's block, for MPI
         shape = (call.counts[ctx.rank],)
-        call.out = _out(call, shape)
+        call.out = None if call.out is None else _out(call, shape)
         _sized(call, shape, x.size, x.nbytes)
 
     def native(self, comm, op, root, counts, blocking=False):
@@ -181,10 +178,10 @@ class Allgather(Spec):
     name, gathers, lean = "allgather", True, True
 
     def arguments(self, ctx, call):
-        call.x = x = _x(call)
+        call.x = x = as_array(call.x, "x")
         check_algorithm(self.name, call.algorithm)
         shape = (ctx.size,) + x.shape
-        call.out = _out(call, shape)
+        call.out = None if call.out is None else _out(call, shape)
         _sized(call, shape, x.size, x.nbytes * ctx.size)
 
     def native(self, comm, op, root, counts, blocking=False):
@@ -195,7 +192,7 @@ class Broadcast(Spec):
     name, rooted, one_buffer, lean = "broadcast", True, True, True
 
     def arguments(self, ctx, call):
-        call.x = x = _x(call)
+        call.x = x = as_array(call.x, "x")
         call.root = check_root(call.root, ctx.size)
         check_algorithm(self.name, call.algorithm)
         if not isinstance(x, DeviceArray) and (not isinstance(x, np.ndarray) or not x.flags.writeable):
@@ -214,11 +211,11 @@ class Reduce(Spec):
     name, reduces, rooted, inplace, root_result, lean = "reduce", True, True, True, True, True
 
     def arguments(self, ctx, call):
-        call.x = x = _x(call)
+        call.x = x = as_array(call.x, "x")
         call.root = check_root(call.root, ctx.size)
         ops.check_op(call.op, x.dtype)
         check_algorithm(self.name, call.algorithm)
-        call.out = _out(call, x.shape)
+        call.out = None if call.out is None else _out(call, x.shape)
         _sized(call, x.shape, x.size, x.nbytes)
 
     def native(self, comm, op, root, counts, blocking=False):
@@ -230,11 +227,12 @@ class Gather(Spec):
     name, rooted, gathers, root_result = "gather", True, True, True
 
     def arguments(self, ctx, call):
-        call.x = x = _x(call)
+        call.x = x = as_array(call.x, "x")
         call.root = check_root(call.root, ctx.size)
         check_algorithm(self.name, call.algorithm)
         shape = (ctx.size,) + x.shape
-        call.out = _out(call, shape) if ctx.rank == call.root else None  # the others' out is left alone
+        # the others' out is left alone
+        call.out = _out(call, shape) if ctx.rank == call.root and call.out is not None else None
         _sized(call, shape, x.size, x.nbytes * ctx.size)
 
     def native(self, comm, op, root, counts, blocking=False):
@@ -279,11 +277,11 @@ class Alltoall(Spec):
     name, blocked = "alltoall", True
 
     def arguments(self, ctx, call):
-        call.x = x = _x(call)
+        call.x = x = as_array(call.x, "x")
         check_algorithm(self.name, call.algorithm)
         if x.ndim == 0 or x.shape[0] != ctx.size:
             raise ValueError(f"x must have shape (size, *s) = ({ctx.size}, ...), one row per rank; got {x.shape}")
-        call.out = _out(call, x.shape)
+        call.out = None if call.out is None else _out(call, x.shape)
         _sized(call, x.shape, x.size // ctx.size, x.nbytes)  # the plan's count: one block
 
     def native(self, comm, op, root, counts, blocking=False):
@@ -294,7 +292,7 @@ class Alltoallv(Spec):
     name, variable = "alltoallv", True
 
     def arguments(self, ctx, call):
-        call.x = x = _x(call)
+        call.x = x = as_array(call.x, "x")
         check_algorithm(self.name, call.algorithm)
         if x.ndim == 0:
             raise ValueError("x must have shape (n, *s): its rows are sent; got a 0-d array")

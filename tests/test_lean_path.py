@@ -235,7 +235,9 @@ def test_small_calls_allocate_nothing_per_call(comm):
             comm.allreduce(x, out=out, algorithm="recursive_doubling")
         peaks[count] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-    problems = [] if peaks[8192] < peaks[16] + 4096 else [f"traced peak by count: {peaks}"]
+    # A buffer made per call would add 32 KiB at 8192; Python's objects per message
+    # (the lean executor's above PERSISTENT_BYTES) stay well below a quarter of that.
+    problems = [] if peaks[8192] < peaks[16] + 8192 else [f"traced peak by count: {peaks}"]
     agree(comm.mpi_comm, problems)
 
 

@@ -137,7 +137,13 @@ def breaking_on_failure(ctx: Any, run: Any, describe: Any) -> None:
     try:
         run()
     except BaseException as exc:
-        if ctx.progress.broken is None:
-            ctx.progress.fail(exc if isinstance(exc, Exception) else CollectiveError(
-                f"{describe()} was interrupted ({type(exc).__name__})"))
+        break_on(ctx, exc, describe)
         raise
+
+
+def break_on(ctx: Any, exc: BaseException, describe: Any) -> None:
+    """Break the engine on ``exc``, escaped from a call run outside it, as it would have
+    broken (``describe()`` names the call); the caller raises it on."""
+    if ctx.progress.broken is None:
+        ctx.progress.fail(exc if isinstance(exc, Exception) else CollectiveError(
+            f"{describe()} was interrupted ({type(exc).__name__})"))

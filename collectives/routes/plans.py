@@ -21,7 +21,7 @@ from ..call import host_buffers
 from ..transport import lean
 from ..transport.buffers import Buffers
 from ..transport.mpi import PlanHandle
-from .base import LeanEntry, Route, breaking_on_failure, finish_in_flight, look, plan_for
+from .base import LeanEntry, Route, break_on, breaking_on_failure, finish_in_flight, look, plan_for
 
 
 def _plan(ctx: Any, call: Any) -> Any:
@@ -35,8 +35,7 @@ def run_persistent(ctx: Any, plan: Any, inp: np.ndarray, result: np.ndarray, inp
     call, kept): ``inp`` copied in, ``result`` copied out. On a failure the engine
     breaks, as on the general path. ``entry``: the lean path's entry for the call's
     kind, which keeps the program (the call then skips the lookup)."""
-
-    def run():
+    try:
         program = entry.program if entry is not None else None
         if program is None or program.requests is None:
             key = (id(plan), inp.dtype, inp.size, result.size)
@@ -51,8 +50,9 @@ def run_persistent(ctx: Any, plan: Any, inp: np.ndarray, result: np.ndarray, inp
         program.run(op, describe, lambda: look(ctx, describe()))
         if result.size:
             np.copyto(result, program.out)
-
-    breaking_on_failure(ctx, run, describe)
+    except BaseException as exc:  # (no closure for breaking_on_failure: this is the small calls' hot path)
+        break_on(ctx, exc, describe)
+        raise
 
 
 def run_lean(ctx: Any, program: Any, buffers: Buffers, op: str, describe: Any) -> None:

@@ -311,12 +311,8 @@ class PersistentProgram:
             for i, view in views.items():
                 start = comm.Send_init if kinds[i] == SEND else comm.Recv_init
                 requests[i] = start([view, MPI.BYTE], plan.ops[i].peer, layout.tag(tag, view.nbytes))
-        self.in_flight = in_flight = []  # the requests started and not yet found complete
+        self.in_flight = []  # the requests started and not yet found complete
         op_name = self._op_name = ["sum"]  # the running call's op
-
-        def post(i):  # the scheduler's post: no request made, no buffer parsed
-            requests[i].Start()
-            in_flight.append(i)
 
         def local(i):
             views = work[i]
@@ -327,7 +323,8 @@ class PersistentProgram:
             else:
                 np.copyto(views[0], views[1])
 
-        self._post, self._local = post, local
+        self._local = local
+        self.scheduler = Scheduler(self.program)  # restarted at every call
         self.status = MPI.Status()
         self.broken = False
 
@@ -350,14 +347,20 @@ class PersistentProgram:
         kinds, peers = self.program.kinds, self.program.peers
         self._op_name[0] = op_name
         del in_flight[:]
-        scheduler = Scheduler(self.program)
+        scheduler = self.scheduler
+        scheduler.restart()
+        queue = in_flight.append  # the scheduler's post: started, in its order, when its turn ends
         patience = Patience(look)
         strays = None  # made at the first look (tags.Strays)
         i = -1  # the operation being tested, for MPI's errors
         try:
             while True:
                 if scheduler.ready:  # (only after progress: most turns of a wait start nothing)
-                    scheduler.run(self._local, self._post)
+                    started = len(in_flight)
+                    scheduler.run(self._local, queue)
+                    for k in range(started, len(in_flight)):
+                        i = in_flight[k]
+                        requests[i].Start()  # no request made, no buffer parsed
                 if scheduler.remaining == 0:
                     return
                 progressed = False

@@ -67,14 +67,23 @@ class Scheduler:
     """One call's run of a :class:`Program` (see the module's docstring).
     ``remaining``: the operations not yet finished (0: the call is done)."""
 
-    __slots__ = ("dependents", "fifo_next", "kinds", "pending", "ready", "remaining")
+    __slots__ = ("dependents", "fifo_next", "kinds", "pending", "program", "ready", "remaining")
 
     def __init__(self, program: Program):
+        self.program = program
         self.kinds = program.kinds
         self.dependents = program.dependents
         self.fifo_next = program.fifo_next
         self.pending = list(program.pending)
         self.ready = program.ready[:]
+        self.remaining = program.count
+
+    def restart(self) -> None:
+        """Make this scheduler a new call's, from the start (an executor that runs the
+        same program call after call keeps one)."""
+        program = self.program
+        self.pending[:] = program.pending
+        self.ready[:] = program.ready
         self.remaining = program.count
 
     @property
@@ -84,7 +93,10 @@ class Scheduler:
     def run(self, local: Callable[[int], object], post: Callable[[int], object]) -> None:
         """Start every ready operation, and whatever that releases in turn: ``local(i)``
         runs a copy or reduction (finished when it returns); ``post(i)`` posts a send,
-        receive or fence (finished at :meth:`complete`)."""
+        receive or fence (finished at :meth:`complete`). An executor may instead queue
+        the messages in ``post`` and post the queue, in its order, when this returns (the
+        persistent programs do: their messages are small, the local work between them
+        tiny)."""
         ready, pending, kinds, dependents, fifo_next = self.ready, self.pending, self.kinds, self.dependents, \
             self.fifo_next
         while ready:
