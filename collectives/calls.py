@@ -69,7 +69,8 @@ def run(ctx: Any, spec: Any, x: Any, out: Any, op: str, root: Any, algorithm: An
                 if result is not NOT_HANDLED:
                     return result
     call = Call(spec, x, out, op, root, algorithm, segment_size, timeout, blocking)
-    call.send, call.recv = send, recv
+    if send is not None or recv is not None:  # alltoallv's counts
+        call.send, call.recv = send, recv
     spec.arguments(ctx, call)
     options = ctx.options
     call.timeout = timeout = options.timeout_for(timeout)

@@ -130,8 +130,8 @@ def check_timeout(timeout: Any, name: str = "timeout") -> float | None:
     is None, a positive number, or infinity (no limit)."""
     if timeout is None:
         return None
-    if type(timeout) is float and 0.0 < timeout < math.inf:  # the common case, first
-        return timeout
+    if (type(timeout) is float or type(timeout) is int) and 0 < timeout < math.inf:  # the common case, first
+        return float(timeout)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"{name} must be a positive number of seconds (or None, or math.inf for none); "
                          f"got {timeout!r}")

@@ -134,9 +134,10 @@ def _out(call: Any, shape: tuple[int, ...]) -> Any:
 
 def _sized(call: Any, shape: tuple[int, ...], count: int, nbytes: int, gate_shape: tuple[int, ...] | None = None
            ) -> None:
+    x = call.x
     call.shape, call.count, call.nbytes = shape, count, nbytes
-    call.gate_shape = call.x.shape if gate_shape is None else gate_shape
-    call.where, call.dtype, call.device = call.x, call.x.dtype, isinstance(call.x, DeviceArray)
+    call.gate_shape = x.shape if gate_shape is None else gate_shape
+    call.where, call.dtype, call.device = x, x.dtype, isinstance(x, DeviceArray)
 
 
 class Allreduce(Spec):

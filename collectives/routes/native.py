@@ -77,6 +77,30 @@ def native_blocking(ctx: Any, spec: Any, inp: Any, out: Any, inplace: bool, op: 
         raise TransportError(f"{spec.name}(algorithm='native'): the MPI library failed: {exc}") from exc
 
 
+def callers_arrays(ctx: Any, call: Any) -> tuple[Any, Any, bool] | None:
+    """``(x, out, inplace)``: the caller's own arrays, which MPI's collective takes as
+    they are (``out`` made where the caller gave none; None where this rank gets no
+    result), or None where they need packing (not contiguous) or ``out`` overlaps
+    ``x`` without being it: MPI would read what it has written."""
+    spec, out, rank = call.spec, call.out, ctx.rank
+    x = call.x
+    if spec.root_input and rank != call.root:
+        x = np.empty(0, call.where.dtype)  # the other ranks' x is not read
+    if not x.flags.c_contiguous:
+        return None
+    leaf = spec.root_result and rank != call.root  # gets no result; out is left alone
+    inplace = out is x and spec.inplace and not leaf
+    if spec.one_buffer:
+        out = x
+    elif leaf:
+        out = None
+    elif out is None:
+        out = np.empty(call.shape, x.dtype)
+    elif not inplace and (not out.flags.c_contiguous or overlaps(x, out)):
+        return None
+    return x, out, inplace
+
+
 class NativeBlocking(Route):
     """MPI's blocking collective, for blocking calls that run alone."""
 
@@ -86,34 +110,13 @@ class NativeBlocking(Route):
         return call.algorithm == "native" and call.alone
 
     def run(self, ctx, call):
-        result = self._on_callers_arrays(ctx, call)
-        if result is not NOT_HANDLED:
-            return result
-        host_buffers(call, ctx.rank, ctx.size)
-        native_blocking(ctx, call.spec, call.inp, call.result, call.inplace, call.op, call.root, call.counts)
-        return call.finish()
-
-    def _on_callers_arrays(self, ctx, call):
-        """MPI's blocking collective straight on the caller's contiguous arrays, and its
-        result; ``NOT_HANDLED``, having done nothing, where the arrays need packing or
-        ``x`` overlaps ``out`` (the caller then packs them)."""
-        spec, out, rank = call.spec, call.out, ctx.rank
-        x = call.x
-        if spec.root_input and rank != call.root:
-            x = np.empty(0, call.where.dtype)  # the other ranks' x is not read
-        if not x.flags.c_contiguous:
-            return NOT_HANDLED
-        leaf = spec.root_result and rank != call.root  # gets no result; out is left alone
-        inplace = out is x and spec.inplace and not leaf
-        if spec.one_buffer:
-            out = x
-        elif leaf:
-            out = None
-        elif out is None:
-            out = np.empty(call.shape, x.dtype)
-        elif not inplace and (not out.flags.c_contiguous or overlaps(x, out)):
-            return NOT_HANDLED
-        native_blocking(ctx, spec, x, out, inplace, call.op, call.root, call.counts)
+        direct = callers_arrays(ctx, call)
+        if direct is None:  # packed into contiguous buffers first
+            host_buffers(call, ctx.rank, ctx.size)
+            native_blocking(ctx, call.spec, call.inp, call.result, call.inplace, call.op, call.root, call.counts)
+            return call.finish()
+        x, out, inplace = direct
+        native_blocking(ctx, call.spec, x, out, inplace, call.op, call.root, call.counts)
         if out is not None:
             ops.finish(call.op, out, ctx.size)
         return out
@@ -141,9 +144,14 @@ class Native(Route):
         return call.algorithm == "native"
 
     def run(self, ctx, call):
-        host_buffers(call, ctx.rank, ctx.size)
-        spec, inp, out, inplace, op, root, counts = (call.spec, call.inp, call.result, call.inplace, call.op,
-                                                     call.root, call.counts)
+        spec, op, root, counts = call.spec, call.op, call.root, call.counts
+        direct = callers_arrays(ctx, call)
+        if direct is None:  # packed into contiguous buffers first, unpacked at the end
+            host_buffers(call, ctx.rank, ctx.size)
+            inp, out, inplace = call.inp, call.result, call.inplace
+        else:
+            inp, out, inplace = direct
+            call.finish = _finisher(op, out, ctx.size)
         if spec.name in ctx.native_checked:  # the ranks agree on the size first, then MPI's collective is posted
             handle = agreement.AgreedHandle(
                 ctx.progress, call.describe, call.finish, ctx.comm, ctx.deferred, agreement.unit(spec, inp, out),
@@ -155,6 +163,18 @@ class Native(Route):
                                    call.sequence, inp.nbytes)
         handle.start()
         return handle.wait() if call.blocking else handle
+
+
+def _finisher(op: str, out: Any, size: int) -> Any:
+    """What a call on the caller's arrays does at the end: ``avg``'s division, then
+    return ``out``."""
+
+    def finish() -> Any:
+        if out is not None:
+            ops.finish(op, out, size)
+        return out
+
+    return finish
 
 
 NATIVE_BLOCKING = NativeBlocking()

@@ -19,8 +19,8 @@ on requests made once), the device executor (:mod:`.device`) and the in-process 
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
+from heapq import heappop, heappush
 
 from ..schedule import Copy, Fence, Plan, Recv, Reduce, Send
 
@@ -99,11 +99,12 @@ class Scheduler:
         tiny)."""
         ready, pending, kinds, dependents, fifo_next = self.ready, self.pending, self.kinds, self.dependents, \
             self.fifo_next
+        finished = 0  # local operations run (taken off ``remaining`` once, at the end)
         while ready:
-            i = heapq.heappop(ready) if len(ready) > 1 else ready.pop()
+            i = heappop(ready) if len(ready) > 1 else ready.pop()
             if kinds[i] >= LOCAL:
                 local(i)
-                self.remaining -= 1
+                finished += 1
                 released = dependents[i]
             else:
                 post(i)
@@ -114,14 +115,15 @@ class Scheduler:
             for j in released:
                 pending[j] -= 1
                 if pending[j] == 0:
-                    heapq.heappush(ready, j)
+                    heappush(ready, j)
+        self.remaining -= finished
 
     def complete(self, i: int) -> None:
         """Posted operation ``i`` has finished: what waited for it may be ready (call
         :meth:`run` to start it)."""
         self.remaining -= 1
-        pending, ready = self.pending, self.ready
+        pending = self.pending
         for j in self.dependents[i]:
             pending[j] -= 1
             if pending[j] == 0:
-                heapq.heappush(ready, j)
+                heappush(self.ready, j)
