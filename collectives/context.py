@@ -104,6 +104,10 @@ class Context:
         # stop on a mismatch by itself (transport.native); the non-blocking ones then go
         # on a duplicate of their own, posted in call order once agreed.
         self.native_checked = mpi_library.native_checked(native.CHECKED)
+        # MPI's own alltoallv, with receive counts the caller gave: they are checked
+        # against what the peers send (specs.Alltoallv.agree); no MPI was measured to
+        # stop on a wrong one by itself.
+        self.native_counts_checked = mpi_library.native_checked(("alltoallv",))
         self.deferred = native.Deferred(mpi_comm.Dup()) if self.native_checked else None
         self.sequence = 0  # the newest call's number (its messages' tag)
         self.progress = Progress(Liveness(mpi_comm.Dup()), options.stall_warn)

@@ -220,6 +220,36 @@ def test_check_mode_catches_counts_that_disagree():
 
 
 @needs_peers
+@pytest.mark.parametrize("algorithm", ["native", "pairwise"])
+def test_counts_that_disagree_raise_on_every_rank_without_check_mode(algorithm):
+    """MPI's own alltoallv may write past a buffer or return short rows on a wrong
+    receive count, silently: the counts are checked first, and every rank raises. The
+    library's algorithms find the wrong size in the message: the rank that receives it
+    raises a MessageSizeError (the others may have finished their part by then)."""
+    comm = cc.Communicator()
+    size, rank = comm.size, comm.rank
+    recv = [1] * size
+    if rank == size - 1:
+        recv[0] = 2  # rank 0 sends it one row
+    out = np.full((sum(recv), 2), -1.0)
+    kind, text = "ok", ""
+    try:
+        comm.alltoallv(np.ones((size, 2)), [1] * size, recv, out=out, algorithm=algorithm)
+    except cc.CollectiveError as exc:
+        kind, text = type(exc).__name__, str(exc)
+    problems = []
+    if algorithm == "native":
+        wanted = f"rank {size - 1} expects 2 rows from rank 0 (its recv_counts[0]), but rank 0 sends it 1"
+        if kind != "CollectiveMismatchError" or wanted not in text:
+            problems.append(f"{kind}: {text}")
+        if (out != -1).any():
+            problems.append("data moved")
+    elif rank == size - 1 and kind != "MessageSizeError":  # the rank that receives the short message finds it
+        problems.append(f"{kind}: {text}")
+    agree(WORLD, problems)
+
+
+@needs_peers
 @pytest.mark.parametrize("algorithm", ["pairwise", "native"])
 def test_a_timeout_names_the_absent_rank(algorithm):
     comm = cc.Communicator()
