@@ -111,8 +111,7 @@ def lean_call(ctx: Any, spec: Any, x: np.ndarray, out: Any, op: str, root: Any, 
     to it, so errors are its own."""
     progress, options = ctx.progress, ctx.options
     flags = x.flags
-    if (options.check or options.stall_warn is not None or options.timeout is not None or progress.broken is not None
-            or type(op) is not str or not flags.c_contiguous):
+    if not ctx.plain or progress.broken is not None or type(op) is not str or not flags.c_contiguous:
         return NOT_HANDLED
     if progress.active and collectives_in_flight(ctx):
         return NOT_HANDLED  # the general path finishes them first

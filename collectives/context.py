@@ -79,6 +79,8 @@ class Context:
 
     def __init__(self, mpi_comm: MPI.Intracomm, options: Options, nodes: Any = None):
         self.options = options
+        # No check mode, timeout or stall warning: blocking calls may take the lean path.
+        self.plain = not (options.check or options.timeout is not None or options.stall_warn is not None)
         self.comm = mpi_comm.Dup()  # the library's collectives: never matched with the caller's messages
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()

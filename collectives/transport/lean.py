@@ -321,7 +321,7 @@ class PersistentProgram:
             elif len(views) == 3:
                 combine(op_name[0], views[1], views[2], views[0])
             else:
-                np.copyto(views[0], views[1])
+                views[0][...] = views[1]  # (np.copyto is a Python wrapper: this is the small calls' path)
 
         self._local = local
         self.scheduler = Scheduler(self.program)  # restarted at every call
