@@ -39,6 +39,11 @@ IMPI_TESTS    ?= tests/test_collectives.py tests/test_reliability.py tests/test_
 # Tests marked `long` (the long sweeps) run in `make test` serially and at world sizes
 # below LONG_FROM only; `make test-long` runs them at the others. CI runs both.
 LONG_FROM     ?= 5
+# From LONG_FROM on, `make test` runs only WIDE_FILES (the device stand-in's peer-read and
+# lean paths, which must run at 1-8 ranks there) and `make test-long` the rest of the suite:
+# on 2 cores the whole suite at 5-8 ranks took 17 minutes, and make test must stay well
+# under 20 in all.
+WIDE_FILES    ?= tests/test_device_peer.py tests/test_device_lean.py
 # A hung run must fail, not stall CI: seconds per mpiexec run.
 RUN_TIMEOUT   ?= 900
 # torch for the gloo comparison (collectives-bench --peers gloo). Here pip finds a
@@ -132,22 +137,27 @@ test-serial: install
 # colours: Open MPI's launcher gives the ranks a terminal, whose escapes a log does not want.
 test-mpi: install
 	@for n in $(WORLD_SIZES); do \
+	  files="$(TEST_FILES)"; \
 	  if [ -n "$(MPI_MARK)" ]; then only="$(MPI_MARK)"; \
-	  elif [ $$n -lt $(LONG_FROM) ]; then only="not serial"; else only="not serial and not long"; fi; \
-	  echo "== $(MPI): mpiexec -n $$n ($$only)"; \
+	  elif [ $$n -lt $(LONG_FROM) ]; then only="not serial"; \
+	  else only="not serial and not long"; if [ "$$files" = tests ]; then files="$(WIDE_FILES)"; fi; fi; \
+	  echo "== $(MPI): mpiexec -n $$n ($$only) $$files"; \
 	  timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m pytest -q --color=no --with-mpi -m "$$only" \
-	    $(TEST_FILES) || exit 1; \
+	    $$files || exit 1; \
 	done
 
-# The long sweeps `make test` leaves out: the serial ones once, the MPI ones at every
-# world size in WORLD_SIZES from LONG_FROM up. Together the two targets run every test
-# at every world size.
+# What `make test` leaves out: the serial long sweeps once; at every world size in
+# WORLD_SIZES from LONG_FROM up, the MPI long sweeps and the suite but WIDE_FILES.
+# Together the two targets run every test at every world size.
 test-long: install
 	$(PYTHON) -m pytest -q --with-mpi -m "serial and long" tests
 	@for n in $(WORLD_SIZES); do \
 	  if [ $$n -ge $(LONG_FROM) ]; then \
 	    echo "== mpiexec -n $$n (long)"; \
 	    timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m pytest -q --with-mpi -m "long and not serial" tests || exit 1; \
+	    echo "== mpiexec -n $$n (not long, but $(WIDE_FILES))"; \
+	    timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m pytest -q --with-mpi -m "not serial and not long" \
+	      $(addprefix --ignore=,$(WIDE_FILES)) tests || exit 1; \
 	  fi; \
 	done
 
