@@ -143,11 +143,19 @@ class Plans(Route):
         entry.plan, entry.program = plan, program
         name, op = call.spec.name, call.op
 
-        def run(x, result):
+        def run(x, result):  # run_lean's work, without its closures: the small calls' path
             sequence = ctx.sequence
+
+            def describe():
+                return f"{name}(algorithm={entry.algorithm!r}) call #{sequence}"
+
             raw, tmp = ctx.workspace.take(plan.tmp, x.dtype)
-            run_lean(ctx, program, Buffers(x, result, tmp), op,
-                     lambda: f"{name}(algorithm={entry.algorithm!r}) call #{sequence}")
+            try:
+                lean.run(program, ctx.comm, ctx.blocking_tag, Buffers(x, result, tmp), op, describe,
+                         ctx.progress.abandon, lambda: look(ctx, describe()))
+            except BaseException as exc:
+                break_on(ctx, exc, describe)
+                raise
             ctx.workspace.give(raw)
 
         entry.run = run

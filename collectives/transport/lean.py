@@ -30,7 +30,7 @@ from ..schedule import Copy
 from . import tags as tags_module
 from .buffers import Buffers
 from .progress import yield_cpu
-from .scheduler import RECV, REDUCE, SEND, Scheduler, program_of
+from .scheduler import LOCAL, RECV, REDUCE, SEND, Scheduler, program_of
 from .tags import wrong_size  # noqa: F401 (also this module's name for it)
 
 MAX_OPS = 64
@@ -113,36 +113,34 @@ def run(program, comm, tag, buffers, op_name, describe, abandon, look=None):
     probes = None  # receives of large messages, posted once a probe has found their message (tags.Probes)
     strays = None  # made at the first look (tags.Strays)
 
-    def local(i):
-        if kinds[i] == REDUCE:
-            dst, a, b = ops[i]
-            combine(op_name, arrays[a.buf][a.lo:a.hi], arrays[b.buf][b.lo:b.hi], arrays[dst.buf][dst.lo:dst.hi])
-        else:
-            buffers.run_local(op_name, ops[i])
-
-    def post(i):
-        nonlocal probes
-        s = slices[i]
-        view = arrays[s.buf][s.lo:s.hi]
-        nbytes = view.nbytes
-        if kinds[i] == SEND:
-            requests.append(isend([view, MPI.BYTE], peers[i], tag + (nbytes if nbytes < large else large)))
-        elif nbytes < large:
-            requests.append(irecv([view, MPI.BYTE], peers[i], tag + nbytes))
-        else:
-            if probes is None:
-                probes = tags_module.Probes()
-            probes.add(comm, peers[i], tag + large, view, i)
-            requests.append(MPI.REQUEST_NULL)  # its place, until the probe finds the message
-        owners.append(i)
-        sizes.append(nbytes)
-
-    scheduler = Scheduler(program)
+    scheduler = program.blocking_scheduler()
     patience = Patience(look)
     try:
         while True:
             if scheduler.ready:  # (only after progress: most turns of a wait start nothing)
-                scheduler.run(local, post)
+                for i in scheduler.turn():
+                    if kinds[i] == REDUCE:
+                        dst, a, b = ops[i]
+                        combine(op_name, arrays[a.buf][a.lo:a.hi], arrays[b.buf][b.lo:b.hi],
+                                arrays[dst.buf][dst.lo:dst.hi])
+                        continue
+                    if kinds[i] >= LOCAL:
+                        buffers.run_local(op_name, ops[i])
+                        continue
+                    s = slices[i]  # a message: post it
+                    view = arrays[s.buf][s.lo:s.hi]
+                    nbytes = view.nbytes
+                    if kinds[i] == SEND:
+                        requests.append(isend([view, MPI.BYTE], peers[i], tag + (nbytes if nbytes < large else large)))
+                    elif nbytes < large:
+                        requests.append(irecv([view, MPI.BYTE], peers[i], tag + nbytes))
+                    else:
+                        if probes is None:
+                            probes = tags_module.Probes()
+                        probes.add(comm, peers[i], tag + large, view, i)
+                        requests.append(MPI.REQUEST_NULL)  # its place, until the probe finds the message
+                    owners.append(i)
+                    sizes.append(nbytes)
             if scheduler.remaining == 0:
                 return
             if probes is not None and probes.entries and probes.poll(
@@ -349,18 +347,19 @@ class PersistentProgram:
         del in_flight[:]
         scheduler = self.scheduler
         scheduler.restart()
-        queue = in_flight.append  # the scheduler's post: started, in its order, when its turn ends
+        local = self._local
         patience = Patience(look)
         strays = None  # made at the first look (tags.Strays)
         i = -1  # the operation being tested, for MPI's errors
         try:
             while True:
                 if scheduler.ready:  # (only after progress: most turns of a wait start nothing)
-                    started = len(in_flight)
-                    scheduler.run(self._local, queue)
-                    for k in range(started, len(in_flight)):
-                        i = in_flight[k]
-                        requests[i].Start()  # no request made, no buffer parsed
+                    for i in scheduler.turn():
+                        if kinds[i] >= LOCAL:
+                            local(i)
+                        else:
+                            requests[i].Start()  # no request made, no buffer parsed
+                            in_flight.append(i)
                 if scheduler.remaining == 0:
                     return
                 progressed = False

@@ -8,7 +8,9 @@
 
 A :class:`Program` is a plan's tables for that rule, made once per plan. A
 :class:`Scheduler` runs it for one call: :meth:`Scheduler.run` starts everything that
-is ready (``local(i)`` runs operation i, ``post(i)`` posts message i) and
+is ready (``local(i)`` runs operation i, ``post(i)`` posts message i), or
+:meth:`Scheduler.turn` hands the same operations, in the same order, to the
+executor's own loop (the blocking executors' way: no Python call per operation), and
 :meth:`Scheduler.complete` tells it a posted message has finished. The executors
 differ only in how they post and learn of completions: the progress engine's plan
 handles (:mod:`.mpi`, ``Isend``/``Irecv``, completions from its ``Testsome``), the
@@ -19,7 +21,7 @@ on requests made once), the device executor (:mod:`.device`) and the in-process 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from heapq import heappop, heappush
 
 from ..schedule import Copy, Fence, Plan, Recv, Reduce, Send
@@ -34,7 +36,8 @@ class Program:
     how many operations each waits for, the ones ready at the start (a heap already:
     ascending), and the plan's ``dependents`` and ``fifo_next``."""
 
-    __slots__ = ("count", "dependents", "fifo_next", "kinds", "peers", "pending", "plan", "ready", "slices")
+    __slots__ = ("_blocking", "count", "dependents", "fifo_next", "kinds", "peers", "pending", "plan", "ready",
+                 "slices")
 
     def __init__(self, plan: Plan):
         self.plan = plan
@@ -49,6 +52,18 @@ class Program:
         self.dependents = plan.dependents
         self.fifo_next = plan.fifo_next
         self.count = len(plan.ops)
+        self._blocking: Scheduler | None = None
+
+    def blocking_scheduler(self) -> Scheduler:
+        """A :class:`Scheduler` of this program restarted for a new call, the one kept for
+        the blocking executor (one call at a time: it runs a call to its end, or the call
+        fails, before the next starts)."""
+        scheduler = self._blocking
+        if scheduler is None:
+            scheduler = self._blocking = Scheduler(self)
+        else:
+            scheduler.restart()
+        return scheduler
 
     def is_copy(self, i: int) -> bool:
         return isinstance(self.plan.ops[i], Copy)
@@ -93,21 +108,27 @@ class Scheduler:
     def run(self, local: Callable[[int], object], post: Callable[[int], object]) -> None:
         """Start every ready operation, and whatever that releases in turn: ``local(i)``
         runs a copy or reduction (finished when it returns); ``post(i)`` posts a send,
-        receive or fence (finished at :meth:`complete`). An executor may instead queue
-        the messages in ``post`` and post the queue, in its order, when this returns (the
-        persistent programs do: their messages are small, the local work between them
-        tiny)."""
-        ready, pending, kinds, dependents, fifo_next = self.ready, self.pending, self.kinds, self.dependents, \
-            self.fifo_next
-        finished = 0  # local operations run (taken off ``remaining`` once, at the end)
-        while ready:
-            i = heappop(ready) if len(ready) > 1 else ready.pop()
+        receive or fence (finished at :meth:`complete`)."""
+        kinds = self.kinds
+        for i in self.turn():
             if kinds[i] >= LOCAL:
                 local(i)
-                finished += 1
-                released = dependents[i]
             else:
                 post(i)
+
+    def turn(self) -> Iterator[int]:
+        """:meth:`run` for an executor that runs each operation in its own loop: yields
+        every ready operation in turn; the caller runs a local one, or posts a message,
+        before it asks for the next (which may be what that released)."""
+        ready, pending, kinds, dependents, fifo_next = self.ready, self.pending, self.kinds, self.dependents, \
+            self.fifo_next
+        while ready:
+            i = heappop(ready) if len(ready) > 1 else ready.pop()
+            yield i
+            if kinds[i] >= LOCAL:
+                self.remaining -= 1
+                released = dependents[i]
+            else:
                 nxt = fifo_next[i]
                 if nxt < 0:
                     continue
@@ -116,7 +137,6 @@ class Scheduler:
                 pending[j] -= 1
                 if pending[j] == 0:
                     heappush(ready, j)
-        self.remaining -= finished
 
     def complete(self, i: int) -> None:
         """Posted operation ``i`` has finished: what waited for it may be ready (call
