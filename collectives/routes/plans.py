@@ -21,7 +21,7 @@ from ..call import host_buffers
 from ..transport import lean
 from ..transport.buffers import Buffers
 from ..transport.mpi import PlanHandle
-from .base import LeanEntry, Route, break_on, breaking_on_failure, finish_in_flight, look, plan_for
+from .base import LeanEntry, Route, break_on, finish_in_flight, look, plan_for
 
 
 def _plan(ctx: Any, call: Any) -> Any:
@@ -61,10 +61,12 @@ def run_lean(ctx: Any, program: Any, buffers: Buffers, op: str, describe: Any) -
     up and the engine breaks as on the general path, telling the other ranks of a
     message-size or MPI error; an interrupt (KeyboardInterrupt) breaks it too, since the
     ranks no longer agree on which message belongs to which call."""
-    breaking_on_failure(
-        ctx, lambda: lean.run(program, ctx.comm, ctx.blocking_tag, buffers, op, describe, ctx.progress.abandon,
-                              lambda: look(ctx, describe())),
-        describe)
+    try:  # (not breaking_on_failure's closure: the lean path's calls come here)
+        lean.run(program, ctx.comm, ctx.blocking_tag, buffers, op, describe, ctx.progress.abandon,
+                 lambda: look(ctx, describe()))
+    except BaseException as exc:
+        break_on(ctx, exc, describe)
+        raise
 
 
 class Persistent(Route):
@@ -143,19 +145,11 @@ class Plans(Route):
         entry.plan, entry.program = plan, program
         name, op = call.spec.name, call.op
 
-        def run(x, result):  # run_lean's work, without its closures: the small calls' path
+        def run(x, result):
             sequence = ctx.sequence
-
-            def describe():
-                return f"{name}(algorithm={entry.algorithm!r}) call #{sequence}"
-
             raw, tmp = ctx.workspace.take(plan.tmp, x.dtype)
-            try:
-                lean.run(program, ctx.comm, ctx.blocking_tag, Buffers(x, result, tmp), op, describe,
-                         ctx.progress.abandon, lambda: look(ctx, describe()))
-            except BaseException as exc:
-                break_on(ctx, exc, describe)
-                raise
+            run_lean(ctx, program, Buffers(x, result, tmp), op,
+                     lambda: f"{name}(algorithm={entry.algorithm!r}) call #{sequence}")
             ctx.workspace.give(raw)
 
         entry.run = run

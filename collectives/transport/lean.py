@@ -30,7 +30,7 @@ from ..schedule import Copy
 from . import tags as tags_module
 from .buffers import Buffers
 from .progress import yield_cpu
-from .scheduler import LOCAL, RECV, REDUCE, SEND, Scheduler, program_of
+from .scheduler import LOCAL, RECV, REDUCE, SEND, program_of
 from .tags import wrong_size  # noqa: F401 (also this module's name for it)
 
 MAX_OPS = 64
@@ -322,7 +322,6 @@ class PersistentProgram:
                 views[0][...] = views[1]  # (np.copyto is a Python wrapper: this is the small calls' path)
 
         self._local = local
-        self.scheduler = Scheduler(self.program)  # restarted at every call
         self.status = MPI.Status()
         self.broken = False
 
@@ -345,8 +344,7 @@ class PersistentProgram:
         kinds, peers = self.program.kinds, self.program.peers
         self._op_name[0] = op_name
         del in_flight[:]
-        scheduler = self.scheduler
-        scheduler.restart()
+        scheduler = self.program.blocking_scheduler()
         local = self._local
         patience = Patience(look)
         strays = None  # made at the first look (tags.Strays)
