@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
 from .arrays import as_array
 from .device import DeviceArray, is_device
@@ -35,9 +34,8 @@ def send(ctx: Any, x: Any, dst: Any, tag: Any, timeout: Any, blocking: bool) -> 
     describe = f"send to rank {dst} (tag {tag})"
     _open(ctx, describe)
     payload = p2p.device_to_host(x) if isinstance(x, DeviceArray) else p2p.as_bytes(x)
-    handle = p2p.PointHandle(ctx.progress, describe, _nothing,
-                             lambda: ctx.p2p_comm.Isend([payload, MPI.BYTE], dst, tag), dst, tag, payload.nbytes,
-                             False, timeout, ctx.sequence)
+    handle = p2p.PointHandle(ctx.progress, describe, _nothing, ctx.p2p_comm, payload, dst, tag, False, timeout,
+                             ctx.sequence)
     return handle.start()
 
 
@@ -70,8 +68,6 @@ def recv(ctx: Any, out: Any, src: Any, tag: Any, timeout: Any, blocking: bool) -
         def finish() -> Any:
             target[...] = staged
             return out
-    source = MPI.ANY_SOURCE if src is None else src
-    handle = p2p.PointHandle(ctx.progress, describe, finish,
-                             lambda: ctx.p2p_comm.Irecv([landing, MPI.BYTE], source, tag), src, tag, landing.nbytes,
-                             True, timeout, ctx.sequence)
+    handle = p2p.PointHandle(ctx.progress, describe, finish, ctx.p2p_comm, landing, src, tag, True, timeout,
+                             ctx.sequence)
     return handle.start()

@@ -145,8 +145,8 @@ def run(program, comm, tag, buffers, op_name, describe, abandon, look=None):
                 return
             if probes is not None and probes.entries and probes.poll(
                     lambda i, request: requests.__setitem__(owners.index(i), request),
-                    lambda i, got, request: _probed_wrong(i, got, request, owners, sizes, abandon, describe, peers,
-                                                          len(kinds))):
+                    lambda i, got, request, _source: _probed_wrong(i, got, request, owners, sizes, abandon, describe,
+                                                                   peers, len(kinds))):
                 patience.progressed()
             finished = MPI.Request.Testsome(requests, statuses)
             if not finished:

@@ -71,7 +71,7 @@ class PlanHandle(Handle):
         self._in_flight[i] = view.nbytes
         self._add_request(request, i)
 
-    def _wrong_size(self, i, got):
+    def _wrong_size(self, i, got, source=None):
         op = self._plan.ops[i]
         return at(MessageSizeError(f"{self._describe}: step {self._step(i)}: received {got} B from rank {op.peer} "
                                    f"where the schedule expects {self._in_flight[i]} B; the ranks called it with "
@@ -85,7 +85,7 @@ class PlanHandle(Handle):
             self._strays = tags.Strays(self._comm, self._tag, self._layout)
         ops, pending, in_flight = self._plan.ops, self._scheduler.pending, self._in_flight
         found = self._strays.check(tags.awaited(
-            (op.peer, self._buffers.view(op.dst).nbytes, i, pending[i] == 0 and i not in in_flight)
+            (op.peer, self._message_bytes(op), i, pending[i] == 0 and i not in in_flight)
             for i, op in enumerate(ops) if isinstance(op, Recv)))
         if found is None:
             return None
@@ -93,6 +93,10 @@ class PlanHandle(Handle):
         return at(MessageSizeError(f"{self._describe}: step {self._step(step)}: received {got} B from rank {peer} "
                                    f"where the schedule expects {expected} B; the ranks called it with buffers "
                                    "of different sizes"), peer, step + 1)
+
+    def _message_bytes(self, op):
+        """The size of the message that receive ``op`` takes."""
+        return self._buffers.view(op.dst).nbytes
 
     def _on_request_done(self, i, status):
         expected = self._in_flight.pop(i)

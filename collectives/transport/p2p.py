@@ -2,7 +2,8 @@
 
 They travel on a private MPI communicator of their own, so they never match a
 collective's messages (whose tags are call numbers) nor the caller's. A message goes
-as raw bytes; a receive checks that exactly its buffer's size arrived. Their handles
+as raw bytes; a receive is posted once a matched probe has found its message, and only
+if that message is exactly its buffer's size (:class:`PointHandle`). Their handles
 join the communicator's progress engine: waiting on one advances the collectives in
 flight too, a timeout names the peer, and a failure breaks the communicator as a
 collective's does.
@@ -20,16 +21,27 @@ from .progress import Handle
 
 
 class PointHandle(Handle):
-    """One send or one receive. ``source``: the rank a finished receive came from."""
+    """One send or one receive of ``buffer`` (a flat uint8 array) to or from ``peer``
+    (None: any rank) on ``comm``. ``source``: the rank a finished receive came from.
 
-    def __init__(self, progress, describe, finish, start_request, peer, tag, nbytes, receive, timeout=None, call=0):
+    A receive is posted only once a matched probe has found its message and that
+    message is exactly the buffer's size (``tags.Probes``, polled by the progress
+    engine): a message of another size is received into scratch memory and raises
+    :class:`MessageSizeError`, and nothing is written into the buffer. MPI's own
+    truncation is never relied on (Open MPI's shared-memory path writes a longer
+    message past the end of the buffer before it reports it)."""
+
+    def __init__(self, progress, describe, finish, comm, buffer, peer, tag, receive, timeout=None, call=0):
         super().__init__(progress, describe, finish, timeout, call)
-        self._peer, self._message_tag, self._nbytes, self._receive = peer, tag, nbytes, receive
+        self._peer, self._message_tag, self._nbytes, self._receive = peer, tag, buffer.nbytes, receive
         self.source = None
-        try:
-            self._add_request(start_request(), 0)
-        except MPI.Exception as exc:
-            raise TransportError(f"{describe}: the MPI library refused it: {exc}") from exc
+        if receive:
+            progress.probes.add(comm, MPI.ANY_SOURCE if peer is None else peer, tag, buffer, (self, 0))
+        else:
+            try:
+                self._add_request(comm.Isend([buffer, MPI.BYTE], peer, tag), 0)
+            except MPI.Exception as exc:
+                raise TransportError(f"{describe}: the MPI library refused it: {exc}") from exc
         self._pending = True
 
     def start(self):
@@ -40,10 +52,15 @@ class PointHandle(Handle):
         if self._receive:
             self.source = status.Get_source()
             arrived = status.Get_count(MPI.BYTE)
-            if arrived != self._nbytes:
-                raise MessageSizeError(f"{self._describe}: rank {self.source} sent {arrived} B where the receive "
-                                       f"holds {self._nbytes} B; send and receive must have the same size")
+            if arrived != self._nbytes:  # probed for its size before: never here on a correct MPI
+                raise self._wrong_size(_token, arrived, self.source)
         self._pending = False
+
+    def _wrong_size(self, _token, got, source):
+        self.source = source
+        return MessageSizeError(f"{self._describe}: rank {source} sent {got} B where the receive holds "
+                                f"{self._nbytes} B; send and receive must have the same size (nothing was "
+                                "received into the buffer)")
 
     def _is_done(self):
         return not self._pending

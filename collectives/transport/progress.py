@@ -68,7 +68,7 @@ class Progress:
         self._device = []  # DeviceWait: device work the host waits for
         self.backends = []  # devices this communicator uses: polled while waiting (see device.standin)
         self.shm = []  # shared-memory calls (transport.shm.ShmHandle), run in the order they were made
-        self.probes = tags.Probes()  # large receives posted once a probe finds their message (mpi.PlanHandle)
+        self.probes = tags.Probes()  # receives posted once a probe finds their message (large ones, send/recv)
 
     def leftovers(self):
         """What the engine still holds once every call has finished (none of which
@@ -140,16 +140,19 @@ class Progress:
         return progressed
 
     def _advance_probes(self):
-        """Post the large receives whose message a probe has found (see ``tags.Probes``);
+        """Post the receives whose message a probe has found (see ``tags.Probes``);
         break on one of the wrong size."""
-        def wrong(owner, got, request):
-            handle, i = owner
-            self._abandoned.append(request)  # the message goes to a scratch buffer: MPI keeps it until it ends
-            error = handle._wrong_size(i, got)
-            self.fail(error, culprit=handle)
-            raise error
+        return self.probes.poll(self._probe_found, self._probe_wrong) > 0
 
-        return self.probes.poll(lambda owner, request: self.add(owner[0], owner[1], request), wrong) > 0
+    def _probe_found(self, owner, request):
+        self.add(owner[0], owner[1], request)
+
+    def _probe_wrong(self, owner, got, request, source):
+        handle, i = owner
+        self._abandoned.append(request)  # the message goes to a scratch buffer: MPI keeps it until it ends
+        error = handle._wrong_size(i, got, source)
+        self.fail(error, culprit=handle)
+        raise error
 
     def _look_for_strays(self):
         """At each look while waiting: break if a call in flight has a message of the
@@ -421,9 +424,10 @@ class Handle:
         receives will take, or None (the engine asks at each look while it waits)."""
         return None
 
-    def _wrong_size(self, i, got):
+    def _wrong_size(self, i, got, source):
         """The :class:`MessageSizeError` of this call's receive ``i``, which a probe
-        found to be ``got`` bytes (transports that probe their receives name the step)."""
+        found to be ``got`` bytes from rank ``source`` (transports that probe their
+        receives name the step)."""
         return MessageSizeError(f"{self._describe}: received {got} B where the receive holds another size; the ranks "
                                 "called it with buffers of different sizes")
 

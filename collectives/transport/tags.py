@@ -81,15 +81,18 @@ def wrong_size(describe, step, steps, peer, got, expected):
 
 
 class Probes:
-    """Receives of ``large`` bytes or more, waiting for their message to be found by a
-    matched probe before they are posted, in the order they were added.
+    """Receives waiting for their message to be found by a matched probe before they
+    are posted, in the order they were added: a collective's receives of ``large``
+    bytes or more, and every point-to-point receive (:mod:`.p2p`).
 
     Messages from one peer with one tag match in the order they were sent, and these
-    receives were added in the order of the plan (each peer's receives are posted in
-    program order), so only the first waiting entry of each (communicator, peer, tag)
-    probes. :meth:`poll` posts what it found; a message whose size is not the receive's
-    is received into a scratch buffer of its own (so that its sender is not left
-    waiting) and raises."""
+    receives were added in the order they were made (each peer's receives are posted
+    in program order), so only the first waiting entry of each (communicator, peer,
+    tag) probes. A receive from any rank (``MPI.ANY_SOURCE``) keeps MPI's order too:
+    it waits while an earlier receive of its tag waits, and a later receive of its tag
+    waits while it does. :meth:`poll` posts what it found; a message whose size is
+    not the receive's is received into a scratch buffer of its own (so that its
+    sender is not left waiting) and raises."""
 
     __slots__ = ("entries", "status")
 
@@ -105,27 +108,31 @@ class Probes:
 
     def poll(self, posted, wrong):
         """Probe for each entry's message; for each found, ``posted(owner, request)``
-        with its receive posted, or ``wrong(owner, got_bytes, request)`` where the size
-        differs (``request``: the scratch receive, to be kept until it ends). Returns
-        how many were found."""
-        found, blocked, kept = 0, set(), []
+        with its receive posted, or ``wrong(owner, got_bytes, request, source)`` where
+        the size differs (``request``: the scratch receive, to be kept until it ends;
+        ``source``: the sender's rank). Returns how many were found."""
+        found, blocked, kept = 0, None, []
         status = self.status
+        anyone = MPI.ANY_SOURCE
         for entry in self.entries:
             comm, peer, tag, view, owner = entry
-            key = (id(comm), peer, tag)
-            if key in blocked:
+            if blocked is not None and ((id(comm), peer, tag) in blocked or (id(comm), anyone, tag) in blocked
+                                        or (peer == anyone and (id(comm), tag) in blocked)):
                 kept.append(entry)
                 continue
             message = comm.Improbe(peer, tag, status)
             if message is None:
-                blocked.add(key)
+                if blocked is None:  # (made only here: most polls have one entry, which finds nothing yet)
+                    blocked = set()
+                blocked.add((id(comm), peer, tag))
+                blocked.add((id(comm), tag))  # what a later receive from any rank must wait for
                 kept.append(entry)
                 continue
             found += 1
             got = status.Get_count(MPI.BYTE)
             if got != view.nbytes:
                 self.entries = kept + self.entries[len(kept) + found:]
-                wrong(owner, got, message.Irecv([np.empty(got, np.uint8), MPI.BYTE]))
+                wrong(owner, got, message.Irecv([np.empty(got, np.uint8), MPI.BYTE]), status.Get_source())
                 return found
             posted(owner, message.Irecv([view, MPI.BYTE]))
         self.entries = kept
