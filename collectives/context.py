@@ -104,13 +104,14 @@ class Context:
         self.p2p_tag_limit = tag_ub + 1  # send/recv (their own communicator): any tag MPI allows
         # MPI's own collectives whose ranks agree on the size first, where MPI would not
         # stop on a mismatch by itself (transport.native); the non-blocking ones then go
-        # on a duplicate of their own, posted in call order once agreed.
+        # on a duplicate of their own (deferred), posted in call order once agreed, as
+        # do device calls' (posted once their input is on the host).
         self.native_checked = mpi_library.native_checked(native.CHECKED)
         # MPI's own alltoallv, with receive counts the caller gave: they are checked
         # against what the peers send (specs.Alltoallv.agree); no MPI was measured to
         # stop on a wrong one by itself.
         self.native_counts_checked = mpi_library.native_checked(("alltoallv",))
-        self.deferred = native.Deferred(mpi_comm.Dup()) if self.native_checked else None
+        self.deferred = native.Deferred(mpi_comm.Dup())
         self.sequence = 0  # the newest call's number (its messages' tag)
         self.progress = Progress(Liveness(mpi_comm.Dup()), options.stall_warn)
         self.p2p_comm = mpi_comm.Dup()  # send/recv: never matched with a collective's messages

@@ -86,9 +86,15 @@ class Device(Route):
 
         tag = ctx.tags.call(ctx.sequence)
         if call.algorithm == "native":
-            start_mpi = spec.native(ctx.comm, call.op, call.root, call.counts)
+            from ..transport import native as agreement
+
+            # Posted once the input is on the host: on the deferred calls' communicator, in call order.
+            start_mpi = spec.native(ctx.deferred.comm, call.op, call.root, call.counts)
+            checked = spec.name in ctx.native_checked  # the ranks agree on the size first
             handle = device_call.start_native(ctx.progress, describe, finish, work, start_mpi, inp, result,
-                                              spec.one_buffer, call.timeout, tag, inp.nbytes)
+                                              spec.one_buffer, call.timeout, tag, inp.nbytes, ctx.deferred,
+                                              ctx.comm if checked else None,
+                                              agreement.unit(spec, inp, result) if checked else 0)
         else:
             name, algorithm = spec.name, call.algorithm
             segment = ctx.options.segment(call.segment_size, x.itemsize) if (name, algorithm) in SEGMENTED else 1

@@ -459,31 +459,44 @@ class DevicePlanHandle(PlanHandle):
             self._progress.add_device(self, ("staged", i), self._backend, self._queued(i, stream))
         else:
             pinned = self._pinned[i] = self._ctx.pinned.take(view.nbytes)
-            self._ready(kind, op.peer, i, lambda: self._mpi(self._comm.Irecv, pinned[: view.nbytes], op.peer,
+            self._ready(kind, op.peer, i, lambda: self._mpi(self._comm, False, pinned[: view.nbytes], op.peer,
                                                             ("recv", i)))
 
-    def _mpi(self, call, buffer, peer, token):
+    def _mpi(self, comm, sending, buffer, peer, token):
+        """Post a send (``sending``) or a receive of ``buffer`` with ``peer`` on ``comm``.
+        Its tag carries its size, as the host's messages' do (:mod:`.tags`): a receive
+        matches only a message of its size, or (a large one) is posted once a probe has
+        found its message and its size is right; MPI's truncation is never relied on."""
+        layout = self._layout
+        nbytes = buffer.nbytes
+        tag = layout.tag(self._tag, nbytes)
         try:
-            request = call([buffer, MPI.BYTE], peer, self._tag)
+            if sending:
+                request = comm.Isend([buffer, MPI.BYTE], peer, tag)
+            elif nbytes >= layout.large:
+                self._progress.probes.add(comm, peer, tag, buffer, (self, token))
+                return
+            else:
+                request = comm.Irecv([buffer, MPI.BYTE], peer, tag)
         except MPI.Exception as exc:
             raise TransportError(f"{self._describe}: MPI failed to post a message: {exc}") from exc
         self._add_request(request, token)
 
-    def _mpi_on(self, comm, method, buffer, peer, token):
-        self._mpi(getattr(comm, method), buffer, peer, token)
+    def _message_bytes(self, op):
+        # On an IPC path the segment itself never travels on this communicator: its
+        # control message does, and says the segment's size (checked on arrival).
+        return _CONTROL_BYTES if self._ctx.paths[op.peer] == "ipc" else self._buffers.view(op.dst).nbytes
 
-    def _stray(self):
-        # Its messages (segments, IPC control words and acknowledgements) carry the
-        # call's base tag alone, not their size (collectives.transport.tags): no probe
-        # can tell a stray one from those, and MPI's truncation error is the check here.
-        return None
+    def _wrong_size(self, token, got, source=None):
+        i = token[1]
+        return self._size_error(i, self._plan.ops[i], got, f"{self._in_flight[i]} B")
 
     def _post_device_memory(self, i):
         op = self._plan.ops[i]
         if isinstance(op, Send):
-            self._mpi(self._comm.Isend, self._backend.mpi_buffer(self._buffers.view(op.src)), op.peer, ("send", i))
+            self._mpi(self._comm, True, self._backend.mpi_buffer(self._buffers.view(op.src)), op.peer, ("send", i))
         else:
-            self._mpi(self._comm.Irecv, self._backend.mpi_buffer(self._buffers.view(op.dst)), op.peer, ("recv", i))
+            self._mpi(self._comm, False, self._backend.mpi_buffer(self._buffers.view(op.dst)), op.peer, ("recv", i))
 
     # -- IPC --------------------------------------------------------------------------------------------
     def _ipc_send(self, i, op, view):
@@ -500,7 +513,7 @@ class DevicePlanHandle(PlanHandle):
             pinned = self._pinned[i] = ctx.pinned.take(view.nbytes)
             self._backend.copy(pinned[: view.nbytes], view, stream)
             self._enlist("bulk", op.peer, i)
-            self._mpi(self._comm.Isend, control, op.peer, ("ipc-sent", i))
+            self._mpi(self._comm, True, control, op.peer, ("ipc-sent", i))
             self._progress.add_device(self, ("staged-bulk", i), self._backend, self._queued(i, stream))
             return
         stream = ctx.p2p
@@ -516,14 +529,14 @@ class DevicePlanHandle(PlanHandle):
         # slot in place and this rank's own send could wait for each other.
         self._slot_of[i], self._op_of_slot[slot.index] = slot, i
         self._progress.add_device(self, ("slot-filled", i), self._backend, self._queued(i, stream))
-        self._mpi(self._comm.Isend, control, op.peer, ("ipc-sent", i))
+        self._mpi(self._comm, True, control, op.peer, ("ipc-sent", i))
         ack = self._messages[("ack", i)] = np.empty(1, np.int64)
         self._aux += 1
-        self._mpi(ctx.ack_comm.Irecv, ack, op.peer, ("ipc-ack", i))
+        self._mpi(ctx.ack_comm, False, ack, op.peer, ("ipc-ack", i))
 
     def _ipc_recv_post(self, i, op, view):
         control = self._messages[("control", i)] = np.empty(_CONTROL_WORDS, np.int64)
-        self._mpi(self._comm.Irecv, control, op.peer, ("ipc-recv", i))
+        self._mpi(self._comm, False, control, op.peer, ("ipc-recv", i))
 
     def _ipc_received(self, i, status):
         """A control message: the segment is in the peer's slot (or comes staged). Where
@@ -539,7 +552,7 @@ class DevicePlanHandle(PlanHandle):
             raise self._size_error(i, op, int(control[1]), f"{expected} B")
         if control[3] == _STAGED:
             pinned = self._pinned[i] = self._ctx.pinned.take(expected)
-            self._mpi_on(self._ctx.bulk_comm, "Irecv", pinned[:expected], op.peer, ("recv", i))
+            self._mpi(self._ctx.bulk_comm, False, pinned[:expected], op.peer, ("recv", i))
             return
         index, nbytes, capacity = (int(v) for v in control[:3])
         peer_array, peer_event = self._ctx.open_peer_slot(op.peer, index, capacity, control[4:12].tobytes(),
@@ -587,7 +600,7 @@ class DevicePlanHandle(PlanHandle):
     def _ipc_acknowledge(self, i, index):
         op = self._plan.ops[i]
         ack = self._messages[("sent ack", i)] = np.array([index], np.int64)
-        self._ready("ack", op.peer, i, lambda: self._mpi(self._ctx.ack_comm.Isend, ack, op.peer, ("ack-sent", i)))
+        self._ready("ack", op.peer, i, lambda: self._mpi(self._ctx.ack_comm, True, ack, op.peer, ("ack-sent", i)))
 
     def _ipc_part_done(self, i):
         self._parts[i] -= 1
@@ -639,7 +652,7 @@ class DevicePlanHandle(PlanHandle):
         op = self._plan.ops[i]
         if kind == "staged":  # the segment is in pinned memory: send it (in order)
             buffer = self._pinned[i][: self._in_flight[i]]
-            self._ready("send", op.peer, i, lambda: self._mpi(self._comm.Isend, buffer, op.peer, ("send", i)))
+            self._ready("send", op.peer, i, lambda: self._mpi(self._comm, True, buffer, op.peer, ("send", i)))
         elif kind == "ready":
             self._waiting_for[i] -= 1
             if self._waiting_for[i] == 0:
@@ -652,7 +665,7 @@ class DevicePlanHandle(PlanHandle):
             self._ipc_part_done(i)
         elif kind == "staged-bulk":  # in pinned memory: send it on the bulk communicator, in order
             buffer = self._pinned[i][: self._in_flight[i]]
-            self._ready("bulk", op.peer, i, lambda: self._mpi_on(self._ctx.bulk_comm, "Isend", buffer, op.peer,
+            self._ready("bulk", op.peer, i, lambda: self._mpi(self._ctx.bulk_comm, True, buffer, op.peer,
                                                                  ("bulk-sent", i)))
 
     def _complete(self, i):
@@ -682,20 +695,40 @@ class DevicePlanHandle(PlanHandle):
 class DeviceNativeHandle(Handle):
     """``native`` on device buffers: the MPI library's own collective on host copies
     (staged: the input device -> pinned host, MPI, the result back), or on the device
-    buffers themselves where MPI is CUDA-aware."""
+    buffers themselves where MPI is CUDA-aware.
+
+    MPI's collective can only be posted once the input is in host memory (or the
+    device work that produces it has run), which each rank learns at its own moment:
+    so, like the size-agreed host calls, it goes on ``deferred.comm`` (a duplicate of
+    its own, :class:`~.native.Deferred`), in call order, never beside the collectives
+    posted at call time on the communicator's own. Where this MPI needs it
+    (``agree_comm`` given), the ranks first agree on the call's size there, at call
+    time, as :class:`~.native.AgreedHandle` does."""
 
     def __init__(self, progress, describe, finish, ctx, start_mpi, host_in, host_out, dev_in, dev_out, timeout, call,
-                 nbytes):
+                 nbytes, deferred, agree_comm=None, unit=0):
         super().__init__(progress, describe, finish, timeout, call)
         self._ctx, self._backend = ctx, ctx.backend
-        self._start_mpi = start_mpi  # (send buffer, receive buffer) -> request
+        self._start_mpi = start_mpi  # (send buffer, receive buffer) -> request, on deferred.comm
         self._host_in, self._host_out = host_in, host_out  # pinned buffers (None: CUDA-aware)
         self._dev_in, self._dev_out = dev_in, dev_out
         self._nbytes = nbytes
         self._pending = 1
+        self._deferred = deferred
+        self._agree_comm = agree_comm
+        self._sizes = np.array([unit, -unit], np.int64)
+        self._waiting_for = 2 if agree_comm is not None else 1  # the input copied (and the sizes agreed)
+        self._agreed = False  # ready to post (what Deferred.post_ready reads)
+        self._posted = False
 
     def start(self):
         ctx = self._ctx
+        self._deferred.waiting.append(self)
+        if self._agree_comm is not None:
+            try:
+                self._add_request(self._agree_comm.Iallreduce(MPI.IN_PLACE, self._sizes, MPI.MAX), "agree")
+            except MPI.Exception as exc:
+                raise TransportError(f"{self._describe}: the MPI library refused the call: {exc}") from exc
         stream = ctx.d2h
         if self._host_in is not None and self._dev_in is not None:
             ctx.backend.copy(self._host_in, self._dev_in, stream)
@@ -709,18 +742,35 @@ class DeviceNativeHandle(Handle):
         self._progress.add_device(self, ("input", 0), self._backend, event)
 
     def _on_device_done(self, token):
+        self._one_less()
+
+    def _one_less(self):
+        self._waiting_for -= 1
+        if self._waiting_for == 0:
+            self._agreed = True
+            self._deferred.post_ready()
+
+    def _post_collective(self):
         if self._host_in is not None:
             send, receive = self._host_in, self._host_out
         else:
             send = None if self._dev_in is None else self._backend.mpi_buffer(self._dev_in)
             receive = None if self._dev_out is None else self._backend.mpi_buffer(self._dev_out)
+        self._posted = True
         try:
             request = self._start_mpi(send, receive)
         except MPI.Exception as exc:
             raise TransportError(f"{self._describe}: the MPI library refused the call: {exc}") from exc
         self._add_request(request, 0)
 
-    def _on_request_done(self, _token, _status):
+    def _on_request_done(self, token, _status):
+        if token == "agree":
+            error = mismatch(self._describe, self._sizes)
+            if error is not None:
+                self._deferred.waiting.clear()  # the engine breaks: nothing after it is posted
+                raise error
+            self._one_less()
+            return
         if self._host_out is not None and self._dev_out is not None:
             self._backend.copy(self._dev_out, self._host_out, self._ctx.h2d)
         self._pending = 0
@@ -729,5 +779,8 @@ class DeviceNativeHandle(Handle):
         return self._pending == 0
 
     def _outstanding(self):
+        if not self._posted:
+            return ("before the MPI library's own collective: waiting for its input on the device, for the ranks' "
+                    "agreement on its size, or for the calls before it to be posted")
         return (f"inside the MPI library's own collective ({self._nbytes} B on host copies of device buffers; it "
                 "does not say which peers it waits for)")

@@ -148,11 +148,14 @@ def start_plan(progress, describe, finish, comm, tag, plan, inp, out, op, dtype,
                             call.inputs_ready, timeout, tag).start()
 
 
-def start_native(progress, describe, finish, call, start_mpi, dev_in, dev_out, one_buffer, timeout, tag, nbytes):
+def start_native(progress, describe, finish, call, start_mpi, dev_in, dev_out, one_buffer, timeout, tag, nbytes,
+                 deferred, agree_comm=None, unit=0):
     """Start ``native`` on device buffers: MPI's collective on pinned host copies of
     ``dev_in``/``dev_out`` (``dev_out`` None: no result here; ``one_buffer``: the
     collective works in one buffer, as broadcast), or on the device buffers themselves
-    with a CUDA-aware MPI."""
+    with a CUDA-aware MPI; posted on ``deferred``'s communicator in call order, after
+    the ranks agree on ``unit`` bytes on ``agree_comm`` where it is given
+    (:class:`~.device.DeviceNativeHandle`)."""
     ctx = call.ctx
     host_in = host_out = None
     if not ctx.cuda_aware:
@@ -174,5 +177,5 @@ def start_native(progress, describe, finish, call, start_mpi, dev_in, dev_out, o
         return result
 
     handle = DeviceNativeHandle(progress, describe, finish_then_release, ctx, start_mpi, host_in, host_out, dev_in,
-                                dev_out, timeout, tag, nbytes)
+                                dev_out, timeout, tag, nbytes, deferred, agree_comm, unit)
     return handle.start()

@@ -33,7 +33,7 @@ def unit(spec, inp, out):
     return out.nbytes if spec.root_input else inp.nbytes
 
 
-def _mismatch(describe, agreed):
+def mismatch(describe, agreed):
     """The error where ``agreed`` (the largest size and the negated smallest) says the
     ranks' sizes differ, else None."""
     largest, smallest = int(agreed[0]), -int(agreed[1])
@@ -50,7 +50,7 @@ def agree(comm, nbytes, describe, fail):
     ``fail(error)`` (the communicator breaks) and raise it, on every rank alike."""
     agreed = np.array([nbytes, -nbytes], np.int64)
     comm.Allreduce(MPI.IN_PLACE, agreed, MPI.MAX)
-    error = _mismatch(describe, agreed)
+    error = mismatch(describe, agreed)
     if error is not None:
         fail(error)
         raise error
@@ -67,7 +67,7 @@ def agreeing(comm, call, nbytes, describe, fail):
         agreed[0], agreed[1] = nbytes, -nbytes
         allreduce(MPI.IN_PLACE, agreed, maximum)
         if agreed[0] != -agreed[1]:
-            error = _mismatch(describe(), agreed)
+            error = mismatch(describe(), agreed)
             fail(error)
             raise error
         call(send, receive)
@@ -114,7 +114,7 @@ class AgreedHandle(RequestHandle):
     def _on_request_done(self, token, status):
         if self._posted:
             return super()._on_request_done(token, status)
-        error = _mismatch(self._describe, self._sizes)
+        error = mismatch(self._describe, self._sizes)
         if error is not None:
             self._deferred.waiting.clear()  # the engine breaks: nothing after it is posted
             raise error  # the engine breaks, naming this call
