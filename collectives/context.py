@@ -25,6 +25,7 @@ from .transport import native, tags
 from .transport.liveness import Liveness
 from .transport.mpi import RequestHandle
 from .transport.progress import Progress
+from .transport.retired import retire
 from .tuning import LINK_TOLERANCE, Selector
 
 
@@ -201,12 +202,16 @@ class Context:
                 registration.free()
         self.registrations = []
         self.registered_entries.clear()
+        if self.progress.broken is not None:  # messages of the failed call may still come (transport.retired)
+            retire(self.node_comm, self.comm, self.p2p_comm, self.deferred.comm)
+            self.progress.liveness.free(keep=True)
+            self.comm = MPI.Intracomm(MPI.COMM_NULL)  # as Free() leaves it: a second free() returns at once
+            return
         if self.node_comm is not None:
             self.node_comm.Free()
         self.comm.Free()
         self.p2p_comm.Free()
-        if self.deferred is not None:
-            self.deferred.comm.Free()
+        self.deferred.comm.Free()
         self.progress.liveness.free()
 
     def request(self, what: str, start: Any, timeout: float | None, nbytes: int = 0) -> None:

@@ -15,8 +15,10 @@ import pytest
 from mpi4py import MPI
 
 import collectives as cc
+from collectives import mpi_library
 from collectives.algorithms import PEER_READS, SHARED_MEMORY, block_bounds
 from collectives.device import bfloat16
+from collectives.transport import retired
 
 from conftest import (
     ALL_DTYPES,
@@ -505,15 +507,83 @@ def test_check_mode_names_a_rank_on_the_host(mpi_comm):
     comm.free()
 
 
+GUARD = 512  # elements of a pattern on each side of a result, which a failed call must leave alone
+
+
+MISMATCHES = [(path, "ring", segment) for path in PATHS for segment in (SEGMENT, 0)] + [("staged", "native", 0)]
+
+
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("path", list(PATHS))
-def test_a_size_mismatch_raises_on_every_rank(mpi_comm, path):
+@pytest.mark.parametrize("path,algorithm,segment", MISMATCHES,
+                         ids=[f"{p}-{a}-{'sizes-in-tags' if s else 'probed'}" for p, a, s in MISMATCHES])
+def test_a_size_mismatch_raises_on_every_rank_and_writes_nothing_outside(mpi_comm, monkeypatch, path, algorithm,
+                                                                        segment):
+    """Rank 0 passes a larger buffer. The device executor's messages carry their size
+    in their tag (segments of 256 B) or are probed before they are received (whole
+    256 KiB messages), as the host's do, and MPI's own collective is told first (the
+    agreement forced on, as on Open MPI; its messages go on the host whatever the
+    path): nothing relies on MPI's truncation, and nothing around the result is
+    written."""
     if path not in PATHS:
         pytest.skip(f"MPI here is not CUDA-aware: no {path} path to test")
-    comm = device_communicator(path)
-    count = 64 if comm.rank else 96  # rank 0 passes a larger buffer
+    monkeypatch.setenv(mpi_library.NATIVE_CHECK_ENV, "1")
+    comm = device_communicator(path, device_segment_size=segment)
+    count = (64 if segment else 1 << 16) + (0 if comm.rank else 32)
+    whole = D.asarray(np.full(count + 2 * GUARD, -7, np.float32))
     with pytest.raises(cc.MessageSizeError):
-        comm.allreduce(D.asarray(np.ones(count, np.float32)), algorithm="ring", timeout=30)
+        comm.allreduce(D.asarray(np.ones(count, np.float32)), algorithm=algorithm, out=whole[GUARD:GUARD + count],
+                       timeout=30)
+    around = np.concatenate([D.asnumpy(whole)[:GUARD], D.asnumpy(whole)[GUARD + count:]])
+    assert (around == -7).all(), f"{np.count_nonzero(around != -7)} elements outside the result were written"
+    comm.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_new_communicator_never_takes_a_broken_one_s_messages(mpi_comm):
+    """Failed calls leave messages no rank receives, and MPI gives a freed
+    communicator's context to the next one made, whose calls (numbered alike) would
+    take them: so a broken communicator's MPI communicators are kept, not freed. With
+    MPICH at 2 ranks this sequence (two broken IPC communicators, then a mismatch and
+    calls on a staged one) hung the third until its timeout when they were freed."""
+    def mismatch(path, segment):
+        comm = device_communicator(path, device_segment_size=segment)
+        count = (64 if segment else 1 << 16) + (0 if comm.rank else 32)
+        with pytest.raises(cc.MessageSizeError):
+            comm.allreduce(D.asarray(np.ones(count, np.float32)), algorithm="ring", timeout=10)
+        comm.free()
+
+    kept = retired.kept()
+    mismatch("ipc", SEGMENT)
+    mismatch("ipc", 0)
+    assert retired.kept() > kept  # not freed
+    mismatch("staged", SEGMENT)
+    comm = device_communicator("staged")
+    for call in range(2):
+        got = comm.allreduce(D.asarray(np.full(64, comm.rank + call, np.float32)), algorithm="ring", timeout=10)
+        assert (D.asnumpy(got) == sum(range(comm.size)) + call * comm.size).all(), D.asnumpy(got)
+    comm.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("check", ["0", "1"], ids=["no-agreement", "agreement"])
+def test_a_native_device_call_matches_itself_whatever_follows_it(mpi_comm, monkeypatch, check):
+    """MPI's collective of a device call can only be posted once its input is on the
+    host, which each rank learns at its own moment; it must still meet the same call on
+    every rank, never a host call made after it. Rank 0 waits for it before its next
+    call; the others make their next call first."""
+    monkeypatch.setenv(mpi_library.NATIVE_CHECK_ENV, check)
+    comm = device_communicator("staged")
+    first = comm.allreduce_async(D.asarray(np.ones(8, np.float32)), algorithm="native")
+    host = np.full(8, 100.0, np.float32)
+    if comm.rank == 0:
+        on_device = first.wait()
+        second = comm.allreduce_async(host, algorithm="native")
+    else:
+        second = comm.allreduce_async(host, algorithm="native")
+        on_device = first.wait()
+    on_host = second.wait()
+    assert np.array_equal(D.asnumpy(on_device), np.full(8, comm.size, np.float32)), D.asnumpy(on_device)
+    assert np.array_equal(on_host, np.full(8, 100.0 * comm.size, np.float32)), on_host
     comm.free()
 
 

@@ -178,6 +178,33 @@ def test_native_calls_of_equal_sizes_agree_and_run(monkeypatch):
     agree(WORLD, problems)
 
 
+@needs_peers
+@pytest.mark.parametrize("algorithm,timeout", [("ring", None), ("ring", 60), ("recursive_doubling", None)],
+                         ids=["lean", "engine", "persistent"])
+def test_a_new_communicator_never_receives_a_broken_one_s_messages(algorithm, timeout):
+    """A failed call leaves messages no rank will receive (here the last rank's too
+    short receives never take the others' messages). The user makes a new communicator
+    and calls the same again, as told; MPI would give the new communicator the freed
+    one's context, so its calls, numbered alike, would match those messages: the
+    result would be the old call's data. Three broken ones, then a correct call."""
+    for _ in range(3):
+        comm = cc.Communicator()
+        n = 1000 if comm.rank == LAST else 1024
+        kind, _ = _outcome(lambda: comm.allreduce(np.ones(n, np.float32), algorithm=algorithm, timeout=timeout))
+        comm.free()
+        if kind != "MessageSizeError":
+            agree(WORLD, [f"the mismatch gave {kind}"])
+    comm = cc.Communicator()
+    problems = []
+    for call in range(2):
+        got = comm.allreduce(np.full(1024, comm.rank + call, np.float32), algorithm=algorithm, timeout=timeout)
+        want = sum(range(comm.size)) + call * comm.size
+        if not (got == want).all():
+            problems.append(f"call {call}: {sorted(set(got.tolist()))} where {want} was due")
+    comm.free()
+    agree(WORLD, problems)
+
+
 # -- serial: the tag layout and the MPI family ------------------------------------------
 @pytest.mark.serial
 @pytest.mark.parametrize("tag_ub", [32767, (1 << 29) - 1, (1 << 30) - 1, (1 << 31) - 1, 40000])

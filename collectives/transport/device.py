@@ -44,10 +44,13 @@ from mpi4py import MPI
 from ..errors import MessageSizeError, TransportError
 from ..schedule import Copy, Reduce, ReduceMany, Send
 from .mpi import PlanHandle
+from .native import mismatch
 from .progress import Handle, at
+from .retired import retire
 
 _CONTROL_WORDS = 20  # int64s of an IPC control message: slot, bytes, capacity, -, 8 + 8 of handles
 _HANDLE_BYTES = 64  # a CUDA IPC memory or event handle
+_CONTROL_BYTES = 8 * _CONTROL_WORDS
 _STAGED = 1  # control word 3: the segment comes staged on the bulk communicator, not in a slot
 
 
@@ -281,6 +284,10 @@ class DeviceContext:
         for slot in self._slots:
             self.backend.ipc_free(slot.array)
         self._opened, self._slots, self._free_slots, self._ipc_bytes = {}, [], [], 0
+        if broken:  # messages of the failed call may still come (see .retired)
+            retire(self.ack_comm, self.bulk_comm)
+            self.ack_comm = self.bulk_comm = None
+            return
         for comm in (self.ack_comm, self.bulk_comm):
             if comm is not None and comm != MPI.COMM_NULL:
                 comm.Free()

@@ -25,6 +25,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from .retired import retire
+
 PROBE, REPLY, BROKEN, CONNECT = 1, 2, 3, 4
 DEFAULT_GRACE = 0.5  # seconds the timed-out rank listens for answers
 # Up to this many ranks, a communicator that spans nodes connects every pair across
@@ -113,9 +115,14 @@ class Liveness:
         alive = {r: self.heard[r] for r in others if r in self.heard}
         return alive, [r for r in others if r not in self.heard]
 
-    def free(self):
+    def free(self, keep=False):
+        """Free the private communicator (``keep``: retire it instead: see :mod:`.retired`)."""
         if self._comm != MPI.COMM_NULL:
-            self._comm.Free()
+            if keep:
+                retire(self._comm)
+                self._comm = MPI.COMM_NULL
+            else:
+                self._comm.Free()
 
 
 def describe(alive, silent, grace=DEFAULT_GRACE):
