@@ -2,7 +2,7 @@
 
     git archive BASE | tar -x -C /tmp/base        # the other checkout, e.g. the commit before a change
     mpiexec -n 2 python bench/latency_ab.py --baseline /tmp/base [--bytes 8] [--lean-bytes 16384] \\
-        [--rounds 9] [--calls 4000] [--json FILE]
+        [--p2p-bytes 1048576] [--rounds 9] [--calls 4000] [--json FILE]
 
 The package in ``BASELINE/collectives`` is imported a second time, as
 ``collectives_baseline`` (the core imports itself only relatively, so the two copies
@@ -20,7 +20,9 @@ sum allreduce, out of place:
 - ``ring``: on ``--lean-bytes`` (past the persistent programs' 8 KiB: the lean executor);
 - ``recursive_doubling, timeout``: on ``--bytes`` through the progress engine;
 - ``native, timeout``: MPI's non-blocking collective through the engine;
-- ``mpi4py Allreduce``: the floor, once.
+- ``send/recv`` on ``--bytes`` and on ``--p2p-bytes``: a ping-pong between ranks 0 and
+  1 (the others idle), a round trip per call;
+- ``mpi4py Allreduce`` and ``mpi4py Send/Recv`` (the same ping-pong): the floors, once.
 """
 
 import argparse
@@ -49,7 +51,17 @@ def load_baseline(folder):
     return module
 
 
-def contenders(package, nbytes, lean_bytes):
+def ping_pong(send, recv, rank, a, b):
+    """One round trip of ``a`` from rank 0 to rank 1, answered into ``b`` (``send(x,
+    peer)``, ``recv(out, peer)``); nothing on the other ranks."""
+    if rank == 0:
+        return lambda: (send(a, 1), recv(b, 1))
+    if rank == 1:
+        return lambda: (recv(b, 0), send(b, 0))
+    return lambda: None
+
+
+def contenders(package, nbytes, lean_bytes, p2p_bytes):
     comm = package.Communicator()
     x, out = np.ones(max(1, nbytes // 4), np.float32), np.empty(max(1, nbytes // 4), np.float32)
     y, out_y = np.ones(max(1, lean_bytes // 4), np.float32), np.empty(max(1, lean_bytes // 4), np.float32)
@@ -61,6 +73,10 @@ def contenders(package, nbytes, lean_bytes):
                                                               timeout=600),
         "native, timeout": lambda: comm.allreduce(x, out=out, algorithm="native", timeout=600),
     }
+    if comm.size > 1:
+        for n in (nbytes, p2p_bytes):
+            a, b = np.ones(max(1, n // 4), np.float32), np.empty(max(1, n // 4), np.float32)
+            found[f"send/recv ({n} B)"] = ping_pong(comm.send, comm.recv, comm.rank, a, b)
     return comm, found
 
 
@@ -69,6 +85,7 @@ def main():
     parser.add_argument("--baseline", required=True, help="a folder holding the other checkout's collectives/")
     parser.add_argument("--bytes", type=int, default=8)
     parser.add_argument("--lean-bytes", type=int, default=16384)
+    parser.add_argument("--p2p-bytes", type=int, default=1 << 20)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--calls", type=int, default=4000)
     parser.add_argument("--json", default=None)
@@ -77,9 +94,13 @@ def main():
     baseline = load_baseline(args.baseline)
     raw = world.Dup()
     x, out = np.ones(max(1, args.bytes // 4), np.float32), np.empty(max(1, args.bytes // 4), np.float32)
-    new_comm, new = contenders(cc, args.bytes, args.lean_bytes)
-    old_comm, old = contenders(baseline, args.bytes, args.lean_bytes)
-    timed = {("mpi4py Allreduce", "-"): lambda: raw.Allreduce(x, out, MPI.SUM)}
+    new_comm, new = contenders(cc, args.bytes, args.lean_bytes, args.p2p_bytes)
+    old_comm, old = contenders(baseline, args.bytes, args.lean_bytes, args.p2p_bytes)
+    floors = {"mpi4py Allreduce": lambda: raw.Allreduce(x, out, MPI.SUM)}
+    if world.size > 1:
+        floors["mpi4py Send/Recv"] = ping_pong(lambda a, peer: raw.Send(a, peer), lambda b, peer: raw.Recv(b, peer),
+                                               world.rank, x, out.copy())
+    timed = {(name, "-"): f for name, f in floors.items()}
     for name in new:
         timed[(name, "baseline")] = old[name]
         timed[(name, "this")] = new[name]
@@ -103,10 +124,12 @@ def main():
               f"{new_comm.choose('allreduce', x.nbytes)[0]} on {x.nbytes} B")
         print(f"# {'contender':34s} {'median: baseline':>16s} {'this':>8s} {'diff':>8s}   "
               f"{'least: baseline':>15s} {'this':>8s} {'diff':>8s}  (us)")
-        floor = times[("mpi4py Allreduce", "-")]
-        rows = [{"contender": "mpi4py Allreduce", "this_us": statistics.median(floor), "this_min_us": min(floor)}]
-        print(f"  {'mpi4py Allreduce':34s} {'':>16s} {statistics.median(floor):8.2f} {'':>8s}   {'':>15s} "
-              f"{min(floor):8.2f}")
+        rows = []
+        for name in floors:
+            floor = times[(name, "-")]
+            rows.append({"contender": name, "this_us": statistics.median(floor), "this_min_us": min(floor)})
+            print(f"  {name:34s} {'':>16s} {statistics.median(floor):8.2f} {'':>8s}   {'':>15s} "
+                  f"{min(floor):8.2f}")
         for name in new:
             old_t, new_t = times[(name, "baseline")], times[(name, "this")]
             a, b = statistics.median(old_t), statistics.median(new_t)
@@ -118,6 +141,7 @@ def main():
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"world_size": world.size, "bytes": args.bytes, "lean_bytes": args.lean_bytes,
+                           "p2p_bytes": args.p2p_bytes,
                            "rounds": args.rounds, "calls": args.calls, "mpi": str(cc.mpi_library.library()),
                            "rows": rows}, f, indent=1)
     new_comm.free()
