@@ -35,7 +35,7 @@ WORLD_SIZES   ?= 2 3 4 5 6 7 8
 MPI_MARK      ?=
 # make test-impi: the tests run serially and under mpiexec at each of WORLD_SIZES.
 IMPI_TESTS    ?= tests/test_collectives.py tests/test_reliability.py tests/test_torch_backend.py tests/test_sizes.py \
-                 tests/test_dead_rank.py tests/test_lean_path.py
+                 tests/test_dead_rank.py tests/test_lean_path.py tests/test_p2p.py
 # Tests marked `long` (the long sweeps) run in `make test` serially and at world sizes
 # below LONG_FROM only; `make test-long` runs them at the others. CI runs both.
 LONG_FROM     ?= 5
