@@ -9,6 +9,7 @@ from typing import Any
 from mpi4py import MPI
 
 from ..algorithms import SEGMENTED, TOPOLOGICAL
+from ..transport import native as agreement
 from . import base
 from .base import Route, finish_in_flight
 
@@ -86,8 +87,6 @@ class Device(Route):
 
         tag = ctx.tags.call(ctx.sequence)
         if call.algorithm == "native":
-            from ..transport import native as agreement
-
             # Posted once the input is on the host: on the deferred calls' communicator, in call order.
             start_mpi = spec.native(ctx.deferred.comm, call.op, call.root, call.counts)
             checked = spec.name in ctx.native_checked  # the ranks agree on the size first

@@ -48,12 +48,12 @@ class PointHandle(Handle):
         self._begin()
         return self
 
-    def _on_request_done(self, _token, status):
+    def _on_request_done(self, token, status):
         if self._receive:
             self.source = status.Get_source()
             arrived = status.Get_count(MPI.BYTE)
             if arrived != self._nbytes:  # probed for its size before: never here on a correct MPI
-                raise self._wrong_size(_token, arrived, self.source)
+                raise self._wrong_size(token, arrived, self.source)
         self._pending = False
 
     def _wrong_size(self, _token, got, source):
