@@ -527,12 +527,20 @@ def test_a_size_mismatch_raises_on_every_rank_and_writes_nothing_outside(mpi_com
     if path not in PATHS:
         pytest.skip(f"MPI here is not CUDA-aware: no {path} path to test")
     monkeypatch.setenv(mpi_library.NATIVE_CHECK_ENV, "1")
+    mismatch_raises(path, segment, algorithm)
+
+
+def mismatch_raises(path, segment, algorithm="ring", timeout=30):
+    """On a new communicator whose device messages go ``path``'s way, an allreduce where
+    rank 0 passes 32 elements more (``segment``: the device segment size, 0: whole
+    messages) raises MessageSizeError on this rank and writes nothing around its result;
+    the broken communicator is then freed."""
     comm = device_communicator(path, device_segment_size=segment)
     count = (64 if segment else 1 << 16) + (0 if comm.rank else 32)
     whole = D.asarray(np.full(count + 2 * GUARD, -7, np.float32))
     with pytest.raises(cc.MessageSizeError):
         comm.allreduce(D.asarray(np.ones(count, np.float32)), algorithm=algorithm, out=whole[GUARD:GUARD + count],
-                       timeout=30)
+                       timeout=timeout)
     around = np.concatenate([D.asnumpy(whole)[:GUARD], D.asnumpy(whole)[GUARD + count:]])
     assert (around == -7).all(), f"{np.count_nonzero(around != -7)} elements outside the result were written"
     comm.free()
@@ -545,18 +553,11 @@ def test_a_new_communicator_never_takes_a_broken_one_s_messages(mpi_comm):
     take them: so a broken communicator's MPI communicators are kept, not freed. With
     MPICH at 2 ranks this sequence (two broken IPC communicators, then a mismatch and
     calls on a staged one) hung the third until its timeout when they were freed."""
-    def mismatch(path, segment):
-        comm = device_communicator(path, device_segment_size=segment)
-        count = (64 if segment else 1 << 16) + (0 if comm.rank else 32)
-        with pytest.raises(cc.MessageSizeError):
-            comm.allreduce(D.asarray(np.ones(count, np.float32)), algorithm="ring", timeout=10)
-        comm.free()
-
     kept = retired.kept()
-    mismatch("ipc", SEGMENT)
-    mismatch("ipc", 0)
+    mismatch_raises("ipc", SEGMENT, timeout=10)
+    mismatch_raises("ipc", 0, timeout=10)
     assert retired.kept() > kept  # not freed
-    mismatch("staged", SEGMENT)
+    mismatch_raises("staged", SEGMENT, timeout=10)
     comm = device_communicator("staged")
     for call in range(2):
         got = comm.allreduce(D.asarray(np.full(64, comm.rank + call, np.float32)), algorithm="ring", timeout=10)

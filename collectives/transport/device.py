@@ -466,28 +466,8 @@ class DevicePlanHandle(PlanHandle):
             self._progress.add_device(self, ("staged", i), self._backend, self._queued(i, stream))
         else:
             pinned = self._pinned[i] = self._ctx.pinned.take(view.nbytes)
-            self._ready(kind, op.peer, i, lambda: self._mpi(self._comm, False, pinned[: view.nbytes], op.peer,
-                                                            ("recv", i)))
-
-    def _mpi(self, comm, sending, buffer, peer, token):
-        """Post a send (``sending``) or a receive of ``buffer`` with ``peer`` on ``comm``.
-        Its tag carries its size, as the host's messages' do (:mod:`.tags`): a receive
-        matches only a message of its size, or (a large one) is posted once a probe has
-        found its message and its size is right; MPI's truncation is never relied on."""
-        layout = self._layout
-        nbytes = buffer.nbytes
-        tag = layout.tag(self._tag, nbytes)
-        try:
-            if sending:
-                request = comm.Isend([buffer, MPI.BYTE], peer, tag)
-            elif nbytes >= layout.large:
-                self._progress.probes.add(comm, peer, tag, buffer, (self, token))
-                return
-            else:
-                request = comm.Irecv([buffer, MPI.BYTE], peer, tag)
-        except MPI.Exception as exc:
-            raise TransportError(f"{self._describe}: MPI failed to post a message: {exc}") from exc
-        self._add_request(request, token)
+            self._ready(kind, op.peer, i, lambda: self._message(self._comm, False, pinned[: view.nbytes], op.peer,
+                                                                ("recv", i)))
 
     def _message_bytes(self, op):
         # On an IPC path the segment itself never travels on this communicator: its
@@ -501,9 +481,9 @@ class DevicePlanHandle(PlanHandle):
     def _post_device_memory(self, i):
         op = self._plan.ops[i]
         if isinstance(op, Send):
-            self._mpi(self._comm, True, self._backend.mpi_buffer(self._buffers.view(op.src)), op.peer, ("send", i))
+            self._message(self._comm, True, self._backend.mpi_buffer(self._buffers.view(op.src)), op.peer, ("send", i))
         else:
-            self._mpi(self._comm, False, self._backend.mpi_buffer(self._buffers.view(op.dst)), op.peer, ("recv", i))
+            self._message(self._comm, False, self._backend.mpi_buffer(self._buffers.view(op.dst)), op.peer, ("recv", i))
 
     # -- IPC --------------------------------------------------------------------------------------------
     def _ipc_send(self, i, op, view):
@@ -520,7 +500,7 @@ class DevicePlanHandle(PlanHandle):
             pinned = self._pinned[i] = ctx.pinned.take(view.nbytes)
             self._backend.copy(pinned[: view.nbytes], view, stream)
             self._enlist("bulk", op.peer, i)
-            self._mpi(self._comm, True, control, op.peer, ("ipc-sent", i))
+            self._message(self._comm, True, control, op.peer, ("ipc-sent", i))
             self._progress.add_device(self, ("staged-bulk", i), self._backend, self._queued(i, stream))
             return
         stream = ctx.p2p
@@ -536,14 +516,14 @@ class DevicePlanHandle(PlanHandle):
         # slot in place and this rank's own send could wait for each other.
         self._slot_of[i], self._op_of_slot[slot.index] = slot, i
         self._progress.add_device(self, ("slot-filled", i), self._backend, self._queued(i, stream))
-        self._mpi(self._comm, True, control, op.peer, ("ipc-sent", i))
+        self._message(self._comm, True, control, op.peer, ("ipc-sent", i))
         ack = self._messages[("ack", i)] = np.empty(1, np.int64)
         self._aux += 1
-        self._mpi(ctx.ack_comm, False, ack, op.peer, ("ipc-ack", i))
+        self._message(ctx.ack_comm, False, ack, op.peer, ("ipc-ack", i))
 
     def _ipc_recv_post(self, i, op, view):
         control = self._messages[("control", i)] = np.empty(_CONTROL_WORDS, np.int64)
-        self._mpi(self._comm, False, control, op.peer, ("ipc-recv", i))
+        self._message(self._comm, False, control, op.peer, ("ipc-recv", i))
 
     def _ipc_received(self, i, status):
         """A control message: the segment is in the peer's slot (or comes staged). Where
@@ -559,7 +539,7 @@ class DevicePlanHandle(PlanHandle):
             raise self._size_error(i, op, int(control[1]), f"{expected} B")
         if control[3] == _STAGED:
             pinned = self._pinned[i] = self._ctx.pinned.take(expected)
-            self._mpi(self._ctx.bulk_comm, False, pinned[:expected], op.peer, ("recv", i))
+            self._message(self._ctx.bulk_comm, False, pinned[:expected], op.peer, ("recv", i))
             return
         index, nbytes, capacity = (int(v) for v in control[:3])
         peer_array, peer_event = self._ctx.open_peer_slot(op.peer, index, capacity, control[4:12].tobytes(),
@@ -607,7 +587,7 @@ class DevicePlanHandle(PlanHandle):
     def _ipc_acknowledge(self, i, index):
         op = self._plan.ops[i]
         ack = self._messages[("sent ack", i)] = np.array([index], np.int64)
-        self._ready("ack", op.peer, i, lambda: self._mpi(self._ctx.ack_comm, True, ack, op.peer, ("ack-sent", i)))
+        self._ready("ack", op.peer, i, lambda: self._message(self._ctx.ack_comm, True, ack, op.peer, ("ack-sent", i)))
 
     def _ipc_part_done(self, i):
         self._parts[i] -= 1
@@ -659,7 +639,7 @@ class DevicePlanHandle(PlanHandle):
         op = self._plan.ops[i]
         if kind == "staged":  # the segment is in pinned memory: send it (in order)
             buffer = self._pinned[i][: self._in_flight[i]]
-            self._ready("send", op.peer, i, lambda: self._mpi(self._comm, True, buffer, op.peer, ("send", i)))
+            self._ready("send", op.peer, i, lambda: self._message(self._comm, True, buffer, op.peer, ("send", i)))
         elif kind == "ready":
             self._waiting_for[i] -= 1
             if self._waiting_for[i] == 0:
@@ -672,8 +652,8 @@ class DevicePlanHandle(PlanHandle):
             self._ipc_part_done(i)
         elif kind == "staged-bulk":  # in pinned memory: send it on the bulk communicator, in order
             buffer = self._pinned[i][: self._in_flight[i]]
-            self._ready("bulk", op.peer, i, lambda: self._mpi(self._ctx.bulk_comm, True, buffer, op.peer,
-                                                                 ("bulk-sent", i)))
+            self._ready("bulk", op.peer, i, lambda: self._message(self._ctx.bulk_comm, True, buffer, op.peer,
+                                                                  ("bulk-sent", i)))
 
     def _complete(self, i):
         self._bytes_done += self._in_flight.pop(i, 0)

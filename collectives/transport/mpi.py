@@ -42,10 +42,7 @@ class PlanHandle(Handle):
 
     def _advance_plan(self):
         """Start everything the plan allows now (see Scheduler.run)."""
-        try:
-            self._scheduler.run(self._run_local, self._post)
-        except MPI.Exception as exc:
-            raise TransportError(f"{self._describe}: MPI failed to post a message: {exc}") from exc
+        self._scheduler.run(self._run_local, self._post)
 
     def _complete(self, i):
         """Posted operation ``i`` has finished: start what it releases."""
@@ -57,19 +54,31 @@ class PlanHandle(Handle):
 
     def _post(self, i):
         op = self._plan.ops[i]
-        layout = self._layout
-        if isinstance(op, Send):
-            view = self._buffers.view(op.src)
-            request = self._comm.Isend([view, MPI.BYTE], op.peer, layout.tag(self._tag, view.nbytes))
-        else:
-            view = self._buffers.view(op.dst)
-            self._in_flight[i] = view.nbytes
-            if view.nbytes >= layout.large:  # received once a probe has found it, and its size is right
-                self._progress.probes.add(self._comm, op.peer, layout.tag(self._tag, view.nbytes), view, (self, i))
-                return
-            request = self._comm.Irecv([view, MPI.BYTE], op.peer, self._tag + view.nbytes)
+        sending = isinstance(op, Send)
+        view = self._buffers.view(op.src if sending else op.dst)
         self._in_flight[i] = view.nbytes
-        self._add_request(request, i)
+        self._message(self._comm, sending, view, op.peer, i)
+
+    def _message(self, comm, sending, buffer, peer, token):
+        """Post a send (``sending``) or a receive of ``buffer`` with ``peer`` on ``comm``,
+        reported to :meth:`_on_request_done` as ``token``. Its tag is the call's base tag
+        plus its size code (:mod:`.tags`): a receive matches only a message of its size,
+        or (a large one) is posted once a probe has found its message and its size is
+        right; MPI's truncation is never relied on."""
+        layout = self._layout
+        nbytes = buffer.nbytes
+        tag = layout.tag(self._tag, nbytes)
+        try:
+            if sending:
+                request = comm.Isend([buffer, MPI.BYTE], peer, tag)
+            elif nbytes >= layout.large:
+                self._progress.probes.add(comm, peer, tag, buffer, (self, token))
+                return
+            else:
+                request = comm.Irecv([buffer, MPI.BYTE], peer, tag)
+        except MPI.Exception as exc:
+            raise TransportError(f"{self._describe}: MPI failed to post a message: {exc}") from exc
+        self._add_request(request, token)
 
     def _wrong_size(self, i, got, source=None):
         op = self._plan.ops[i]
