@@ -109,7 +109,7 @@ def lean_call(ctx: Any, spec: Any, x: np.ndarray, out: Any, op: str, root: Any, 
     would choose: MPI's blocking collective, a shared-memory plan, a persistent program,
     or a plan on the lean executor). What the general path would refuse falls through
     to it, so errors are its own."""
-    progress, options = ctx.progress, ctx.options
+    progress = ctx.progress
     flags = x.flags
     if not ctx.plain or progress.broken is not None or type(op) is not str or not flags.c_contiguous:
         return NOT_HANDLED
@@ -118,7 +118,7 @@ def lean_call(ctx: Any, spec: Any, x: np.ndarray, out: Any, op: str, root: Any, 
     if type(root) is not int or not 0 <= root < ctx.size:  # False, 0.0: the general path refuses them
         return NOT_HANDLED
     leaf = spec.root_result and root != ctx.rank  # gets no result; out is left alone
-    shape = (ctx.size,) + x.shape if spec.gathers else x.shape
+    shape = spec.result_shape(x.shape, x.size, ctx.size, ctx.rank) if spec.gathers or spec.scatters else x.shape
     if spec.one_buffer:
         if not flags.writeable:
             return NOT_HANDLED
@@ -130,8 +130,8 @@ def lean_call(ctx: Any, spec: Any, x: np.ndarray, out: Any, op: str, root: Any, 
         if not flags.writeable:  # the general path refuses it
             return NOT_HANDLED
     else:
-        if type(out) is not np.ndarray or out.shape != shape or out.dtype != x.dtype:
-            return NOT_HANDLED
+        if out is x or type(out) is not np.ndarray or out.shape != shape or out.dtype != x.dtype:
+            return NOT_HANDLED  # (out is x where the collective has no in-place form: the general path says so)
         out_flags = out.flags
         if not (out_flags.writeable and out_flags.c_contiguous):
             return NOT_HANDLED
@@ -141,8 +141,9 @@ def lean_call(ctx: Any, spec: Any, x: np.ndarray, out: Any, op: str, root: Any, 
     if leaf:
         out = None
     inplace = out is x
-    key = (spec, algorithm, x.dtype, x.nbytes, op, root, inplace, options.segment_size, options.deterministic,
-           options.shm_slot)
+    # The options that shape plans are the communicator's, fixed (shm_slot's setter
+    # empties this cache), so the kind of call is the key.
+    key = (spec, algorithm, x.dtype, x.nbytes, op, root, inplace)
     entry = ctx.lean_entries.get(key)
     if entry is None:
         entry = ctx.lean_entries.put(key, _lean_entry(ctx, spec, algorithm, x, op, root, inplace) or False)
@@ -198,6 +199,8 @@ def lean_device_call(ctx: Any, spec: Any, x: Any, out: Any, op: str, root: Any, 
     progress, options = ctx.progress, ctx.options
     if options.check or options.stall_warn is not None or progress.broken is not None or type(op) is not str:
         return NOT_HANDLED
+    if spec.scatters:
+        return NOT_HANDLED  # reduce_scatter on device arrays: the general path
     if timeout is None:
         timeout = options.timeout
     elif (type(timeout) is not float and type(timeout) is not int) or not 0 < timeout < math.inf:

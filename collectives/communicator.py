@@ -142,6 +142,7 @@ class Communicator:
     @shm_slot.setter
     def shm_slot(self, value: int) -> None:
         self._ctx.options.shm_slot = check_slot(value)
+        self._ctx.lean_entries.drop_all()  # their shared-memory plans were cut for the old slot
 
     def choose(self, collective: str, nbytes: int, device: bool = False, dtype: Any = None) -> calls.Choice:
         """``(algorithm, why)``: what ``auto`` picks for ``collective`` on ``nbytes`` bytes

@@ -67,9 +67,16 @@ class Spec:
         """What the ranks must settle between them once the call is numbered and
         before its route runs (alltoallv's counts); nothing for most."""
 
-    def result_shape(self, shape: tuple[int, ...], size: int) -> tuple[int, ...]:
-        """The result's shape for an input of ``shape`` (the lean path's collectives)."""
-        return (size,) + shape if self.gathers else shape
+    def result_shape(self, shape: tuple[int, ...], count: int, size: int, rank: int) -> tuple[int, ...]:
+        """The result's shape on ``rank`` for an input of ``shape`` and ``count``
+        elements (the lean path's collectives): a row per rank where it gathers, this
+        rank's block of the elements where it scatters, else the input's."""
+        if self.gathers:
+            return (size,) + shape
+        if self.scatters:
+            base, extra = divmod(count, size)
+            return (base + (rank < extra),)
+        return shape
 
     def auto_bytes(self, nbytes: int, size: int) -> int:
         """The size ``auto`` sees for an input of ``nbytes`` (the lean path's collectives)."""
@@ -158,7 +165,7 @@ class Allreduce(Spec):
 
 
 class ReduceScatter(Spec):
-    name, reduces, scatters = "reduce_scatter", True, True
+    name, reduces, scatters, lean = "reduce_scatter", True, True, True
 
     def arguments(self, ctx, call):
         call.x = x = as_array(call.x, "x")

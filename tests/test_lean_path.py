@@ -22,7 +22,8 @@ from conftest import agree, expected_result, host_algorithms, rank_input
 
 WORLD = MPI.COMM_WORLD
 LAST = WORLD.Get_size() - 1
-SHAPES = {"allgather": lambda size, shape: (size,) + shape}
+SHAPES = {"allgather": lambda size, shape: (size,) + shape,
+          "reduce_scatter": lambda size, shape: (len(np.array_split(np.empty(shape).ravel(), size)[WORLD.Get_rank()]),)}
 
 
 def call(comm, collective, x, algorithm, op, root, out, timeout=None):
@@ -30,13 +31,15 @@ def call(comm, collective, x, algorithm, op, root, out, timeout=None):
         return comm.allreduce(x, op=op, algorithm=algorithm, out=out, timeout=timeout)
     if collective == "allgather":
         return comm.allgather(x, algorithm=algorithm, out=out, timeout=timeout)
+    if collective == "reduce_scatter":
+        return comm.reduce_scatter(x, op=op, algorithm=algorithm, out=out, timeout=timeout)
     if collective == "broadcast":
         return comm.broadcast(x, root=root, algorithm=algorithm, timeout=timeout)
     return comm.reduce(x, root=root, op=op, algorithm=algorithm, out=out, timeout=timeout)
 
 
 def cases():
-    for collective in ("allreduce", "allgather", "broadcast", "reduce"):
+    for collective in ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"):
         for algorithm in host_algorithms(collective):
             if algorithm.startswith("hierarchical"):
                 continue  # they need a layout of several nodes; test_hierarchical has them
@@ -113,8 +116,7 @@ def test_lean_path_takes_repeated_calls_and_learns_each_kind_once(comm, monkeypa
         problems.append("the large ring call gave a wrong result")
     if not np.array_equal(ring, again) or not np.array_equal(again, x * comm.size):
         problems.append(f"ring gave {again}, want {x * comm.size}")
-    entry = comm._ctx.lean_entries.get((SPECS["allreduce"], "ring", x.dtype, x.nbytes, "sum", 0, False,
-                                        comm.segment_size, comm.deterministic, comm.shm_slot))
+    entry = comm._ctx.lean_entries.get((SPECS["allreduce"], "ring", x.dtype, x.nbytes, "sum", 0, False))
     if not (isinstance(entry, LeanEntry) and entry.algorithm == "ring"):
         problems.append(f"no lean entry for the ring call: {entry!r}")
     agree(comm.mpi_comm, problems)

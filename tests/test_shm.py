@@ -93,6 +93,24 @@ def test_the_window_grows_and_is_reused():
     comm.free()
 
 
+def test_a_new_slot_size_reaches_calls_already_learnt():
+    # The lean path keeps what it learnt per kind of call; a plan cut for the old slot
+    # must not outlive a change of it (the window grows for the new one's segments).
+    comm = cc.Communicator()
+    comm.shm_slot = 64
+    x = np.full(8192, comm.rank + 1, np.float32)  # 32 KiB: one segment of the larger slot, 512 of the smaller
+    want = np.full(8192, comm.size * (comm.size + 1) // 2, np.float32)
+    problems = []
+    for slot in (64, 64, 64 << 10, 64 << 10):
+        comm.shm_slot = slot
+        if not np.array_equal(comm.allreduce(x, algorithm="shm"), want):
+            problems.append(f"slot {slot}: wrong result")
+    if comm.size > 1 and comm._ctx.window.capacity < 2 * comm.size * x.nbytes:
+        problems.append(f"window of {comm._ctx.window.capacity} B: the calls kept the 64-byte slot's segments")
+    agree(WORLD, problems)
+    comm.free()
+
+
 def test_in_place_and_strided_arrays():
     comm = cc.Communicator()
     comm.shm_slot = 512

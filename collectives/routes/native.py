@@ -124,10 +124,13 @@ class NativeBlocking(Route):
     def lean_entry(self, ctx, call):
         spec, op, root = call.spec, call.op, call.root
         entry = LeanEntry(self, spec, call.algorithm, call.count, op, root)
+        counts = None  # every rank's block where the collective scatters, for MPI
+        if spec.scatters:
+            counts = [spec.result_shape((call.count,), call.count, ctx.size, r)[0] for r in range(ctx.size)]
         if call.count == 0:  # native() gives an empty out an address of its own (MPI refuses the alias)
-            entry.run = lambda x, out: native(ctx, spec, x, out, out is x, op, root, None, blocking=True)
+            entry.run = lambda x, out: native(ctx, spec, x, out, out is x, op, root, counts, blocking=True)
         else:
-            entry.run = starter(ctx, spec, op, root, None, True)  # nothing in flight to finish first
+            entry.run = starter(ctx, spec, op, root, counts, True)  # nothing in flight to finish first
         if spec.name in ctx.native_checked:  # the ranks agree on the size first
             entry.run = agreement.agreeing(ctx.comm, entry.run, call.count * call.dtype.itemsize,
                                            lambda: f"{spec.name}(algorithm='native') call #{ctx.sequence}",
