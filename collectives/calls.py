@@ -261,6 +261,7 @@ def _lean_entry(ctx: Any, spec: Any, algorithm: str, x: Any, op: str, root: int,
         return None  # the general path raises it
     call = Call(spec, x, None, op, root, name, None, None, True)
     call.count, call.dtype, call.inplace, call.alone, call.device = x.size, x.dtype, inplace, True, device
+    call.auto = algorithm == "auto"
     route = route_for(ctx, call)
     if route is PEER and not PEER.set_up(ctx, x.backend):
         return NOT_HANDLED

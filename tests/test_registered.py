@@ -145,6 +145,43 @@ def test_other_calls_on_registered_arrays_run_as_on_any_array():
     comm.free()
 
 
+@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "allgather", "broadcast"])
+def test_shm_chosen_by_auto_runs_alike_whichever_ranks_inputs_are_registered(collective, monkeypatch):
+    # Whether an input is registered is one rank's business; auto's choice must run
+    # alike on every rank: where auto chose shm (here forced by the environment), a
+    # registered input copies in as any other, so ranks whose inputs differ in that
+    # agree (the registered form on rank 0 alone would refuse the others' calls).
+    monkeypatch.setenv(f"COLLECTIVES_{collective.upper()}_ALGORITHM", "shm")
+    comm = cc.Communicator()
+    p, r = comm.size, comm.rank
+    problems = []
+    for calls in range(2):  # the general path, then the lean one
+        pool = comm.empty(600, "float64")  # collective; only rank 0 puts its input there
+        x = pool if r == 0 else np.empty(600)
+        x[...] = np.arange(600.0) + r + calls
+        fresh = x.copy()
+        if collective == "allreduce":
+            got = comm.allreduce(x, out=x, algorithm="auto")
+            want = sum(np.arange(600.0) + q + calls for q in range(p))
+        elif collective == "reduce_scatter":
+            got = comm.reduce_scatter(x, algorithm="auto")
+            want = np.array_split(sum(np.arange(600.0) + q + calls for q in range(p)), p)[r]
+        elif collective == "allgather":
+            got = comm.allgather(x, algorithm="auto")
+            want = np.stack([np.arange(600.0) + q + calls for q in range(p)])
+        else:
+            comm.broadcast(x, root=0, algorithm="auto")
+            got, want = x, np.arange(600.0) + calls
+        if not np.array_equal(got, want):
+            problems.append(f"{collective}, call {calls}: wrong result")
+        if collective in ("reduce_scatter", "allgather") and not np.array_equal(x, fresh):
+            problems.append(f"{collective}, call {calls}: x written")
+    if comm.choose(collective, 600 * 8)[0] != "shm":
+        problems.append(f"auto did not choose shm: {comm.choose(collective, 600 * 8)}")
+    comm.free()
+    agree(WORLD, problems)
+
+
 def test_bad_arguments_are_refused():
     comm = cc.Communicator()
     for shape in (-1, (3, -2), 2.5, "x", (True,)):

@@ -45,8 +45,8 @@ class LeanEntry:
     a call on flat contiguous ``x`` and ``result``. The route keeps what else it
     needs here (a plan, a program, MPI's bound collective)."""
 
-    __slots__ = ("algorithm", "code", "count", "op", "plan", "program", "registration", "root", "route", "run",
-                 "spec", "window_bytes")
+    __slots__ = ("algorithm", "code", "count", "op", "plan", "program", "registered_form", "registration", "root",
+                 "route", "run", "spec", "window_bytes")
 
     def __init__(self, route: Route, spec: Any, algorithm: str, count: int, op: str, root: int):
         self.route, self.spec, self.algorithm = route, spec, algorithm
@@ -56,6 +56,7 @@ class LeanEntry:
         self.program: Any = None  # a PersistentProgram or the plan's lean Program
         self.code = 0  # a shared-memory call's code (see routes.shared)
         self.registration: Any = None
+        self.registered_form = True  # shm: a registered input takes its registered form (not where auto chose shm)
         self.window_bytes: int | None = None  # the shared window a shared-memory call needs (None: none)
 
 

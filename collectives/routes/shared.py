@@ -110,8 +110,11 @@ class SharedMemory(Route):
     def run(self, ctx, call):
         host_buffers(call, ctx.rank, ctx.size)
         spec, inp, out, inplace, op, root = call.spec, call.inp, call.result, call.inplace, call.op, call.root
-        registration, plan, code = shm_plan(ctx, spec, call.algorithm, call.count, root, inplace, inp.dtype, op,
-                                            registered(ctx, spec, inp, inplace))
+        # Where auto chose shm, a registered input copies in as any other does: whether
+        # an input is registered is one rank's business, and auto's choice must run
+        # alike on every rank (the two forms' calls differ, and would refuse each other).
+        found = None if call.auto else registered(ctx, spec, inp, inplace)
+        registration, plan, code = shm_plan(ctx, spec, call.algorithm, call.count, root, inplace, inp.dtype, op, found)
         signature = (ctx.sequence, code, inp.nbytes, root)
         describe = call.describe
         window = (window_for(ctx, plan.shm * inp.itemsize, call.timeout, signature, describe)
@@ -132,6 +135,7 @@ class SharedMemory(Route):
         _, entry.plan, entry.code = shm_plan(ctx, call.spec, call.algorithm, call.count, call.root, call.inplace,
                                              call.dtype, call.op)
         entry.window_bytes = entry.plan.shm * call.dtype.itemsize if needs_window(entry.plan) else None
+        entry.registered_form = not call.auto  # as run() says
         entry.run = lambda x, result: self.run_now(ctx, entry, x, result)
         return entry
 
@@ -139,7 +143,7 @@ class SharedMemory(Route):
         """The entry a lean call on ``x`` runs: ``entry``, or its registered form where
         ``x`` is a registered buffer; None where the window must first be made or grown
         (collective: the general path does that)."""
-        if ctx.registrations:  # the input may be a registered buffer: its own plan then
+        if ctx.registrations and entry.registered_form:  # the input may be a registered buffer: its own plan then
             found = registered(ctx, entry.spec, x, inplace)
             if found is not None:
                 entry = self._registered_entry(ctx, entry, x, inplace, found)
