@@ -19,28 +19,39 @@ ranks, when it is made (:func:`obtain`):
 - across nodes (where the ranks span several): the link's rate, ``net_beta``
   (:func:`collectives.topology.measure_link`) and its latency, the same exchange of 8
   bytes between ranks on different nodes;
-- MPI's own collective (``native``) for allreduce, reduce_scatter, allgather,
-  broadcast and reduce at ``NATIVE_SIZES`` (64 KiB, 1 MiB, 4 MiB, and 16 MiB for
-  allreduce; fewer where a call would take long): MPI's collectives run schedules
-  and copies of their own, whose cost the model cannot know (MPICH 5's allreduce of 4
-  MiB takes 1.3x what the same bytes through its point-to-point messages take here,
-  and 2x at 64 MiB);
-- the library's own ring allreduce at the same sizes (16 MiB too): its time over the model's
-  prediction (:meth:`Calibration.correction`) scales every prediction of the
-  library's algorithms at that size, for what the model leaves out (a call's fixed
-  cost, MPI's protocol for messages of that size, the caches).
+- MPI's own collective (``native``) and the library's algorithms that run alike on
+  every rank (:data:`TIMED`: those the model covers, and on one node ``shm``), each
+  called as a user's call is (``timer``: blocking calls through a communicator of the
+  calibration's own), for allreduce, reduce_scatter, allgather, broadcast and reduce
+  at ``NATIVE_AT``'s sizes (64 KiB, 1 MiB and 4 MiB; allreduce 256 KiB too, and MPI's
+  own allreduce 16 MiB, where MPICH's slows to twice its 4 MiB cost per byte).
+  MPI's collectives run schedules and copies of their own, and the library's calls
+  have costs the model leaves out (a call's fixed cost, MPI's protocol for messages
+  of that size, the caches) that differ from algorithm to algorithm (here at 2 ranks
+  and 256 KiB, recursive doubling's one message took 0.75x recursive halving's two).
+  From 4 MiB on only the library's two fastest at the size before are timed, and
+  none whose call would take over ``SLOW_OURS`` (5 ms); a size whose calls would take
+  over ``SLOW_CALL`` is left out. Where the ranks span several nodes only the ring
+  allreduce is timed (over the network every call is slow; the model, with the
+  link's measured rate, answers for the others).
 
 Every figure is the slowest rank's (each timing is reduced with MAX over the ranks),
-the least of ``REPEATS`` runs, so every rank holds the same calibration and makes the
-same choices. It takes 0.1-0.5
-s at 2-4 ranks on one node. ``collectives.tuning.calibrated_choice`` then chooses:
-below ``SMALL`` (64 KiB) and for gather, scatter, alltoall and alltoallv, ``native``;
-above, the library's algorithm the calibrated model predicts fastest
-(:func:`collectives.tuning.predict`), where MPI's measured time (interpolated between
-the sizes measured, extended along the last two beyond them) is at least ``MARGIN``
-(1.1x) its prediction; else ``native``. Only algorithms the model covers and that run
-alike on every rank take part (no ``shm`` on registered buffers, a property of one
-rank's input).
+so every rank holds the same calibration and makes the same choices; each is the
+least of ``REPEATS`` timings (a timing that another process's time slice slowed says
+nothing of the machine), of one run for the model's parameters, of a batch of calls
+in a row for the calls (what a program's calls take, the waits on peers the
+scheduler lets run late among them). The sizes go in ascending order, and timing
+stops, for the largest sizes left, once ``BUDGET`` (0.6 s) was spent on it. Measured
+at 2 and 4 ranks on one node of the 2-core machine: 0.27-0.32 s and 0.61-0.71 s
+(``bench/results/xeon-2vcpu-mpich5/issue33``).
+``collectives.tuning.calibrated_choice`` then chooses: below ``SMALL`` (64 KiB) and
+for gather, scatter, alltoall and alltoallv, ``native``; above, the library's
+algorithm expected fastest (:meth:`Calibration.times`: the model's prediction scaled
+by what that algorithm's timings say of it), where MPI's own, timed (interpolated
+between the sizes timed, extended along the last two beyond them), takes at least
+``MARGIN`` (1.1x) as long; else ``native``. Every algorithm ``auto`` picks runs alike
+on every rank, whatever one rank's input is (``shm`` from ``auto`` copies in even
+where the input is a registered buffer: see ``collectives.routes.shared``).
 
 The result is cached per user (``$COLLECTIVES_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/collectives``, else ``~/.cache/collectives``), one file per
@@ -70,23 +81,47 @@ import numpy as np
 
 CALIBRATE_ENV = "COLLECTIVES_CALIBRATE"
 CACHE_ENV = "COLLECTIVES_CACHE_DIR"
-FORMAT = 1
+FORMAT = 2  # 2: the library's algorithms timed per collective (1 timed its ring allreduce only)
 SMALL = 64 << 10  # below this many bytes auto stays native: MPI's per-call cost is a tenth of ours
 MARGIN = 1.1  # MPI's time over the model's best before auto leaves native
 PROBE_BYTES = 4 << 20  # the exchange and the reduction timed for beta and gamma
 NATIVE_SIZES = (64 << 10, 1 << 20, 4 << 20)
-# Allreduce, the collective that matters most, is also measured at 16 MiB (MPI's and
-# the library's): past the caches MPICH's allreduce slows to twice its 4 MiB cost per
-# byte here (1.3 ns/B at 64 MiB and 4 ranks against 0.64 at 4 MiB), which no line
-# through the smaller sizes foresees.
+# Allreduce, the collective that matters most, is also timed at 256 KiB and (MPI's
+# own; the library's where a call is quick) at 16 MiB: past the caches MPICH's
+# allreduce slows to twice its 4 MiB cost per byte here (1.3 ns/B at 64 MiB and 4
+# ranks against 0.64 at 4 MiB), which no line through the smaller sizes foresees.
 LARGEST = 16 << 20
-# The collectives whose MPI's own is measured -> the sizes it is timed at (bytes as the
-# tuning tables count them); the calls that time it are _NATIVE_CALLS'.
-NATIVE_AT = {"allreduce": NATIVE_SIZES + (LARGEST,), "reduce_scatter": NATIVE_SIZES, "allgather": NATIVE_SIZES,
-             "broadcast": NATIVE_SIZES, "reduce": NATIVE_SIZES}
+# The collectives timed -> the sizes they are timed at (bytes as the tuning tables count them).
+NATIVE_AT = {"allreduce": (64 << 10, 256 << 10, 1 << 20, 4 << 20, LARGEST), "reduce_scatter": NATIVE_SIZES,
+             "allgather": NATIVE_SIZES, "broadcast": NATIVE_SIZES, "reduce": NATIVE_SIZES}
 NATIVE = tuple(NATIVE_AT)
-SLOW_CALL = 0.03  # seconds: a native size (past the second) whose call would take longer is not measured
-REPEATS = 3  # timings per figure, the least kept (twice as many for the smallest, 2 for the largest)
+# The library's algorithms timed on one node, per collective: every flat one that runs
+# alike on every rank (the peer reads are for device arrays; on one node the two-level
+# ones are a ring in pieces), shm only where the ranks share memory.
+TIMED = {"allreduce": ("ring", "recursive_doubling", "recursive_halving", "direct", "shm"),
+         "reduce_scatter": ("ring", "recursive_halving", "direct", "shm"),
+         "allgather": ("ring", "recursive_doubling", "bruck", "direct", "shm"),
+         "broadcast": ("binomial", "scatter_allgather", "direct", "shm"),
+         "reduce": ("binomial", "direct", "shm")}
+SLOW_CALL = 0.03  # seconds: a size (past the second) whose call would take longer is not timed
+SLOW_OURS = 0.005  # seconds: nor a library's call that would take longer (MPI's own is: it is the yardstick)
+FEWER, FEWER_FROM = 2, 4 << 20  # from this size on, the library's 2 fastest at the size before are timed
+BATCH = 0.5e-3  # seconds: the calls of one timing, in a row (at least one call)
+BUDGET = 0.6  # seconds of calls timed (the slowest rank's), after which what is left is not timed
+WARM_UP = 2  # calls before each timing, not counted
+REPEATS = 3  # timings per figure, the least kept (twice as many for the model's smallest)
+
+
+def interpolate(points, nbytes):
+    """The time at ``nbytes`` of ``points`` (``[[bytes, seconds], ...]``, ascending, at
+    least one): linear between the sizes timed, along the last (or first) two beyond
+    them, never below 0; with one point, proportional to the size."""
+    sizes = [b for b, _ in points]
+    if len(points) == 1:
+        return points[0][1] * max(nbytes, 1) / max(sizes[0], 1)
+    i = min(max(bisect.bisect_right(sizes, nbytes) - 1, 0), len(points) - 2)
+    (b0, t0), (b1, t1) = points[i], points[i + 1]
+    return max(t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0), 0.0)
 
 
 @dataclass
@@ -102,7 +137,7 @@ class Calibration:
     mpi_net_alpha: float = 0.0
     net_beta: float = 0.0
     native: dict = field(default_factory=dict)  # collective -> [[bytes, seconds], ...], ascending
-    ring: list = field(default_factory=list)  # the library's ring allreduce: [[bytes, seconds], ...], ascending
+    ours: dict = field(default_factory=dict)  # collective -> {algorithm: [[bytes, seconds], ...], ascending}
     fingerprint: dict = field(default_factory=dict)
     key: str = ""
     seconds: float = 0.0  # how long measuring took
@@ -119,26 +154,20 @@ class Calibration:
         return found
 
     def native_time(self, collective, nbytes):
-        """MPI's measured time for ``collective`` on ``nbytes``: linear between the sizes
-        measured, along the last (or first) two beyond them; None where unmeasured."""
+        """MPI's timed time for ``collective`` on ``nbytes`` (:func:`interpolate`); None
+        where it was not timed."""
         points = self.native.get(collective)
-        if not points:
-            return None
-        sizes = [b for b, _ in points]
-        if len(points) == 1:
-            return points[0][1] * max(nbytes, 1) / max(sizes[0], 1)
-        i = min(max(bisect.bisect_right(sizes, nbytes) - 1, 0), len(points) - 2)
-        (b0, t0), (b1, t1) = points[i], points[i + 1]
-        return max(t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0), 0.0)
+        return interpolate(points, nbytes) if points else None
 
-    def correction(self, predicted_ring, nbytes):
-        """The library's measured time over the model's prediction, for its ring
-        allreduce (``predicted_ring(bytes)``, seconds), at ``nbytes``: between the sizes
-        measured, linear in the logarithm of the size; the nearest one's beyond them; 1
-        where none was measured. It carries what the model leaves out (the call's fixed
-        cost, MPI's protocol for a message of that size, the caches) into every
-        prediction of the library's algorithms."""
-        points = [(math.log2(b), t / predicted_ring(b)) for b, t in self.ring if predicted_ring(b) > 0]
+    def correction(self, predicted, nbytes, collective="allreduce", algorithm="ring"):
+        """``algorithm``'s timed time over the model's prediction (``predicted(bytes)``,
+        seconds) at ``nbytes``: between the sizes timed, linear in the logarithm of the
+        size; the nearest one's beyond them; 1 where it was not timed. It carries what
+        the model leaves out of that algorithm (the call's fixed cost, MPI's protocol for
+        messages of that size, the caches) into its prediction; the ring allreduce's
+        (the default) into those of algorithms not timed."""
+        timed = self.ours.get(collective, {}).get(algorithm, ())
+        points = [(math.log2(b), t / predicted(b)) for b, t in timed if predicted(b) > 0]
         if not points:
             return 1.0
         x = math.log2(max(nbytes, 1))
@@ -148,6 +177,36 @@ class Calibration:
             if x <= x1:
                 return f0 + (f1 - f0) * (x - x0) / (x1 - x0)
         return points[-1][1]
+
+    def times(self, collective, nbytes, predicted):
+        """``{algorithm: seconds}``: what each of the library's algorithms of
+        ``collective`` is expected to take on ``nbytes`` here. ``predicted(collective,
+        bytes)`` is the model's ``{algorithm: seconds}``. An algorithm timed here and
+        modelled: its prediction times its own :meth:`correction`; timed and not
+        modelled (``shm``): its timings interpolated as MPI's are, between them only
+        (past them nothing says how it grows: ``shm``'s fences, one per segment, cost
+        ever more on a busy machine); modelled and not timed: its prediction times the
+        ring allreduce's correction. An algorithm timed at fewer sizes than others of
+        its collective (not among the fastest: :func:`_time_calls`) is out past its
+        last timing too."""
+        timed = self.ours.get(collective, {})
+        largest = max((points[-1][0] for points in timed.values() if points), default=0)
+        modelled = predicted(collective, nbytes)
+        found = {}
+        for algorithm, points in timed.items():
+            past = not points or nbytes > points[-1][0]
+            if past and (algorithm not in modelled or points[-1][0] < largest):
+                continue  # nothing says what it takes there
+            if algorithm in modelled:
+                found[algorithm] = modelled[algorithm] * self.correction(
+                    lambda b, a=algorithm: predicted(collective, b)[a], nbytes, collective, algorithm)
+            else:
+                found[algorithm] = interpolate(points, nbytes)
+        untimed = [a for a in modelled if a not in timed]
+        if untimed:
+            factor = self.correction(lambda b: predicted("allreduce", b)["ring"], nbytes)
+            found.update((a, modelled[a] * factor) for a in untimed)
+        return found
 
     def describe(self):
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.measured_at)) if self.measured_at else "?"
@@ -233,13 +292,16 @@ def save(calibration, path):
 
 # -- measuring ------------------------------------------------------------------------------
 
-def obtain(comm, topology, fingerprint, key, tag, environ=None, link=None, link_tolerance=1.5):
+def obtain(comm, topology, fingerprint, key, tag, timer, environ=None, link=None, link_tolerance=1.5,
+           shares_memory=False):
     """The calibration for this job (collective over ``comm``, whose other traffic must
     wait: the Communicator calls it while it is made): rank 0's cached one where it
     matches, else measured now on every rank together and cached by rank 0. ``tag``: a
-    base tag no call of ``comm`` uses yet; ``link``: the node-to-node rate already
-    measured (bytes per second), if any; a cached calibration of several nodes counts
-    where its link is within ``link_tolerance`` of this job's."""
+    base tag no call of ``comm`` uses yet; ``timer``: as :func:`measure` takes it;
+    ``link``: the node-to-node rate already measured (bytes per second), if any; a
+    cached calibration of several nodes counts where its link is within
+    ``link_tolerance`` of this job's; ``shares_memory``: whether every rank is on this
+    node, as MPI says (``shm`` is timed then)."""
     from mpi4py import MPI
 
     several = topology is not None and topology.node_count > 1
@@ -256,7 +318,7 @@ def obtain(comm, topology, fingerprint, key, tag, environ=None, link=None, link_
     if data is not None:
         return Calibration.from_json(data, path)
     start = time.perf_counter()
-    calibration = measure(comm, topology, tag, link)
+    calibration = measure(comm, topology, tag, timer, link, shares_memory)
     calibration.fingerprint, calibration.key = dict(fingerprint), str(key)
     calibration.seconds = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
     calibration.measured_at = comm.bcast(time.time(), root=0)
@@ -284,10 +346,14 @@ def _slowest(comm, f, repeats=REPEATS):
     return float(slowest.min())
 
 
-def measure(comm, topology, tag, link=None):
+def measure(comm, topology, tag, timer, link=None, shares_memory=False):
     """Measure every figure of a :class:`Calibration` (collective). The node's figures
     (``alpha``, ``beta``, ``mpi_alpha``) are measured among each node's ranks at once
-    (a ring within the node), the network's between nodes."""
+    (a ring within the node), the network's between nodes. ``timer(collective,
+    algorithm, nbytes)`` gives a function of no arguments that makes one blocking call
+    of ``collective`` with ``algorithm`` (``native`` too) on ``nbytes`` of float32 (as
+    the tuning tables count bytes), every rank alike; ``shares_memory``: whether
+    ``shm`` can run (every rank on this node, as MPI says)."""
     from mpi4py import MPI
 
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -341,40 +407,87 @@ def measure(comm, topology, tag, link=None):
                 calibration.alpha = max(calibration.net_alpha - calibration.mpi_net_alpha, 0.0)
     finally:
         node.Free()
-    calibration.native = _measure_native(comm, size)
-    calibration.ring = _measure_ring(comm, size, tag)
+    if several:  # over the network every call is slow: the ring allreduce only, for the correction
+        algorithms = {"allreduce": ("ring",)}
+    else:
+        algorithms = {c: tuple(a for a in names if a != "shm" or shares_memory) for c, names in TIMED.items()}
+    calibration.native, calibration.ours = _time_calls(comm, timer, algorithms)
     return calibration
 
 
-def _measure_ring(comm, size, tag):
-    """The library's ring allreduce over every rank of ``comm`` at NATIVE_SIZES, as a
-    large call runs it (the lean executor), fewer where a call would take over
-    ``SLOW_CALL``: ``[[bytes, seconds], ...]`` (collective)."""
-    from .algorithms import build
-    from .schedule import compile_plan
-    from .transport import lean
-    from .transport.buffers import Buffers
-    from .transport.scheduler import program_of
+def _time_calls(comm, timer, algorithms):
+    """``(native, ours)``: MPI's own collectives (every one of ``NATIVE_AT``) and the
+    library's ``algorithms`` (``{collective: names}``) timed at the collective's sizes
+    (:func:`_typical`), as ``{collective: [[bytes, seconds], ...]}`` and ``{collective:
+    {algorithm: [[bytes, seconds], ...]}}``. Size by size, ascending, every collective
+    at each (allreduce first), so that what ``BUDGET`` leaves out, once spent, is the
+    largest sizes. From ``FEWER_FROM`` on, where each call takes milliseconds, only
+    the library's ``FEWER`` fastest at the size before are timed; none whose call
+    would take over ``SLOW_OURS``; and no size (past the second) whose calls would take
+    over ``SLOW_CALL``. Every decision follows from the slowest rank's figures, the
+    same on every rank (collective)."""
+    alive = {c: ("native",) + tuple(algorithms.get(c, ())) for c in NATIVE_AT}
+    found = {c: {name: [] for name in names} for c, names in alive.items()}
+    spent = 0.0
+    for nbytes in sorted({b for sizes in NATIVE_AT.values() for b in sizes}):
+        for collective, sizes in NATIVE_AT.items():
+            if nbytes not in sizes or not alive[collective] or spent > BUDGET:
+                continue
+            points = found[collective]
+            if nbytes > sizes[1] and any(points[a][-1][1] * nbytes / points[a][-1][0] > SLOW_CALL
+                                         for a in alive[collective]):
+                alive[collective] = ()  # its calls would take too long from here on
+                continue
+            if nbytes >= FEWER_FROM:
+                ours = sorted(alive[collective][1:], key=lambda a: points[a][-1][1])
+                alive[collective] = ("native",) + tuple(ours[:FEWER])
+            for name in alive[collective]:
+                guess = points[name][-1][1] * nbytes / points[name][-1][0] if points[name] else None
+                if name != "native" and guess is not None and guess > SLOW_OURS:
+                    continue
+                seconds, took = _typical(comm, timer(collective, name, nbytes), guess)
+                points[name].append([nbytes, seconds])
+                spent += took
+    native = {c: points.pop("native") for c, points in found.items()}
+    ours = {c: {a: p for a, p in points.items() if p} for c, points in found.items()}
+    return native, {c: timed for c, timed in ours.items() if timed}
 
-    points = []
-    for nbytes in NATIVE_SIZES + (LARGEST,):
-        if len(points) >= 2 and points[-1][1] * nbytes / points[-1][0] > SLOW_CALL:
-            break
-        count = max(size, (nbytes // 4) // size * size)
-        plan = compile_plan(build("allreduce", "ring", comm.Get_rank(), size, count))
-        program = program_of(plan)
-        buffers, kept = Buffers(np.ones(count, np.float32), np.empty(count, np.float32),
-                                np.empty(max(plan.tmp, 1), np.float32)), []
-        points.append([nbytes, _slowest(comm, lambda program=program, buffers=buffers, kept=kept:
-                                               lean.run(program, comm, tag, buffers, "sum", str, kept.append),
-                                        _repeats(nbytes))])
-    return points
 
+def _typical(comm, f, guess=None):
+    """``(typical, spent)``: what a call of ``f`` typically takes on the slowest rank,
+    the least of ``REPEATS`` timings (a batch that another process's time slice slowed
+    says nothing of the call), each the mean of a batch of calls lasting about
+    ``BATCH`` (one call at least), the batches in a row after one barrier: what the
+    calls of a program in a row take, the waits on peers that the scheduler lets run
+    late among them; and the seconds all that took (the slowest rank's). ``WARM_UP``
+    calls come first, not counted: what first calls make (plans, the shared window
+    grown, memory touched; MPICH allocates its allreduce's scratch memory at every
+    call, which the C library maps anew, page by page, until a free of that size has
+    raised its threshold) is not a call's typical cost. ``guess``: a call's expected
+    time, for the batch (None: the last warm-up call's)."""
+    from mpi4py import MPI
 
-def _repeats(nbytes):
-    """Timed runs for a size: more for the small ones (a descheduled rank costs a small
-    call milliseconds on a shared machine), 2 from 4 MiB up (each takes milliseconds)."""
-    return 2 * REPEATS if nbytes < NATIVE_SIZES[1] else REPEATS if nbytes < NATIVE_SIZES[-1] else 2
+    began = time.perf_counter()
+    comm.Barrier()
+    for _ in range(WARM_UP - 1):
+        f()
+    start = time.perf_counter()
+    f()
+    last = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)  # a warm call's time
+    batch = max(1, min(256, int(BATCH / max(last if guess is None else guess, 1e-7))))
+    times = []
+    comm.Barrier()
+    start = time.perf_counter()
+    for _ in range(REPEATS):  # in a row, as a program's calls come: only the first meets the barrier's stragglers
+        for _ in range(batch):
+            f()
+        now = time.perf_counter()
+        times.append((now - start) / batch)
+        start = now
+    times.append(now - began)
+    slowest = np.empty(len(times))
+    comm.Allreduce(np.array(times), slowest, MPI.MAX)
+    return float(slowest[:-1].min()), float(slowest[-1])
 
 
 def _ring_time(comm, ring_comm, tag, algorithm="ring"):
@@ -397,60 +510,3 @@ def _ring_time(comm, ring_comm, tag, algorithm="ring"):
     x, out, tmp = np.ones(count, np.float32), np.empty(count, np.float32), np.empty(max(plan.tmp, 1), np.float32)
     buffers, kept = Buffers(x, out, tmp), []
     return _slowest(comm, lambda: lean.run(program, ring_comm, tag, buffers, "sum", str, kept.append), 2 * REPEATS)
-
-
-def _measure_native(comm, size):
-    """MPI's own collectives at their ``NATIVE_AT`` sizes (bytes as the tuning tables
-    count them), largest sizes left out where the previous one's time says a call would
-    take over ``SLOW_CALL`` (two sizes at least): ``{collective: [[bytes, seconds], ...]}``."""
-    from mpi4py import MPI
-
-    found = {}
-    for collective, sizes in NATIVE_AT.items():
-        points = []
-        for nbytes in sizes:
-            if len(points) >= 2 and points[-1][1] * nbytes / points[-1][0] > SLOW_CALL:
-                break
-            call = _native_call(comm, collective, nbytes, size, MPI)
-            points.append([nbytes, _slowest(comm, call, _repeats(nbytes))])
-        found[collective] = points
-    return found
-
-
-# MPI's own collective as a call to time: (comm, n, p, MPI) -> a function of no
-# arguments that runs it once on n float32s (a multiple of the world size, p) counted as
-# the tuning tables count bytes: the input, or for allgather the gathered output.
-
-def _native_allreduce(comm, n, p, MPI):
-    x, out = np.ones(n, np.float32), np.empty(n, np.float32)
-    return lambda: comm.Allreduce(x, out, MPI.SUM)
-
-
-def _native_reduce_scatter(comm, n, p, MPI):
-    x, out = np.ones(n, np.float32), np.empty(n // p, np.float32)
-    return lambda: comm.Reduce_scatter_block(x, out, MPI.SUM)
-
-
-def _native_allgather(comm, n, p, MPI):
-    x, out = np.ones(n // p, np.float32), np.empty(n, np.float32)
-    return lambda: comm.Allgather(x, out)
-
-
-def _native_broadcast(comm, n, p, MPI):
-    x = np.ones(n, np.float32)
-    return lambda: comm.Bcast(x, 0)
-
-
-def _native_reduce(comm, n, p, MPI):
-    x, out = np.ones(n, np.float32), np.empty(n, np.float32)
-    return lambda: comm.Reduce(x, out, MPI.SUM, 0)
-
-
-# collective -> its timed call; one for each collective of NATIVE_AT.
-_NATIVE_CALLS = {"allreduce": _native_allreduce, "reduce_scatter": _native_reduce_scatter,
-                 "allgather": _native_allgather, "broadcast": _native_broadcast, "reduce": _native_reduce}
-
-
-def _native_call(comm, collective, nbytes, size, MPI):
-    n = max(size, (nbytes // 4) // size * size)  # float32s, a multiple of the world size
-    return _NATIVE_CALLS[collective](comm, n, size, MPI)

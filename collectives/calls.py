@@ -421,3 +421,22 @@ def broadcast_object(ctx: Any, obj: Any, root: Any, timeout: Any) -> Any:
     data = np.frombuffer(payload, np.uint8) if ctx.rank == root else np.empty(int(length[0]), np.uint8)
     ctx.request("broadcast_object", lambda: ctx.comm.Ibcast([data, MPI.BYTE], root), timeout, data.nbytes)
     return obj if ctx.rank == root else pickle.loads(data.tobytes())
+
+
+# -- the calls the calibration times ------------------------------------------------------
+def sample(ctx: Any, collective: str, algorithm: str, nbytes: int) -> Any:
+    """A function of no arguments that makes one blocking call of ``collective`` with
+    ``algorithm`` on ``ctx`` (every rank alike: the calibration times it), on float32
+    arrays made here, ``nbytes`` counted as the tuning tables count them (allgather:
+    the gathered size), rounded down to whole elements for every rank (one each at
+    least): a sum where the collective reduces, rank 0 the root where it has one."""
+    spec, p = SPECS[collective], ctx.size
+    count = max(1, nbytes // 4 // p) * p
+    x = np.ones(count // p if spec.gathers else count, np.float32)
+    op = "sum" if spec.reduces else "-"
+    if spec.one_buffer:
+        out = None
+    else:  # touched now: a first write to fresh memory costs a page fault per page
+        out = np.zeros((p, count // p) if spec.gathers else count // p if spec.scatters else count, np.float32)
+        out[...] = 1
+    return lambda: run(ctx, spec, x, out, op, 0, algorithm, None, None, True)

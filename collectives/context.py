@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import calibration, mpi_library
+from . import calibration, calls, mpi_library
 from . import topology as topology_module
 from .cache import BoundedCache
 from .options import Options
@@ -78,7 +78,7 @@ class Context:
     receives), asks MPI which ranks share memory, learns the node layout and agrees on
     ``auto``'s table."""
 
-    def __init__(self, mpi_comm: MPI.Intracomm, options: Options, nodes: Any = None):
+    def __init__(self, mpi_comm: MPI.Intracomm, options: Options, nodes: Any = None, calibrate: bool = True):
         self.options = options
         # No check mode, timeout or stall warning: blocking calls may take the lean path.
         self.plain = not (options.check or options.timeout is not None or options.stall_warn is not None)
@@ -91,13 +91,6 @@ class Context:
         # absent rank, with no timeout to stop it.
         self.node_comm = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.topology = self._learn_topology(nodes)
-        # A tuning table counts only if it matches every rank's machine: the ranks AND
-        # their verdicts (one allreduce), so all of them choose alike. On several nodes
-        # it may also measure the link between them (collective).
-        self.selector = Selector.from_environment(
-            self.size, deterministic=options.deterministic, topology=self.topology,
-            agree=lambda bits: self.comm.allreduce(bits, op=MPI.BAND), hint=self.rank == 0,
-            measure_link=self.measure_link, calibrate=self.calibrate)
         tag_ub = mpi_library.tag_ub()  # MPI_COMM_WORLD's: Open MPI gives Split's and Create's communicators none
         self.tag_limit = tag_ub  # calls are numbered mod this
         self.tags = tags.layout()  # a call's messages: its base tag (tags.call(sequence)) plus each one's size code
@@ -137,13 +130,40 @@ class Context:
             self.progress.liveness.connect([r for r in range(self.size) if r not in here])
         self.window: Any = None  # the node's shared window (transport.shm.NodeWindow), made at first use
         self.registrations: list[Any] = []  # what empty() and zeros() made, in the order every rank made them
+        # A tuning table counts only if it matches every rank's machine: the ranks AND
+        # their verdicts (one allreduce), so all of them choose alike. On several nodes
+        # it may also measure the link between them, and where no table matches it
+        # calibrates the cost model (collective; made last: calibrating times calls).
+        self.selector = Selector.from_environment(
+            self.size, deterministic=options.deterministic, topology=self.topology,
+            agree=lambda bits: self.comm.allreduce(bits, op=MPI.BAND), hint=self.rank == 0 and calibrate,
+            measure_link=self.measure_link,
+            calibrate=(lambda fingerprint, key, link: self.calibrate(fingerprint, key, link, nodes)) if calibrate
+            else None)
 
-    def calibrate(self, fingerprint: Any, key: Any, link: Any) -> Any:
+    def calibrate(self, fingerprint: Any, key: Any, link: Any, nodes: Any = None) -> Any:
         """``auto``'s cost model calibrated for these ranks (collective; see
-        :mod:`collectives.calibration`), before any call: its messages use the blocking
-        calls' base tag on the private communicator."""
-        return calibration.obtain(self.comm, self.topology, fingerprint, key, tags.layout().blocking, link=link,
-                                  link_tolerance=LINK_TOLERANCE)
+        :mod:`collectives.calibration`), before any call: its own messages use the
+        blocking calls' base tag on the private communicator; the calls it times run as
+        a user's do, on a context of their own (made at the first, freed at the end:
+        its caches and shared window go with it), with this one's options but check
+        mode and deterministic mode (every algorithm is timed)."""
+        timing: list[Context] = []
+
+        def timer(collective: str, algorithm: str, nbytes: int) -> Any:
+            if not timing:
+                keywords = dict(self.options.keywords(), check=False, deterministic=False)
+                options = Options(**keywords)
+                options.shm_slot = self.options.shm_slot
+                timing.append(Context(self.comm, options, nodes, calibrate=False))
+            return calls.sample(timing[0], collective, algorithm, nbytes)
+
+        try:
+            return calibration.obtain(self.comm, self.topology, fingerprint, key, tags.layout().blocking, timer,
+                                      link=link, link_tolerance=LINK_TOLERANCE, shares_memory=self.shares_memory)
+        finally:
+            for context in timing:
+                context.free()
 
     def broken_by(self, error: Exception) -> None:
         """Break the engine with ``error``, which every rank found alike (no notice sent)."""

@@ -24,8 +24,9 @@ In order, the first that answers:
    (:mod:`collectives.calibration`; :func:`calibrated_choice`): measured by the ranks
    together when the communicator is made, in well under a second, and cached per
    user for the fingerprint and layout; ``native`` below 64 KiB, above it the
-   library's algorithm the model predicts fastest where MPI's own, measured, takes
-   1.1x as long. ``COLLECTIVES_CALIBRATE=0``, or choosing a rule with
+   library's algorithm expected fastest (the model, scaled by the timings of the
+   library's calls made while calibrating) where MPI's own, timed, takes 1.1x as
+   long. ``COLLECTIVES_CALIBRATE=0``, or choosing a rule with
    ``COLLECTIVES_AUTO_RULE``, leaves it out;
 4. the conservative rule (:func:`conservative_choice`): ``native`` unless the cost
    model predicts at least ``GAIN_NEEDED`` (2x) for one of the library's algorithms.
@@ -699,27 +700,26 @@ def device_choice(collective, nbytes, size, topology=None, model=SHIPPED_DEVICE_
 def calibrated_choice(calibration, collective, nbytes, size, topology=None):
     """``(algorithm, why)``: what the model calibrated on this machine picks
     (:mod:`collectives.calibration`): ``native`` below ``calibration.SMALL`` and for
-    the collectives it did not measure MPI's own for; else the library's algorithm
-    :func:`predict` times fastest with the measured parameters (scaled by
-    ``calibration.correction`` at this size), where MPI's own, measured, takes at least
-    ``calibration.MARGIN`` (1.1x) as long; else ``native``."""
+    the collectives whose MPI's own it did not time; else the library's algorithm
+    expected fastest (:meth:`~collectives.calibration.Calibration.times`: the model's
+    prediction with the measured parameters, scaled by what that algorithm's timings
+    here say of it), where MPI's own, timed, takes at least ``calibration.MARGIN``
+    (1.1x) as long; else ``native``."""
     small, margin = calibration_module.SMALL, calibration_module.MARGIN
     where = f"calibrated model ({describe_fingerprint(calibration.fingerprint)}): {calibration.describe()}"
-    if calibration.native_time(collective, nbytes) is None:
-        return "native", f"{where}; native (MPI's own {collective}: not modelled)"
+    mpi = calibration.native_time(collective, nbytes)
+    if mpi is None:
+        return "native", f"{where}; native (MPI's own {collective}: not timed)"
     if nbytes < small:
         return "native", f"{where}; native below {small >> 10} KiB (MPI's latency)"
-    mpi = calibration.native_time(collective, nbytes)
     model = CostModel(**calibration.parameters())
-    ours = predict(collective, nbytes, size, topology, model)[1]
+    ours = calibration.times(collective, nbytes, lambda c, b: predict(c, b, size, topology, model)[1])
     if not ours:
-        return "native", f"{where}; native (none of the library's {collective} algorithms is modelled)"
-    # What the model leaves out at this size, measured on the library's ring allreduce.
-    factor = calibration.correction(lambda b: predict("allreduce", b, size, topology, model)[1]["ring"], nbytes)
-    ours = {name: seconds * factor for name, seconds in ours.items()}
+        return "native", f"{where}; native (none of the library's {collective} algorithms is modelled or timed)"
     best = min(ours, key=ours.get)
     gain = mpi / ours[best] if ours[best] > 0 else 1.0
-    said = f"{best} predicted {ours[best] * 1e6:.0f} us against MPI's own, measured, {mpi * 1e6:.0f} us ({gain:.2f}x)"
+    said = (f"{best} expected to take {ours[best] * 1e6:.0f} us against MPI's own, timed, {mpi * 1e6:.0f} us "
+            f"({gain:.2f}x)")
     if gain >= margin:
         return best, f"{where}; {said}"
     return "native", f"{where}; native, as {said} is under {margin:g}x"

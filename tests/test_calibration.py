@@ -69,36 +69,63 @@ def test_native_times_interpolate_between_the_sizes_measured():
 
 @serial
 def test_the_correction_interpolates_in_the_logarithm_of_the_size():
-    c = made_up(ring=[[1 << 16, 2.0], [1 << 20, 3.0], [1 << 22, 6.0]])
+    c = made_up(ours={"allreduce": {"ring": [[1 << 16, 2.0], [1 << 20, 3.0], [1 << 22, 6.0]]},
+                      "allgather": {"bruck": [[1 << 16, 5.0]]}})
     predicted = {1 << 16: 1.0, 1 << 20: 1.0, 1 << 22: 2.0}  # factors 2, 3, 3
     factor = c.correction(predicted.__getitem__, 1 << 18)  # halfway between 2^16 and 2^20 in the logarithm
     assert factor == pytest.approx(2.5)
     assert c.correction(predicted.__getitem__, 1 << 10) == pytest.approx(2.0)  # below: the nearest
     assert c.correction(predicted.__getitem__, 1 << 21) == pytest.approx(3.0)
     assert c.correction(lambda b: 1.0, 1 << 30) == pytest.approx(6.0)  # above: the nearest
-    assert made_up().correction(lambda b: 1.0, 1 << 20) == 1.0  # nothing measured: no correction
+    assert c.correction(lambda b: 2.0, 1 << 30, "allgather", "bruck") == pytest.approx(2.5)  # another's own
+    assert c.correction(lambda b: 1.0, 1 << 20, "allgather", "ring") == 1.0  # not timed: no correction
+    assert made_up().correction(lambda b: 1.0, 1 << 20) == 1.0
+
+
+@serial
+def test_the_expected_times_of_the_library_s_algorithms():
+    model = {"ring": 1.0, "direct": 2.0, "bruck": 4.0}  # the model's seconds at any size, made up
+
+    def predicted(collective, nbytes):
+        return dict(model) if collective == "allgather" else {"ring": 10.0}
+
+    c = made_up(ours={"allreduce": {"ring": [[1 << 16, 20.0], [1 << 20, 40.0]]},  # 2x, then 4x the model
+                      "allgather": {"ring": [[1 << 16, 3.0], [1 << 20, 3.0]],  # 3x the model
+                                    "shm": [[1 << 16, 1.0], [1 << 20, 4.0]],  # not modelled: interpolated
+                                    "bruck": [[1 << 16, 4.0]]}})  # left untimed past 64 KiB as too slow
+    at = c.times("allgather", 1 << 16, predicted)
+    # direct, not timed: scaled by the ring allreduce's correction
+    assert at == pytest.approx({"ring": 3.0, "shm": 1.0, "bruck": 4.0, "direct": 2.0 * 2})
+    at = c.times("allgather", 1 << 20, predicted)
+    assert at == pytest.approx({"ring": 3.0, "shm": 4.0, "direct": 2.0 * 4})  # bruck is out past its last timing
+    half = (1 << 16) + ((1 << 20) - (1 << 16)) // 2
+    assert c.times("allgather", half, predicted)["shm"] == pytest.approx(2.5)
+    assert made_up().times("allgather", 1 << 20, predicted) == pytest.approx(model)  # nothing timed: the model
 
 
 @serial
 def test_the_calibrated_choice():
     c = made_up()
     size = 4
-    for collective in ("gather", "scatter", "alltoall", "alltoallv"):  # MPI's own: not measured, not modelled
+    for collective in ("gather", "scatter", "alltoall", "alltoallv"):  # MPI's own: not timed, not modelled
         assert tuning.calibrated_choice(c, collective, 64 << 20, size)[0] == "native"
     choice, why = tuning.calibrated_choice(c, "allreduce", (64 << 10) - 1, size)
     assert choice == "native" and "native below 64 KiB" in why
     assert why.startswith("calibrated model (Test CPU, 2 CPUs, MPICH 5.0.2, 1x4): this machine and layout")
-    # Above: the model's best of ours against MPI's measured time, 1.1x needed.
-    c.ring = [[64 << 10, 300e-6], [1 << 20, 1.5e-3], [8 << 20, 10e-3]]
+    # Above: the fastest expected of ours against MPI's timed time, 1.1x needed.
+    c.ours = {"allreduce": {"ring": [[64 << 10, 300e-6], [1 << 20, 1.5e-3], [8 << 20, 10e-3]],
+                            "shm": [[64 << 10, 200e-6], [1 << 20, 0.9e-3], [8 << 20, 9e-3]]}}
     model = tuning.CostModel(**c.parameters())
     for nbytes in (64 << 10, 1 << 20, 16 << 20):
-        _, ours = tuning.predict("allreduce", nbytes, size, model=model)
-        factor = c.correction(lambda b: tuning.predict("allreduce", b, size, model=model)[1]["ring"], nbytes)
+        ours = c.times("allreduce", nbytes, lambda k, b: tuning.predict(k, b, size, model=model)[1])
+        modelled = {"ring", "direct", "recursive_doubling", "recursive_halving"}
+        assert set(ours) == (modelled | {"shm"} if nbytes <= 8 << 20 else modelled)  # shm: not past its timings
         best = min(ours, key=ours.get)
-        gain = c.native_time("allreduce", nbytes) / (ours[best] * factor)
+        gain = c.native_time("allreduce", nbytes) / ours[best]
         choice, why = tuning.calibrated_choice(c, "allreduce", nbytes, size)
         assert choice == (best if gain >= calibration.MARGIN else "native"), (nbytes, gain, why)
         assert f"({gain:.2f}x)" in why
+    assert tuning.calibrated_choice(c, "allreduce", 1 << 20, size)[0] == "shm"  # 1.1x faster than native's 1 ms
     slow_mpi = made_up(native={"allreduce": [[64 << 10, 1.0], [1 << 20, 16.0]]})
     assert tuning.calibrated_choice(slow_mpi, "allreduce", 1 << 20, size)[0] != "native"
     fast_mpi = made_up(native={"allreduce": [[64 << 10, 1e-9], [1 << 20, 2e-9]]})
@@ -227,6 +254,11 @@ def test_a_communicator_calibrates_once_caches_and_every_rank_agrees(calibrating
             problems.append(f"{name} = {getattr(first, name)}")
     if sorted(first.native) != sorted(calibration.NATIVE) or any(len(p) < 2 for p in first.native.values()):
         problems.append(f"MPI's own collectives measured at too few sizes: {first.native}")
+    timed = first.ours.get("allreduce", {})
+    if set(timed) != set(calibration.TIMED["allreduce"]) - (set() if comm.shares_memory else {"shm"}):
+        problems.append(f"the library's allreduce algorithms timed: {sorted(timed)}")
+    if any(b <= a for points in timed.values() for (a, _), (b, _) in zip(points, points[1:])):
+        problems.append(f"timings not in ascending sizes: {timed}")
     choice, why = comm.choose("allreduce", 16 << 20)
     if not why.startswith("calibrated model (") or "measured now" not in why:
         problems.append(f"choose: {why}")
