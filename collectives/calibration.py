@@ -441,13 +441,16 @@ def _time_calls(comm, timer, algorithms):
             if nbytes >= FEWER_FROM:
                 ours = sorted(alive[collective][1:], key=lambda a: points[a][-1][1])
                 alive[collective] = ("native",) + tuple(ours[:FEWER])
+            slow = set()
             for name in alive[collective]:
                 guess = points[name][-1][1] * nbytes / points[name][-1][0] if points[name] else None
                 if name != "native" and guess is not None and guess > SLOW_OURS:
+                    slow.add(name)  # not timed here, nor at the larger sizes
                     continue
                 seconds, took = _typical(comm, timer(collective, name, nbytes), guess)
                 points[name].append([nbytes, seconds])
                 spent += took
+            alive[collective] = tuple(a for a in alive[collective] if a not in slow)
     native = {c: points.pop("native") for c, points in found.items()}
     ours = {c: {a: p for a, p in points.items() if p} for c, points in found.items()}
     return native, {c: timed for c, timed in ours.items() if timed}

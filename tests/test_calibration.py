@@ -104,6 +104,51 @@ def test_the_expected_times_of_the_library_s_algorithms():
 
 
 @serial
+def test_which_calls_are_timed(monkeypatch):
+    # A fake clock that only the calls advance, so what is timed is exact: a call of the
+    # k-th algorithm below costs k x 0.1 ns per byte, direct's 40x that.
+    clock = [0.0]
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock[0])
+    order = ["native", "shm", "ring", "recursive_halving", "recursive_doubling", "direct", "bruck", "binomial",
+             "scatter_allgather"]
+    made = []
+
+    def cost(name, nbytes):
+        return nbytes * 0.1e-9 * (order.index(name) + 1) * (40 if name == "direct" else 1)
+
+    def timer(collective, name, nbytes):
+        made.append((collective, name, nbytes))
+
+        def call():
+            clock[0] += cost(name, nbytes)
+        return call
+
+    def timed_sizes(collective, name):
+        return sorted({b for c, a, b in made if (c, a) == (collective, name)})
+
+    native, ours = calibration._time_calls(MPI.COMM_SELF, timer, calibration.TIMED)
+    KiB, MiB = 1 << 10, 1 << 20
+    assert timed_sizes("allreduce", "native") == [64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB]
+    assert timed_sizes("reduce", "native") == [64 * KiB, MiB, 4 * MiB]
+    # From 4 MiB, the library's two fastest at the size before, where a call would take under 5 ms:
+    assert timed_sizes("allreduce", "shm") == [64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB]  # 3.4 ms at 16 MiB
+    assert timed_sizes("allreduce", "ring") == [64 * KiB, 256 * KiB, MiB, 4 * MiB]  # 5.0 ms at 16 MiB
+    assert timed_sizes("allreduce", "recursive_halving") == [64 * KiB, 256 * KiB, MiB]  # third at 1 MiB
+    assert timed_sizes("allreduce", "direct") == [64 * KiB]  # 6.3 ms at 256 KiB: never again
+    assert timed_sizes("reduce", "binomial") == [64 * KiB, MiB, 4 * MiB]
+    assert ours["allreduce"]["direct"] == [[64 * KiB, pytest.approx(cost("direct", 64 * KiB))]]
+    assert native["allreduce"][-1] == [16 * MiB, pytest.approx(cost("native", 16 * MiB))]
+    # What BUDGET leaves out, once spent, is the largest sizes, of every collective.
+    monkeypatch.setattr(calibration, "BUDGET", 0.05)
+    made.clear()
+    native, ours = calibration._time_calls(MPI.COMM_SELF, timer, calibration.TIMED)
+    for collective, sizes in calibration.NATIVE_AT.items():
+        timed = timed_sizes(collective, "native")
+        assert timed == list(sizes[:len(timed)]), (collective, timed)
+    assert max(b for _, _, b in made) < 16 * MiB
+
+
+@serial
 def test_the_calibrated_choice():
     c = made_up()
     size = 4
