@@ -74,7 +74,8 @@ class Spec:
         if self.gathers:
             return (size,) + shape
         if self.scatters:
-            return (self.result_count(count, size, rank, 0),)
+            base, extra = divmod(count, size)
+            return (base + (rank < extra),)
         return shape
 
     def auto_bytes(self, nbytes: int, size: int) -> int:
