@@ -426,14 +426,17 @@ class StandInDevice:
 
     def _reuse(self):
         """Give back the freed blocks that no queued operation touches any more."""
-        if self._freed:
-            keep = deque()
-            for block in self._freed:
-                if block.last_use in self._pending:
-                    keep.append(block)
-                else:
-                    block.segment.give(block.start, block.nbytes)
-            self._freed = keep
+        # Each block is taken off the queue before it is looked at, and the ones kept go
+        # back at its end: a block freed meanwhile (an array's __del__, run by the garbage
+        # collector inside this loop, re-entering the lock) joins the queue instead of
+        # changing it under an iterator ("deque mutated during iteration", seen under load).
+        freed = self._freed
+        for _ in range(len(freed)):
+            block = freed.popleft()
+            if block.last_use in self._pending:
+                freed.append(block)
+            else:
+                block.segment.give(block.start, block.nbytes)
 
     def allocation(self, array):
         """``(base, nbytes, buffer id)`` of the segment ``array`` lies in (the allocation
