@@ -114,11 +114,12 @@ def run(program, comm, tag, buffers, op_name, describe, abandon, look=None):
     strays = None  # made at the first look (tags.Strays)
 
     scheduler = program.blocking_scheduler()
+    starting = scheduler.take()  # the opening; later, what each completion released
     patience = Patience(look)
     try:
         while True:
-            if scheduler.ready:  # (only after progress: most turns of a wait start nothing)
-                for i in scheduler.turn():
+            if starting:
+                for i in starting:
                     if kinds[i] == REDUCE:
                         dst, a, b = ops[i]
                         combine(op_name, arrays[a.buf][a.lo:a.hi], arrays[b.buf][b.lo:b.hi],
@@ -141,6 +142,7 @@ def run(program, comm, tag, buffers, op_name, describe, abandon, look=None):
                         requests.append(MPI.REQUEST_NULL)  # its place, until the probe finds the message
                     owners.append(i)
                     sizes.append(nbytes)
+                starting = ()
             if scheduler.remaining == 0:
                 return
             if probes is not None and probes.entries and probes.poll(
@@ -173,6 +175,8 @@ def run(program, comm, tag, buffers, op_name, describe, abandon, look=None):
                     if got != sizes[j]:
                         raise wrong_size(describe, i, len(kinds), peers[i], got, sizes[j])
                 scheduler.complete(i)
+            if scheduler.ready:  # (most completions of a wait release nothing)
+                starting = scheduler.take()
     except MPI.Exception as exc:
         error = _mpi_error(exc, statuses, requests, owners, kinds, peers, describe)
         _give_up(requests, owners, kinds, abandon)
@@ -345,19 +349,21 @@ class PersistentProgram:
         self._op_name[0] = op_name
         del in_flight[:]
         scheduler = self.program.blocking_scheduler()
+        starting = scheduler.take()  # the opening; later, what each completion released
         local = self._local
         patience = Patience(look)
         strays = None  # made at the first look (tags.Strays)
         i = -1  # the operation being tested, for MPI's errors
         try:
             while True:
-                if scheduler.ready:  # (only after progress: most turns of a wait start nothing)
-                    for i in scheduler.turn():
+                if starting:
+                    for i in starting:
                         if kinds[i] >= LOCAL:
                             local(i)
                         else:
                             requests[i].Start()  # no request made, no buffer parsed
                             in_flight.append(i)
+                    starting = ()
                 if scheduler.remaining == 0:
                     return
                 progressed = False
@@ -372,8 +378,10 @@ class PersistentProgram:
                     del in_flight[k]
                     scheduler.complete(i)
                     progressed = True
-                if progressed or scheduler.remaining == 0:
+                if progressed:
                     patience.progressed()
+                    if scheduler.ready:
+                        starting = scheduler.take()
                 elif patience.idle():  # it looked for failure notices: look for a message of the wrong size too
                     if strays is None:
                         strays = tags_module.Strays(self.comm, self.tag, tags_module.layout())

@@ -6,22 +6,23 @@
     next to the same peer, so MPI, which matches a pair's messages in posting order,
     matches them as the plan pairs them)
 
-A :class:`Program` is a plan's tables for that rule, made once per plan. A
-:class:`Scheduler` runs it for one call: :meth:`Scheduler.run` starts everything that
-is ready (``local(i)`` runs operation i, ``post(i)`` posts message i), or
-:meth:`Scheduler.turn` hands the same operations, in the same order, to the
-executor's own loop (the blocking executors' way: no Python call per operation), and
-:meth:`Scheduler.complete` tells it a posted message has finished. The executors
-differ only in how they post and learn of completions: the progress engine's plan
-handles (:mod:`.mpi`, ``Isend``/``Irecv``, completions from its ``Testsome``), the
-lean executor and persistent programs (:mod:`.lean`: ``Isend``/``Irecv``, or ``Start``
-on requests made once), the device executor (:mod:`.device`) and the in-process runner
-(:mod:`.local`).
+A :class:`Program` is a plan's tables for that rule, made once per plan, with its
+*opening*: what a call starts before any message has finished (the same at every call,
+so worked out once). A :class:`Scheduler` runs it for one call: :meth:`Scheduler.take`
+hands the operations to start now, in order (the opening first, then what each
+:meth:`Scheduler.complete` of a posted message released), to the executor's own loop
+(the blocking executors' way: no Python call per operation), or
+:meth:`Scheduler.run` runs them (``local(i)`` runs operation i, ``post(i)`` posts
+message i). The executors differ only in how they post and learn of completions: the
+progress engine's plan handles (:mod:`.mpi`, ``Isend``/``Irecv``, completions from its
+``Testsome``), the lean executor and persistent programs (:mod:`.lean`:
+``Isend``/``Irecv``, or ``Start`` on requests made once), the device executor
+(:mod:`.device`) and the in-process runner (:mod:`.local`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from heapq import heappop, heappush
 
 from ..schedule import Copy, Fence, Plan, Recv, Reduce, Send
@@ -33,11 +34,13 @@ SEND, RECV, FENCE, LOCAL, REDUCE = 0, 1, 2, 3, 4  # LOCAL: a copy or a fused red
 
 class Program:
     """A plan's tables: what each operation is, which slice a message moves, its peer,
-    how many operations each waits for, the ones ready at the start (a heap already:
-    ascending), and the plan's ``dependents`` and ``fifo_next``."""
+    the plan's ``dependents`` and ``fifo_next``; and its ``opening`` (the operations a
+    call starts before any message has finished, in order) with the state it leaves:
+    how many operations each still waits for (``pending``), the ready ones (``ready``:
+    none, the opening took them all) and how many have not finished (``count``)."""
 
-    __slots__ = ("_blocking", "count", "dependents", "fifo_next", "kinds", "peers", "pending", "plan", "ready",
-                 "slices")
+    __slots__ = ("_blocking", "count", "dependents", "fifo_next", "kinds", "opening", "peers", "pending", "plan",
+                 "ready", "slices")
 
     def __init__(self, plan: Plan):
         self.plan = plan
@@ -47,12 +50,17 @@ class Program:
         self.slices = tuple(op.src if isinstance(op, Send) else op.dst if isinstance(op, Recv) else None
                             for op in plan.ops)
         self.peers = tuple(getattr(op, "peer", -1) for op in plan.ops)
-        self.pending = tuple(plan.initial_pending())
-        self.ready = [i for i, n in enumerate(self.pending) if n == 0]
         self.dependents = plan.dependents
         self.fifo_next = plan.fifo_next
-        self.count = len(plan.ops)
         self._blocking: Scheduler | None = None
+        # The state at the start (a heap already: ascending), then the opening taken from it once.
+        self.pending = tuple(plan.initial_pending())
+        self.ready = [i for i, n in enumerate(self.pending) if n == 0]
+        self.count = len(plan.ops)
+        self.opening: tuple[int, ...] = ()
+        first = Scheduler(self)
+        self.opening = tuple(first.take())
+        self.pending, self.ready, self.count = tuple(first.pending), first.ready, first.remaining
 
     def blocking_scheduler(self) -> Scheduler:
         """A :class:`Scheduler` of this program restarted for a new call, the one kept for
@@ -61,8 +69,11 @@ class Program:
         scheduler = self._blocking
         if scheduler is None:
             scheduler = self._blocking = Scheduler(self)
-        else:
-            scheduler.restart()
+        else:  # restarted for the new call
+            scheduler.pending[:] = self.pending
+            scheduler.ready[:] = self.ready
+            scheduler.remaining = self.count
+            scheduler.opening = self.opening
         return scheduler
 
     def is_copy(self, i: int) -> bool:
@@ -82,7 +93,7 @@ class Scheduler:
     """One call's run of a :class:`Program` (see the module's docstring).
     ``remaining``: the operations not yet finished (0: the call is done)."""
 
-    __slots__ = ("dependents", "fifo_next", "kinds", "pending", "program", "ready", "remaining")
+    __slots__ = ("dependents", "fifo_next", "kinds", "opening", "pending", "program", "ready", "remaining")
 
     def __init__(self, program: Program):
         self.program = program
@@ -92,44 +103,43 @@ class Scheduler:
         self.pending = list(program.pending)
         self.ready = program.ready[:]
         self.remaining = program.count
-
-    def restart(self) -> None:
-        """Make this scheduler a new call's, from the start (an executor that runs the
-        same program call after call keeps one)."""
-        program = self.program
-        self.pending[:] = program.pending
-        self.ready[:] = program.ready
-        self.remaining = program.count
+        self.opening = program.opening  # what the first take() hands out
 
     @property
     def done(self) -> bool:
         return self.remaining == 0
 
     def run(self, local: Callable[[int], object], post: Callable[[int], object]) -> None:
-        """Start every ready operation, and whatever that releases in turn: ``local(i)``
-        runs a copy or reduction (finished when it returns); ``post(i)`` posts a send,
-        receive or fence (finished at :meth:`complete`)."""
+        """Start every operation :meth:`take` hands out: ``local(i)`` runs a copy or
+        reduction (finished when it returns); ``post(i)`` posts a send, receive or fence
+        (finished at :meth:`complete`)."""
         kinds = self.kinds
-        for i in self.turn():
+        for i in self.take():
             if kinds[i] >= LOCAL:
                 local(i)
             else:
                 post(i)
 
-    def turn(self) -> Iterator[int]:
-        """:meth:`run` for an executor that runs each operation in its own loop: yields
-        every ready operation in turn; the caller runs a local one, or posts a message,
-        before it asks for the next (which may be what that released)."""
-        ready, pending, kinds, dependents, fifo_next = self.ready, self.pending, self.kinds, self.dependents, \
-            self.fifo_next
+    def take(self) -> tuple[int, ...] | list[int]:
+        """:meth:`run` for an executor that runs each operation in its own loop: every
+        operation to start now, in order, and whatever each releases (a local operation
+        counts as finished, a message as posted); the caller runs the local ones and
+        posts the messages, in that order. The first take of a call is the program's
+        opening, worked out once; later ones hand out what :meth:`complete` released."""
+        opening = self.opening
+        if opening:
+            self.opening = ()
+            return opening
+        ready, pending, kinds, dependents = self.ready, self.pending, self.kinds, self.dependents
+        taken = []
         while ready:
             i = heappop(ready) if len(ready) > 1 else ready.pop()
-            yield i
+            taken.append(i)
             if kinds[i] >= LOCAL:
                 self.remaining -= 1
                 released = dependents[i]
             else:
-                nxt = fifo_next[i]
+                nxt = self.fifo_next[i]
                 if nxt < 0:
                     continue
                 released = (nxt,)
@@ -137,10 +147,11 @@ class Scheduler:
                 pending[j] -= 1
                 if pending[j] == 0:
                     heappush(ready, j)
+        return taken
 
     def complete(self, i: int) -> None:
-        """Posted operation ``i`` has finished: what waited for it may be ready (call
-        :meth:`run` to start it)."""
+        """Posted operation ``i`` has finished: what waited for it may be ready (the
+        next :meth:`take` or :meth:`run` starts it)."""
         self.remaining -= 1
         pending = self.pending
         for j in self.dependents[i]:
