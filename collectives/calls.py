@@ -118,6 +118,7 @@ def lean_call(ctx: Any, spec: Any, x: np.ndarray, out: Any, op: str, root: Any, 
     if type(root) is not int or not 0 <= root < ctx.size:  # False, 0.0: the general path refuses them
         return NOT_HANDLED
     leaf = spec.root_result and root != ctx.rank  # gets no result; out is left alone
+    # (result_shape's common case, x's own shape, inline: this is every small call's path)
     shape = spec.result_shape(x.shape, x.size, ctx.size, ctx.rank) if spec.gathers or spec.scatters else x.shape
     if spec.one_buffer:
         if not flags.writeable:
@@ -436,7 +437,6 @@ def sample(ctx: Any, collective: str, algorithm: str, nbytes: int) -> Any:
     op = "sum" if spec.reduces else "-"
     if spec.one_buffer:
         out = None
-    else:  # touched now: a first write to fresh memory costs a page fault per page
-        out = np.zeros((p, count // p) if spec.gathers else count // p if spec.scatters else count, np.float32)
-        out[...] = 1
+    else:  # written now (np.ones, not np.empty): a first write to fresh memory costs a page fault per page
+        out = np.ones((p, count // p) if spec.gathers else count // p if spec.scatters else count, np.float32)
     return lambda: run(ctx, spec, x, out, op, 0, algorithm, None, None, True)

@@ -74,8 +74,7 @@ class Spec:
         if self.gathers:
             return (size,) + shape
         if self.scatters:
-            base, extra = divmod(count, size)
-            return (base + (rank < extra),)
+            return (self.result_count(count, size, rank, 0),)
         return shape
 
     def auto_bytes(self, nbytes: int, size: int) -> int:

@@ -126,7 +126,7 @@ class NativeBlocking(Route):
         entry = LeanEntry(self, spec, call.algorithm, call.count, op, root)
         counts = None  # every rank's block where the collective scatters, for MPI
         if spec.scatters:
-            counts = [spec.result_shape((call.count,), call.count, ctx.size, r)[0] for r in range(ctx.size)]
+            counts = [spec.result_count(call.count, ctx.size, r, root) for r in range(ctx.size)]
         if call.count == 0:  # native() gives an empty out an address of its own (MPI refuses the alias)
             entry.run = lambda x, out: native(ctx, spec, x, out, out is x, op, root, counts, blocking=True)
         else:
