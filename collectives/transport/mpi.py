@@ -150,7 +150,7 @@ class PlanHandle(Handle):
         in_flight = sum(self._in_flight.values())
         total = sum(self._buffers.view(op.src if isinstance(op, Send) else op.dst).nbytes
                     for op in ops if isinstance(op, (Send, Recv)))
-        done = len(ops) - self._scheduler.remaining
+        done = len(ops) - self._scheduler.untaken - len(self._in_flight)  # operations finished
         waiting = []
         if receives:
             waiting.append(f"for messages from {ranks(receives)}")

@@ -34,33 +34,42 @@ SEND, RECV, FENCE, LOCAL, REDUCE = 0, 1, 2, 3, 4  # LOCAL: a copy or a fused red
 
 class Program:
     """A plan's tables: what each operation is, which slice a message moves, its peer,
-    the plan's ``dependents`` and ``fifo_next``; and its ``opening`` (the operations a
-    call starts before any message has finished, in order) with the state it leaves:
-    how many operations each still waits for (``pending``), the ready ones (``ready``:
-    none, the opening took them all) and how many have not finished (``count``)."""
+    the plan's ``dependents`` and ``fifo_next``, and what starting each operation
+    releases (``releases``: a local operation's dependents, a message's next message
+    to the same peer); and its ``opening`` (the operations a call starts before any
+    message has finished, in order) with the state it leaves: how many operations each
+    still waits for (``pending``), the ready ones (``ready``: none, the opening took
+    them all), the operations not yet taken (``untaken``) and the messages (all of
+    them not yet finished: ``messages``)."""
 
-    __slots__ = ("_blocking", "count", "dependents", "fifo_next", "kinds", "opening", "peers", "pending", "plan",
-                 "ready", "slices")
+    __slots__ = ("_blocking", "dependents", "fifo_next", "kinds", "messages", "opening", "peers", "pending", "plan",
+                 "ready", "releases", "slices", "untaken")
 
     def __init__(self, plan: Plan):
         self.plan = plan
-        self.kinds = tuple(SEND if isinstance(op, Send) else RECV if isinstance(op, Recv)
-                           else FENCE if isinstance(op, Fence) else REDUCE if isinstance(op, Reduce)
-                           else LOCAL for op in plan.ops)
+        self.kinds = kinds = tuple(SEND if isinstance(op, Send) else RECV if isinstance(op, Recv)
+                                   else FENCE if isinstance(op, Fence) else REDUCE if isinstance(op, Reduce)
+                                   else LOCAL for op in plan.ops)
         self.slices = tuple(op.src if isinstance(op, Send) else op.dst if isinstance(op, Recv) else None
                             for op in plan.ops)
         self.peers = tuple(getattr(op, "peer", -1) for op in plan.ops)
         self.dependents = plan.dependents
         self.fifo_next = plan.fifo_next
+        # A local operation finishes as it starts, releasing what waits for it; posting a
+        # message releases the next one to the same peer (what waits for the message
+        # itself is released when it finishes: Scheduler.complete).
+        self.releases = tuple(plan.dependents[i] if kind >= LOCAL else (plan.fifo_next[i],) if plan.fifo_next[i] >= 0
+                              else () for i, kind in enumerate(kinds))
+        self.messages = sum(kind < LOCAL for kind in kinds)
         self._blocking: Scheduler | None = None
         # The state at the start (a heap already: ascending), then the opening taken from it once.
         self.pending = tuple(plan.initial_pending())
         self.ready = [i for i, n in enumerate(self.pending) if n == 0]
-        self.count = len(plan.ops)
+        self.untaken = len(plan.ops)
         self.opening: tuple[int, ...] = ()
         first = Scheduler(self)
         self.opening = tuple(first.take())
-        self.pending, self.ready, self.count = tuple(first.pending), first.ready, first.remaining
+        self.pending, self.ready, self.untaken = tuple(first.pending), first.ready, first.untaken
 
     def blocking_scheduler(self) -> Scheduler:
         """A :class:`Scheduler` of this program restarted for a new call, the one kept for
@@ -72,8 +81,7 @@ class Program:
         else:  # restarted for the new call
             scheduler.pending[:] = self.pending
             scheduler.ready[:] = self.ready
-            scheduler.remaining = self.count
-            scheduler.opening = self.opening
+            scheduler.untaken, scheduler.remaining, scheduler.opening = self.untaken, self.messages, self.opening
         return scheduler
 
     def is_copy(self, i: int) -> bool:
@@ -91,29 +99,32 @@ def program_of(plan: Plan) -> Program:
 
 class Scheduler:
     """One call's run of a :class:`Program` (see the module's docstring).
-    ``remaining``: the operations not yet finished (0: the call is done)."""
+    ``remaining``: the messages not yet finished; ``untaken``: the operations not yet
+    handed out. Once no message remains, the take that follows the last completion
+    hands out every operation left (a plan has no cycle): an executor that runs what it
+    takes before it looks at ``remaining`` is done when ``remaining`` is 0."""
 
-    __slots__ = ("dependents", "fifo_next", "kinds", "opening", "pending", "program", "ready", "remaining")
+    __slots__ = ("dependents", "opening", "pending", "program", "ready", "releases", "remaining", "untaken")
 
     def __init__(self, program: Program):
         self.program = program
-        self.kinds = program.kinds
         self.dependents = program.dependents
-        self.fifo_next = program.fifo_next
+        self.releases = program.releases
         self.pending = list(program.pending)
         self.ready = program.ready[:]
-        self.remaining = program.count
+        self.untaken = program.untaken
+        self.remaining = program.messages
         self.opening = program.opening  # what the first take() hands out
 
     @property
     def done(self) -> bool:
-        return self.remaining == 0
+        return self.remaining == 0 and self.untaken == 0
 
     def run(self, local: Callable[[int], object], post: Callable[[int], object]) -> None:
         """Start every operation :meth:`take` hands out: ``local(i)`` runs a copy or
         reduction (finished when it returns); ``post(i)`` posts a send, receive or fence
         (finished at :meth:`complete`)."""
-        kinds = self.kinds
+        kinds = self.program.kinds
         for i in self.take():
             if kinds[i] >= LOCAL:
                 local(i)
@@ -130,23 +141,16 @@ class Scheduler:
         if opening:
             self.opening = ()
             return opening
-        ready, pending, kinds, dependents = self.ready, self.pending, self.kinds, self.dependents
+        ready, pending, releases = self.ready, self.pending, self.releases
         taken = []
         while ready:
             i = heappop(ready) if len(ready) > 1 else ready.pop()
             taken.append(i)
-            if kinds[i] >= LOCAL:
-                self.remaining -= 1
-                released = dependents[i]
-            else:
-                nxt = self.fifo_next[i]
-                if nxt < 0:
-                    continue
-                released = (nxt,)
-            for j in released:
+            for j in releases[i]:
                 pending[j] -= 1
                 if pending[j] == 0:
                     heappush(ready, j)
+        self.untaken -= len(taken)
         return taken
 
     def complete(self, i: int) -> None:
