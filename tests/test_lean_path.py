@@ -15,6 +15,7 @@ from mpi4py import MPI
 
 import collectives as cc
 from collectives.routes import LeanEntry
+from collectives.routes.base import plan_for
 from collectives.specs import SPECS
 from collectives.transport import lean
 
@@ -22,6 +23,13 @@ from conftest import agree, expected_result, host_algorithms, rank_input
 
 WORLD = MPI.COMM_WORLD
 LAST = WORLD.Get_size() - 1
+
+
+def persistent_limit(comm, algorithm):
+    """The most bytes per rank a blocking float32 allreduce of ``algorithm`` (its
+    messages as many at every size from here) runs on a persistent program for."""
+    program = lean.program(plan_for(comm._ctx, "allreduce", algorithm, lean.PERSISTENT_BYTES, 0, 4, False))
+    return lean.persistent_limit(program)
 SHAPES = {"allgather": lambda size, shape: (size,) + shape,
           "reduce_scatter": lambda size, shape: (len(np.array_split(np.empty(shape).ravel(), size)[WORLD.Get_rank()]),)}
 
@@ -91,7 +99,7 @@ def test_lean_path_takes_repeated_calls_and_learns_each_kind_once(comm, monkeypa
     auto allreduce (here auto's choice), for the library's own a persistent program
     (small calls) or the lean executor (larger ones)."""
     x = np.arange(4, dtype=np.float32)
-    big = np.ones((lean.PERSISTENT_BYTES // 4) + 1, np.float32)
+    big = np.ones(persistent_limit(comm, "ring") // 4 + 1, np.float32)
     ring = comm.allreduce(x, algorithm="ring")
     comm.allreduce(big, algorithm="ring")
     runs = []
@@ -238,7 +246,8 @@ def test_small_calls_allocate_nothing_per_call(comm):
         peaks[count] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     # A buffer made per call would add 32 KiB at 8192; Python's objects per message
-    # (the lean executor's above PERSISTENT_BYTES) stay well below a quarter of that.
+    # (the lean executor's, above the persistent programs' limit) stay well below a
+    # quarter of that.
     problems = [] if peaks[8192] < peaks[16] + 8192 else [f"traced peak by count: {peaks}"]
     agree(comm.mpi_comm, problems)
 
@@ -248,7 +257,7 @@ def test_a_size_mismatch_across_the_persistent_threshold_stops_every_rank():
     """One rank's call is small enough for a persistent program, another's is not: they
     still meet on one tag, and both raise."""
     comm = cc.Communicator()
-    n = lean.PERSISTENT_BYTES // 4 + (1 if comm.rank == LAST else 0)
+    n = persistent_limit(comm, "ring") // 4 + (1 if comm.rank == LAST else 0)
     try:
         comm.allreduce(np.ones(n, np.float32), algorithm="ring")
         kind = "no error"

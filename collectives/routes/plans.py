@@ -71,13 +71,24 @@ def run_lean(ctx: Any, program: Any, buffers: Buffers, op: str, describe: Any) -
 
 class Persistent(Route):
     """Small blocking calls that run alone: a persistent program (no request made per
-    message). Decided by what every rank knows alike (the collective and the element
-    count its plan is built for), so every rank decides the same."""
+    message), up to ``lean.PERSISTENT_BYTES`` per message of the rank's plan
+    (:func:`~collectives.transport.lean.persistent_limit`) where the plan is small
+    enough for the lean executor. The ranks of a rooted collective may decide apart
+    (their plans differ): their messages meet all the same, on the tag both executors
+    use (see the module's docstring)."""
 
     name, lean = "persistent", True
 
     def takes(self, ctx, call):
-        return call.alone and not call.spec.variable and call.count * call.dtype.itemsize <= lean.PERSISTENT_BYTES
+        if not call.alone or call.spec.variable:
+            return False
+        nbytes = call.count * call.dtype.itemsize
+        if nbytes <= lean.PERSISTENT_BYTES:
+            return True
+        # (its messages are the same in place or not)
+        program = lean.program(plan_for(ctx, call.spec.name, call.algorithm, call.count, call.root,
+                                        call.dtype.itemsize, False, call.segment_size))
+        return program is not None and nbytes <= lean.persistent_limit(program)
 
     def run(self, ctx, call):
         host_buffers(call, ctx.rank, ctx.size)

@@ -254,8 +254,20 @@ def _give_up(requests, owners, kinds, abandon):
 
 
 # -- persistent programs: small blocking calls without making a request per message ----
-PERSISTENT_BYTES = 8 << 10  # calls on at most this many bytes take a persistent program (measured: the
-# copies in and out cost more than the requests saved above about 8-16 KiB at 2 ranks)
+# A persistent program saves each message the making of its request (and mpi4py's reading
+# of its buffer), about 1.5 us, and costs a copy of the input in and of the result out. So
+# it pays up to a size that grows with the plan's messages: measured at 16-64 KiB
+# (bench/results/xeon-2vcpu-mpich5/issue32/), ring and recursive doubling allreduces ran
+# 7-28% faster on it than on the lean executor at up to 8 KiB per message, 12-35% slower
+# at 16 KiB per message at 2 ranks.
+PERSISTENT_BYTES = 8 << 10  # calls on at most this many bytes per message of the plan (at least one)
+PERSISTENT_MOST = 64 << 10  # and never more (as measured; each program keeps buffers of the call's size)
+
+
+def persistent_limit(program):
+    """The most bytes (per rank, the call's count) a blocking call of ``program`` (a
+    :class:`~.scheduler.Program`) runs on a persistent program for."""
+    return min(PERSISTENT_BYTES * max(1, program.messages), PERSISTENT_MOST)
 
 
 class PersistentProgram:
