@@ -85,6 +85,8 @@ class Persistent(Route):
         nbytes = call.count * call.dtype.itemsize
         if nbytes <= lean.PERSISTENT_BYTES:
             return True
+        if nbytes > lean.PERSISTENT_MOST:
+            return False  # (before a plan is made: a large call's may be long to make)
         # (its messages are the same in place or not)
         program = lean.program(plan_for(ctx, call.spec.name, call.algorithm, call.count, call.root,
                                         call.dtype.itemsize, False, call.segment_size))
