@@ -30,6 +30,8 @@ def persistent_limit(comm, algorithm):
     messages as many at every size from here) runs on a persistent program for."""
     program = lean.program(plan_for(comm._ctx, "allreduce", algorithm, lean.PERSISTENT_BYTES, 0, 4, False))
     return lean.persistent_limit(program)
+
+
 SHAPES = {"allgather": lambda size, shape: (size,) + shape,
           "reduce_scatter": lambda size, shape: (len(np.array_split(np.empty(shape).ravel(), size)[WORLD.Get_rank()]),)}
 
