@@ -87,13 +87,13 @@ class Persistent(Route):
             return True
         # The program keeps buffers of the input's and the result's size (a gather's is
         # the ranks' inputs together): the larger of the two is held to the limit.
-        result = call.spec.result_count(call.count, ctx.size, ctx.rank, call.root) * call.dtype.itemsize
-        if max(nbytes, result) > lean.PERSISTENT_MOST:
+        held = max(nbytes, call.spec.result_count(call.count, ctx.size, ctx.rank, call.root) * call.dtype.itemsize)
+        if held > lean.PERSISTENT_MOST:
             return False  # (before a plan is made: a large call's may be long to make)
         # (its messages are the same in place or not)
         program = lean.program(plan_for(ctx, call.spec.name, call.algorithm, call.count, call.root,
                                         call.dtype.itemsize, False, call.segment_size))
-        return program is not None and max(nbytes, result) <= lean.persistent_limit(program)
+        return program is not None and held <= lean.persistent_limit(program)
 
     def run(self, ctx, call):
         host_buffers(call, ctx.rank, ctx.size)
