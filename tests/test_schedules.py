@@ -256,3 +256,61 @@ def test_fusion_keeps_a_fold_apart_from_memory_it_would_overwrite():
     s.reduce(sl("out", 0, 2), sl("out", 0, 2), sl("in", 1, 3))
     assert len(fuse_reductions(s).ops) == 1
     assert len(fuse_reductions(s, inplace=True).ops) == 2
+
+
+def _one_call(blocking, rng):
+    """One call's takes from ``blocking`` (a BlockingScheduler), made as the blocking
+    executors make them, beside a fresh Scheduler's, its posted messages finishing a
+    random few at a time; returns (blocking's takes, the Scheduler's, blocking's pending
+    counts, the Scheduler's)."""
+    from collectives.transport.scheduler import LOCAL, Scheduler
+
+    program = blocking.program
+    reference = Scheduler(program)
+    blocking.restart()
+    done = at = 0
+    got, want, got_pending, want_pending = [program.opening], [tuple(reference.take())], [], []
+    posted = []
+    while True:
+        got_pending.append(list(blocking.pending(at)))
+        want_pending.append(list(reference.pending))
+        posted += [i for i in got[-1] if program.kinds[i] < LOCAL]
+        if done == program.all_messages:
+            return got, want, got_pending, want_pending
+        assert posted, "messages remain, none posted"
+        finishing = rng.choice(len(posted), size=rng.integers(1, len(posted) + 1), replace=False)
+        for k in sorted(finishing, reverse=True):
+            i = posted.pop(k)
+            reference.complete(i)
+            done |= 1 << i
+        taken = blocking.remembered.get((at, done))
+        got.append(blocking.take(at, done) if taken is None else taken)
+        want.append(tuple(reference.take()))
+        at = done
+
+
+@pytest.mark.parametrize("memo", [256, 3])
+@pytest.mark.parametrize("collective,algorithm", [("allreduce", "ring"), ("allreduce", "recursive_doubling"),
+                                                  ("allreduce", "recursive_halving"), ("allreduce", "direct"),
+                                                  ("allreduce", "tree"),
+                                                  ("broadcast", "pipeline"), ("alltoall", "pairwise")])
+def test_blocking_scheduler_takes_what_the_scheduler_takes(collective, algorithm, memo, monkeypatch):
+    """The blocking executors' scheduler, which remembers each transition, hands out
+    what the scheduling rule does in every order of completions: when it remembers
+    the transition, when it does not, and once it has stopped remembering (``memo`` 3)."""
+    from collectives.transport.scheduler import BlockingScheduler, program_of
+
+    monkeypatch.setattr(BlockingScheduler, "MEMO", memo)
+    rng = np.random.default_rng(7)
+    for size in (2, 3, 4, 6):
+        for rank in (0, size - 1):
+            plan = compile_plan(build(collective, algorithm, rank, size, 5 * size, segment=2))
+            program = program_of(plan)
+            blocking = BlockingScheduler(program)
+            for call in range(12):
+                got, want, got_pending, want_pending = _one_call(blocking, rng)
+                assert got == want, (size, rank, call)
+                assert got_pending == want_pending, (size, rank, call)
+                assert sorted(i for taken in got for i in taken) == list(range(len(plan.ops)))
+            if memo == 3 and program.messages > 2:
+                assert not blocking.remembering and not blocking.remembered  # more orders than it keeps

@@ -114,7 +114,10 @@ def run(program, comm, tag, buffers, op_name, describe, abandon, look=None):
     strays = None  # made at the first look (tags.Strays)
 
     scheduler = program.blocking_scheduler()
-    starting = scheduler.take()  # the opening; later, what each completion released
+    remembered = scheduler.remembered  # what a take hands out, by (finished before, finished now)
+    done = at = 0  # the messages finished (bit i: operation i), now and at the last take
+    everything = program.all_messages
+    starting = program.opening  # later, what each poll's completions released
     patience = Patience(look)
     try:
         while True:
@@ -143,7 +146,7 @@ def run(program, comm, tag, buffers, op_name, describe, abandon, look=None):
                     owners.append(i)
                     sizes.append(nbytes)
                 starting = ()
-            if scheduler.remaining == 0:
+            if done == everything:
                 return
             if probes is not None and probes.entries and probes.poll(
                     lambda i, request: requests.__setitem__(owners.index(i), request),
@@ -160,7 +163,7 @@ def run(program, comm, tag, buffers, op_name, describe, abandon, look=None):
                         strays = tags_module.Strays(comm, tag, layout)
                     posted = {i: j for j, i in enumerate(owners)}
                     unmatched = {entry[4] for entry in probes.entries} if probes else ()
-                    pending = scheduler.pending
+                    pending = scheduler.pending(at)
                     _stray(strays, _awaited(program, lambda i: _slice_bytes(slices[i], arrays),
                                             lambda i, pending=pending, unmatched=unmatched, posted=posted:
                                             pending[i] > 0 or i in unmatched
@@ -174,9 +177,11 @@ def run(program, comm, tag, buffers, op_name, describe, abandon, look=None):
                     got = statuses[k].Get_count(MPI.BYTE)
                     if got != sizes[j]:
                         raise wrong_size(describe, i, len(kinds), peers[i], got, sizes[j])
-                scheduler.complete(i)
-            if scheduler.ready:  # (most completions of a wait release nothing)
-                starting = scheduler.take()
+                done |= 1 << i
+            starting = remembered.get((at, done))
+            if starting is None:
+                starting = scheduler.take(at, done)
+            at = done
     except MPI.Exception as exc:
         error = _mpi_error(exc, statuses, requests, owners, kinds, peers, describe)
         _give_up(requests, owners, kinds, abandon)
@@ -361,7 +366,10 @@ class PersistentProgram:
         self._op_name[0] = op_name
         del in_flight[:]
         scheduler = self.program.blocking_scheduler()
-        starting = scheduler.take()  # the opening; later, what each completion released
+        remembered = scheduler.remembered  # what a take hands out, by (finished before, finished now)
+        done = at = 0  # the messages finished (bit i: operation i), now and at the last take
+        everything = self.program.all_messages
+        starting = self.program.opening  # later, what each poll's completions released
         local = self._local
         patience = Patience(look)
         strays = None  # made at the first look (tags.Strays)
@@ -376,7 +384,7 @@ class PersistentProgram:
                             requests[i].Start()  # no request made, no buffer parsed
                             in_flight.append(i)
                     starting = ()
-                if scheduler.remaining == 0:
+                if done == everything:
                     return
                 progressed = False
                 k = 0
@@ -388,16 +396,18 @@ class PersistentProgram:
                     if kinds[i] == RECV and status.Get_count(MPI.BYTE) != sizes[i]:
                         raise wrong_size(describe, i, len(kinds), peers[i], status.Get_count(MPI.BYTE), sizes[i])
                     del in_flight[k]
-                    scheduler.complete(i)
+                    done |= 1 << i
                     progressed = True
                 if progressed:
                     patience.progressed()
-                    if scheduler.ready:
-                        starting = scheduler.take()
+                    starting = remembered.get((at, done))
+                    if starting is None:
+                        starting = scheduler.take(at, done)
+                    at = done
                 elif patience.idle():  # it looked for failure notices: look for a message of the wrong size too
                     if strays is None:
                         strays = tags_module.Strays(self.comm, self.tag, tags_module.layout())
-                    pending = scheduler.pending
+                    pending = scheduler.pending(at)
                     _stray(strays, _awaited(self.program, sizes.__getitem__,
                                             lambda i, pending=pending: pending[i] > 0 or i in in_flight),
                            describe, len(kinds))

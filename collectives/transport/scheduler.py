@@ -18,11 +18,16 @@ progress engine's plan handles (:mod:`.mpi`, ``Isend``/``Irecv``, completions fr
 ``Testsome``), the lean executor and persistent programs (:mod:`.lean`:
 ``Isend``/``Irecv``, or ``Start`` on requests made once), the device executor
 (:mod:`.device`) and the in-process runner (:mod:`.local`).
+
+The blocking executors run a program's calls one at a time, the same calls again and
+again, so they take through a :class:`BlockingScheduler`: what a take hands out depends
+only on which messages had finished at the previous take and which have now, so it is
+worked out once, by a :class:`Scheduler`, and remembered.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from heapq import heappop, heappush
 
 from ..schedule import Copy, Fence, Plan, Recv, Reduce, Send
@@ -42,8 +47,8 @@ class Program:
     them all), the operations not yet taken (``untaken``) and the messages (all of
     them not yet finished: ``messages``)."""
 
-    __slots__ = ("_blocking", "dependents", "fifo_next", "kinds", "messages", "opening", "peers", "pending", "plan",
-                 "ready", "releases", "slices", "untaken")
+    __slots__ = ("_blocking", "all_messages", "dependents", "fifo_next", "kinds", "messages", "opening", "peers",
+                 "pending", "plan", "ready", "releases", "slices", "untaken")
 
     def __init__(self, plan: Plan):
         self.plan = plan
@@ -61,7 +66,8 @@ class Program:
         self.releases = tuple(plan.dependents[i] if kind >= LOCAL else (plan.fifo_next[i],) if plan.fifo_next[i] >= 0
                               else () for i, kind in enumerate(kinds))
         self.messages = sum(kind < LOCAL for kind in kinds)
-        self._blocking: Scheduler | None = None
+        self.all_messages = sum(1 << i for i, kind in enumerate(kinds) if kind < LOCAL)  # as a finished set
+        self._blocking: BlockingScheduler | None = None
         # The state at the start (a heap already: ascending), then the opening taken from it once.
         self.pending = tuple(plan.initial_pending())
         self.ready = [i for i, n in enumerate(self.pending) if n == 0]
@@ -71,17 +77,14 @@ class Program:
         self.opening = tuple(first.take())
         self.pending, self.ready, self.untaken = tuple(first.pending), first.ready, first.untaken
 
-    def blocking_scheduler(self) -> Scheduler:
-        """A :class:`Scheduler` of this program restarted for a new call, the one kept for
-        the blocking executor (one call at a time: it runs a call to its end, or the call
-        fails, before the next starts)."""
+    def blocking_scheduler(self) -> BlockingScheduler:
+        """The program's :class:`BlockingScheduler`, restarted for a new call (one call at
+        a time: the blocking executors run a call to its end, or the call fails, before
+        the next starts)."""
         scheduler = self._blocking
         if scheduler is None:
-            scheduler = self._blocking = Scheduler(self)
-        else:  # restarted for the new call
-            scheduler.pending[:] = self.pending
-            scheduler.ready[:] = self.ready
-            scheduler.untaken, scheduler.remaining, scheduler.opening = self.untaken, self.messages, self.opening
+            scheduler = self._blocking = BlockingScheduler(self)
+        scheduler.restart()
         return scheduler
 
     def is_copy(self, i: int) -> bool:
@@ -115,6 +118,13 @@ class Scheduler:
         self.untaken = program.untaken
         self.remaining = program.messages
         self.opening = program.opening  # what the first take() hands out
+
+    def restart(self) -> None:
+        """Set back to the start of a call."""
+        program = self.program
+        self.pending[:] = program.pending
+        self.ready[:] = program.ready
+        self.untaken, self.remaining, self.opening = program.untaken, program.messages, program.opening
 
     @property
     def done(self) -> bool:
@@ -162,3 +172,87 @@ class Scheduler:
             pending[j] -= 1
             if pending[j] == 0:
                 heappush(self.ready, j)
+
+
+def _members(finished: int) -> Iterator[int]:
+    """The operations in the finished set ``finished`` (a bit mask), in order."""
+    while finished:
+        low = finished & -finished
+        yield low.bit_length() - 1
+        finished ^= low
+
+
+class BlockingScheduler:
+    """A program's scheduler for the blocking executors, which run its calls one at a
+    time, the same calls over and over. A call is described by the sets of messages
+    finished (bit masks, bit i for operation i): it starts with the program's
+    ``opening`` (finished set 0), and after each poll that found messages finished,
+    :meth:`take` hands out what to start now. What that is depends on nothing but the
+    sets finished at the previous take and at this one (each take starts everything
+    the finished messages allow, and the heap hands out the ready ones in order), so it
+    is worked out once, by a :class:`Scheduler`, and kept in ``remembered``, keyed by
+    ``(finished before, finished now)``: an executor looks there first (a dictionary
+    look-up, no Python call) and calls :meth:`take` only where it finds nothing. Once
+    ``MEMO`` transitions are kept (a program whose messages finish in many orders), it
+    keeps no more and empties ``remembered``: every take then runs on a live
+    :class:`Scheduler`, as the engine's do."""
+
+    MEMO = 256  # transitions kept at most
+
+    __slots__ = ("live", "live_at", "program", "remembered", "remembering")
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.remembered: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.remembering = True
+        self.live: Scheduler | None = None  # a Scheduler in the state of a call whose last take was at live_at
+        self.live_at = -1
+
+    def restart(self) -> None:
+        """Set back to the start of a call, its opening taken (the caller starts the
+        program's ``opening`` itself)."""
+        if self.remembering:
+            self.live_at = -1  # the live scheduler, if any, is stale: take() replays
+        else:  # every take on the live scheduler: set it back, past the opening
+            if self.live is None:
+                self.live = Scheduler(self.program)
+            else:
+                self.live.restart()
+            self.live.opening = ()
+            self.live_at = 0
+
+    def take(self, before: int, finished: int) -> tuple[int, ...]:
+        """Every operation to start now, in order (the caller runs the local ones and
+        posts the messages, in that order): ``finished`` is the set of messages
+        finished now, ``before`` the set at the previous take (0: the opening). Once
+        ``finished`` holds every message (the program's ``all_messages``), this hands
+        out every operation left: the call is done when it has run them."""
+        live = self.live
+        if live is None or self.live_at != before:  # (a new call, or a remembered take since)
+            live = self.live = self._replayed(before)
+        for i in _members(finished & ~before):
+            live.complete(i)
+        taken = tuple(live.take())
+        self.live_at = finished
+        if self.remembering:
+            if len(self.remembered) < self.MEMO:
+                self.remembered[before, finished] = taken
+            else:  # messages finish in too many orders to remember
+                self.remembering = False
+                self.remembered.clear()
+        return taken
+
+    def _replayed(self, finished: int) -> Scheduler:
+        """A :class:`Scheduler` in the state of a call whose last take was at ``finished``."""
+        scheduler = Scheduler(self.program)
+        scheduler.opening = ()  # the state after the opening, where it starts
+        for i in _members(finished):
+            scheduler.complete(i)
+        scheduler.take()
+        return scheduler
+
+    def pending(self, finished: int) -> list[int]:
+        """How many operations each operation still waits for, in a call whose last take
+        was at ``finished``."""
+        live = self.live if self.live is not None and self.live_at == finished else self._replayed(finished)
+        return live.pending
