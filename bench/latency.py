@@ -4,7 +4,8 @@
     mpiexec -n 2 python bench/latency.py --before /path/to/old/checkout ...
 
 Every contender is timed in the same interleaved rounds (round r times each contender
-once, in turn), ``--calls`` calls per timing, after a barrier; a timing is the slowest
+once, in turn, in the opposite order every other round), ``--calls`` calls per timing,
+after a barrier; a timing is the slowest
 rank's mean per call, and the table shows each contender's median over rounds and its
 ratio to the raw mpi4py ``Allreduce`` on the same buffers (the floor). Float32 sum,
 ``out=`` given, for each size in ``--sizes``:
@@ -24,7 +25,8 @@ ratio to the raw mpi4py ``Allreduce`` on the same buffers (the floor). Float32 s
 With ``--before DIR`` (a checkout of an earlier commit: ``git worktree add DIR REV``),
 its ``collectives`` package is loaded beside this one as ``collectives_before`` and
 every contender above (but ``lean.run``) is timed for both, interleaved in the same
-rounds; the table then adds each one's ratio after/before.
+rounds, each right beside its before (so that neither always follows the same
+neighbour); the table then adds each one's ratio after/before.
 """
 
 import argparse
@@ -98,9 +100,11 @@ def main():
         out = np.empty_like(x)
         calls = max(50, args.calls * 8 // max(nbytes, 8)) if nbytes > 4096 else args.calls
         contenders = {"mpi4py Allreduce": lambda x=x, out=out: raw.Allreduce(x, out, MPI.SUM)}
-        contenders.update(contenders_for(cc, "", comm, x, out))
-        if old is not None:
-            contenders.update(contenders_for(before, "before: ", old, x, out))
+        befores = contenders_for(before, "before: ", old, x, out) if old is not None else {}
+        for name, f in contenders_for(cc, "", comm, x, out).items():  # each beside its before
+            contenders[name] = f
+            if f"before: {name}" in befores:
+                contenders[f"before: {name}"] = befores[f"before: {name}"]
         plan = compiled_plan("allreduce", "recursive_doubling", comm.rank, comm.size, x.size, 0, 1, False, False)
         program = lean.program(plan)
         tmp = np.empty(max(plan.tmp, 1), np.float32)
@@ -109,8 +113,9 @@ def main():
             contenders["lean.run (recursive_doubling)"] = (
                 lambda program=program, buffers=buffers: lean.run(program, raw, 11, buffers, "sum", str, list.append))
         times = {name: [] for name in contenders}
-        for _ in range(args.rounds):
-            for name, f in contenders.items():
+        for r in range(args.rounds):
+            for name in list(contenders) if r % 2 == 0 else list(contenders)[::-1]:
+                f = contenders[name]
                 for _ in range(max(10, calls // 20)):  # warm
                     f()
                 world.Barrier()
