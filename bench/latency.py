@@ -26,7 +26,9 @@ With ``--before DIR`` (a checkout of an earlier commit: ``git worktree add DIR R
 its ``collectives`` package is loaded beside this one as ``collectives_before`` and
 every contender above (but ``lean.run``) is timed for both, interleaved in the same
 rounds, each right beside its before (so that neither always follows the same
-neighbour); the table then adds each one's ratio after/before.
+neighbour); the table then adds each one's ratio after/before (of the medians) and
+``paired``, the median over rounds of each round's after/before (the two timings of a
+round ran side by side, so a disturbance of the machine then falls on both).
 """
 
 import argparse
@@ -130,24 +132,30 @@ def main():
             row = {"bytes": x.nbytes, "contender": name, "median_us": med, "min_us": min(ts), "max_us": max(ts),
                    "ratio_to_mpi": med / floor, "rounds_us": ts}
             if old is not None and not name.startswith("before: ") and f"before: {name}" in times:
-                row["after_over_before"] = med / statistics.median(times[f"before: {name}"])
+                befores = times[f"before: {name}"]
+                row["after_over_before"] = med / statistics.median(befores)
+                # Each round's pair ran side by side, so it shares the machine's state then.
+                row["paired"] = statistics.median(a / b for a, b in zip(ts, befores))
             rows.append(row)
     if world.rank == 0:
         library = MPI.Get_library_version().splitlines()[0].strip()
         print(f"# {comm.size} ranks, float32 sum, {args.rounds} interleaved rounds; {library}; "
               f"auto picks {comm.choose('allreduce', 8)[0]} at 8 B" + (f"; before: {args.before}" if old else ""))
         print(f"# {'bytes':>6s} {'contender':40s} {'median_us':>10s} {'min_us':>8s} {'max_us':>8s} {'x_mpi':>6s}"
-              + (f" {'after/before':>12s}" if old else ""))
+              + (f" {'after/before':>12s} {'paired':>6s}" if old else ""))
         for row in rows:
             if row["contender"].startswith("before: "):
                 continue
-            ratio = f" {row['after_over_before']:12.3f}" if "after_over_before" in row else (" " * 13 if old else "")
+            ratio = (f" {row['after_over_before']:12.3f} {row['paired']:6.3f}" if "after_over_before" in row
+                     else (" " * 20 if old else ""))
             print(f"  {row['bytes']:6d} {row['contender']:40s} {row['median_us']:10.2f} {row['min_us']:8.2f} "
                   f"{row['max_us']:8.2f} {row['ratio_to_mpi']:6.2f}{ratio}")
         if old is not None:
             worst = max((r for r in rows if "after_over_before" in r), key=lambda r: r["after_over_before"])
+            paired = max((r for r in rows if "paired" in r), key=lambda r: r["paired"])
             print(f"# slowest against before: {worst['contender']} at {worst['bytes']} B, "
-                  f"{worst['after_over_before']:.3f}x")
+                  f"{worst['after_over_before']:.3f}x; paired: {paired['contender']} at {paired['bytes']} B, "
+                  f"{paired['paired']:.3f}x")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"world_size": comm.size, "mpi": library, "rounds": args.rounds, "calls": args.calls,
