@@ -132,10 +132,10 @@ def main():
             row = {"bytes": x.nbytes, "contender": name, "median_us": med, "min_us": min(ts), "max_us": max(ts),
                    "ratio_to_mpi": med / floor, "rounds_us": ts}
             if old is not None and not name.startswith("before: ") and f"before: {name}" in times:
-                befores = times[f"before: {name}"]
-                row["after_over_before"] = med / statistics.median(befores)
+                before_ts = times[f"before: {name}"]
+                row["after_over_before"] = med / statistics.median(before_ts)
                 # Each round's pair ran side by side, so it shares the machine's state then.
-                row["paired"] = statistics.median(a / b for a, b in zip(ts, befores))
+                row["paired"] = statistics.median(a / b for a, b in zip(ts, before_ts))
             rows.append(row)
     if world.rank == 0:
         library = MPI.Get_library_version().splitlines()[0].strip()
