@@ -1,9 +1,8 @@
 """The device executor of the peer-read plans (``one_shot``, ``two_shot``:
 :mod:`collectives.algorithms.peer`): the ranks of one node read each other's device
 buffers where they are, through CUDA IPC, and meet at the plans' fences: two per
-call, at any size, and no message. With ``host`` fences those are the call's only
-synchronisations; with ``stream`` and ``kernel`` fences the hosts also meet once per
-call, at the first fence, to publish where their buffers are: three synchronisations.
+call, at any size, and no message: those two fences are the call's only
+synchronisations between the ranks, whatever the fence mechanism.
 
     rank r, one call (one stream: the peer calls' own, which holds nothing else)
     ──────────────────────────────────────────────────────────────────
@@ -26,17 +25,21 @@ A fence is one of three mechanisms, chosen per communicator (``device_fence``,
 - ``host``: the host waits (polling an event) for its device work before the fence,
   then writes the fence's number into its counter in the node's shared window and
   waits until every rank's counter has reached it; then it launches the next phase.
-- ``stream``: at the first fence the hosts only publish where their buffers are and
-  wait until every rank has done so (host memory, no device wait); the device then
-  meets at every fence by itself: the stream writes the fence's number into a word of
-  each peer's row of the window (``cuStreamWriteValue32``, after the work before it)
-  and waits until every peer has written it into this rank's row
-  (``cuStreamWaitValue32``). The host enqueues the whole call at once. So the call
-  has three synchronisations: the hosts' meeting, then the device's two fences.
-- ``kernel`` (ranks on distinct GPUs): as ``stream``, the hosts meet at the first
-  fence to publish where their buffers are; then at each fence a small kernel writes
-  the fence's number into every peer's flags and spins on its own, at most a time
-  limit. Three synchronisations too.
+- ``stream``: at the first fence (every input ready, and where it is) the host
+  publishes where its buffers are, then its stream writes the fence's number into a
+  word of each peer's row of the window (``cuStreamWriteValue32``, once the work
+  before it has run), and the host waits until every peer's stream has written it
+  into this rank's row: it has then seen both where the peers' inputs are and that
+  they are ready, and enqueues the rest of the call at once. The second fence is the
+  devices' alone: the stream writes its number as at the first and waits until every
+  peer has (``cuStreamWaitValue32``); the host does not wait for it.
+- ``kernel`` (ranks on distinct GPUs): the first fence as with ``stream``; at the
+  second a small kernel writes the fence's number into every peer's flags (device
+  memory) and spins on its own, at most a time limit.
+
+The first fence is where the hosts must meet anyway (a host can only launch a read of
+a peer's buffer once it knows where that buffer is), so it also carries the device's
+readiness: one synchronisation, not a hosts' meeting beside a device fence.
 
 Whatever the mechanism, a call finishes once its last event has completed: so its
 result is ready for anything the user queues afterwards (the user's stream needs no
@@ -173,6 +176,24 @@ class PeerWindow:
         return [q for q in range(self.size)
                 if q != self.rank and ((int(self.inbox[row + q]) - value) & 0xFFFFFFFF) >= 0x80000000]
 
+    def announced(self, number):
+        """The ranks whose line holds call ``number``'s signature and descriptors now
+        (its word ``_ANNOUNCED``, written after them), read after it."""
+        words = self.words
+        found = [q for q in range(self.size) if words[q * _LINE + _ANNOUNCED] == number]
+        self.win.Sync()
+        return found
+
+    def signalled(self, value):
+        """Whether every peer's stream has written ``value`` (or later) into this rank's
+        row; once so, what their hosts published before is read after it."""
+        inbox, row = self.inbox, self.rank * self.row
+        for q in range(self.size):
+            if q != self.rank and ((int(inbox[row + q]) - value) & 0xFFFFFFFF) >= 0x80000000:
+                return False
+        self.win.Sync()
+        return True
+
 
 class PeerMemory:
     """The other processes' device allocations this process has opened (CUDA IPC),
@@ -237,7 +258,8 @@ class PeerNode:
         self.mechanism = mechanism
         self.window = PeerWindow(node_comm)
         self.memory = peer_memory(self.backend)
-        self.inbox = self.backend.map_host(self.window.inbox) if mechanism == "stream" else None
+        # (stream and kernel: every stream signals the first fence in the window's rows)
+        self.inbox = self.backend.map_host(self.window.inbox) if mechanism != "host" else None
         self.late = self.backend.map_host(self.window.late) if mechanism == "kernel" else None
         # A stream of its own, which holds the peer calls only, in call order on every
         # rank: their device-side waits for the other ranks (stream and kernel fences)
@@ -261,10 +283,9 @@ class PeerNode:
         self.nothing = self.backend.empty(0, np.uint8)  # the buffers of a call that moves nothing (a barrier)
         self._buffers = {}  # the peers' buffers seen, typed (peer_buffer)
         self._flag_stream = None  # kernel: where flags_now copies the flags out
-        # calls; fences (the plans': two a call); host meetings (the hosts wait for each
-        # other: at both fences with host fences, once a call with stream and kernel ones,
-        # to publish where the buffers are); synchronisations (between the ranks: two a
-        # call with host fences, three with stream and kernel ones)
+        # calls; fences (the plans': two a call); host meetings (fences a host waits at
+        # for the others: both with host fences, the first with stream and kernel ones);
+        # synchronisations (between the ranks: the fences, two a call, by any mechanism)
         self.counters = Counter()
 
     def take_event(self):
@@ -472,8 +493,7 @@ class PeerCall:
         self.parity = self.number & 1
         self.phase = -1  # the phase enqueued last (-1: none yet)
         self.waiting = False  # host fences: recorded the event before the next fence; arrived once it completed
-        self.arrived = False
-        self.announced = False
+        self.arrived = False  # arrived at the next fence (host), or signalled the first (stream, kernel)
         self.ended = False
         self.done = False
         self.peers = None  # rank -> (its input, its window slot), each a _Sliced typed device array
@@ -515,7 +535,8 @@ class PeerCall:
         self._enqueue(0)
 
     def _fence(self, k):
-        """Fence ``k`` (1-based) of this call: True once passed (host) or enqueued (stream)."""
+        """Fence ``k`` (1-based) of this call: True once passed (host fences, and the
+        first of stream and kernel ones) or enqueued (their second)."""
         node, window = self.node, self.window
         epoch = self.base + k
         if node.mechanism == "host":
@@ -533,18 +554,21 @@ class PeerCall:
             node.counters["synchronisations"] += 1
             if k == 1:
                 self._meet()
-        else:
-            if k == 1:
-                if not self.announced:
-                    self._publish()
-                    window.arrive(_ANNOUNCED, self.number)
-                    self.announced = True
-                if not self._others_announced():
-                    return False
-                node.counters["host meetings"] += 1  # a meeting of its own, before the device's two fences
-                node.counters["synchronisations"] += 1
-                self._meet()
-            node.counters["synchronisations"] += 1  # (the device's fence)
+        elif k == 1:  # where the inputs are, and that they are ready: the host sees both
+            if not self.arrived:
+                self._publish()
+                window.arrive(_ANNOUNCED, self.number)  # (nobody waits for it: see _check_announced)
+                self._signal(k, epoch)
+                self.arrived = True
+            if not self._others_signalled(epoch):
+                self._check_announced()
+                return False
+            self.arrived = False
+            node.counters["host meetings"] += 1
+            node.counters["synchronisations"] += 1
+            self._meet()
+        else:  # the devices' own: the host enqueues it and goes on
+            node.counters["synchronisations"] += 1
             if node.mechanism == "stream":
                 self._signal(k, epoch)
                 self._wait_for_others(k, epoch)
@@ -581,21 +605,39 @@ class PeerCall:
         """host: whether every rank has arrived at fence ``k``."""
         return self.window.passed(_EPOCH, epoch)
 
-    def _others_announced(self):
-        """stream: whether every rank has published where its buffers are for this call."""
-        return self.window.passed(_ANNOUNCED, self.number)
+    def _others_signalled(self, epoch):
+        """stream and kernel, the first fence: whether every peer's stream has signalled
+        it (so its input is ready, and where it is has been published)."""
+        return self.window.signalled(epoch & 0xFFFFFFFF)
+
+    def _check_announced(self):
+        """stream and kernel, waiting at the first fence: raise at once where a rank that
+        has published this call signed another one or gave a buffer that cannot be
+        shared. Its host published that as it made the call, but its stream signals only
+        once its device work before the call has run, and a rank that passes the fence
+        and raises first breaks the communicator: the others must not learn of the
+        mismatch only from its notice, but raise the same error themselves."""
+        window = self.window
+        announced = window.announced(self.number)
+        if len(announced) < 2:
+            return
+        compare_signatures(window, self.parity, self.signature, self.describe, announced)
+        check_shareable(window.descriptors(self.parity, 0)[announced], "input x", self.describe, announced)
+        if self.slot:
+            check_shareable(window.descriptors(self.parity, 1)[announced], "window slot", self.describe, announced)
 
     def _signal(self, k, epoch):
-        """stream: once the work before it has run, the stream writes fence ``k``'s
-        number into every peer's row."""
+        """stream and kernel (the first fence): once the work before it has run, the
+        stream writes fence ``k``'s number into every peer's row."""
         node, window, value = self.node, self.window, epoch & 0xFFFFFFFF
         for q in range(window.size):
             if q != window.rank:
                 self.backend.write_value(node.stream, node.inbox, window.word(q, window.rank), value)
 
     def _fence_kernel(self, k, epoch):
-        """kernel: one small kernel writes fence ``k``'s number into every peer's flags
-        and waits for theirs in its own, at most ``limit`` seconds."""
+        """kernel (after the first fence): one small kernel writes fence ``k``'s number
+        into every peer's flags and waits for theirs in its own, at most ``limit``
+        seconds."""
         node, window = self.node, self.window
         self.backend.fence_kernel(node.stream, node.table, node.flags, window.rank, epoch & 0xFFFFFFFF, self.limit,
                                   node.late, window.rank * window.row)
@@ -693,7 +735,8 @@ class PeerCall:
                 return (f"waiting at fence {k} of {self.fences} for {ranks(window.behind(_EPOCH, self.base + k))} "
                         "to arrive")
             return f"waiting for this rank's device work before fence {k} of {self.fences}"
-        return f"waiting for {ranks(window.behind(_ANNOUNCED, self.number))} to start it"
+        return (f"waiting at fence {k} of {self.fences} for {ranks(window.behind_on_device(self.base + k))} "
+                f"to arrive")
 
     def _late_on_device(self):
         """Which ranks this rank's device waits for, read from the words the others
@@ -703,7 +746,7 @@ class PeerCall:
         if mechanism == "host":
             return ""
         flags = self.node.flags_now() if mechanism == "kernel" else None
-        for k in range(1, self.fences + 1):
+        for k in range(2, self.fences + 1):  # (the host saw the first passed)
             epoch = (self.base + k) & 0xFFFFFFFF
             if flags is None:
                 late = window.behind_on_device(epoch)
@@ -726,19 +769,20 @@ def unshareable_message(what, which):
             "be shared (Communicator.empty(device=...), CuPy's default pool, torch's caching allocator)")
 
 
-def check_shareable(descriptors, what, describe):
+def check_shareable(descriptors, what, describe, of=None):
     """Raise where some rank's descriptor (a row of ``descriptors`` per rank, this
-    rank's included) says its ``what`` cannot be shared: every rank reads the same rows,
-    so every rank raises the same error, naming the ranks, before anyone opens or reads
-    anything."""
-    which = np.flatnonzero(descriptors[:, _HANDLE_WORDS + 3] == _UNSHAREABLE)
-    if which.size:
-        raise CollectiveError(f"{describe}: {unshareable_message(what, which.tolist())}")
+    rank's included; ``of``: the ranks of the rows, where not every rank's) says its
+    ``what`` cannot be shared: every rank reads the same rows, so every rank raises the
+    same error, naming the ranks, before anyone opens or reads anything."""
+    which = np.flatnonzero(descriptors[:, _HANDLE_WORDS + 3] == _UNSHAREABLE).tolist()
+    if which:
+        raise CollectiveError(f"{describe}: {unshareable_message(what, [of[i] for i in which] if of else which)}")
 
 
-def compare_signatures(window, parity, mine, describe):
-    """Raise on every rank where some rank signed another call (its size, or anything else)."""
-    for rank in range(window.size):
+def compare_signatures(window, parity, mine, describe, of=None):
+    """Raise on every rank where some rank (of ``of``, else of all) signed another call
+    (its size, or anything else)."""
+    for rank in range(window.size) if of is None else of:
         theirs = window.signature_of(rank, parity)
         if theirs == mine:
             continue

@@ -12,10 +12,13 @@ What it measures, at the world size it runs at (``make bench-gpu`` runs 2 and 4 
   (a) ``ipc``: today's handshake, a 4-byte device ``ring`` allgather through CUDA IPC
   (an interprocess event and an MPI control message per step, and its acknowledgement)
   divided by its p-1 steps; (b) ``host``: ``comm.barrier(device=...)`` with host-watched
-  epochs in the node's shared window; (c) ``stream``: the same with stream write/wait
-  values; (d) ``kernel``: the same with the fence kernel (meant for distinct GPUs: on
-  one GPU shared by processes a spinning kernel holds the others off for its time
-  slice, which this shows).
+  epochs in the node's shared window; (c) ``stream``: the same with the first fence
+  of stream fences (each stream writes its word into the peers' rows,
+  ``cuStreamWriteValue32``, and the host waits for the peers' words); (d) ``kernel``:
+  a barrier's one fence is that same first fence, so this row times it again (the
+  fence kernel, meant for distinct GPUs, is a call's second fence, not timed apart
+  here; on one GPU shared by processes a spinning kernel holds the others off for its
+  time slice).
 - **the copy**: the device's own device-to-device copy of 256 MiB by rank 0 alone; B,
   its traffic rate, counts the bytes read plus written (2n per copy).
 - **allreduce** from 8 B to 256 MiB: ``one_shot``, ``two_shot``, ``ring`` (CUDA IPC),
