@@ -498,6 +498,19 @@ COLLECTIVES_HD void cast_divide_body(D* dst, const S* src, i64 n, double divisor
     for (i64 i = start; i < n; i += stride) dst[i] = Cast<D>::from(divide_or_keep(src[i], divisor));
 }
 
+// dst = src, n elements (one copy of copy_n's: a copy phase of the peer reads).
+template <class E>
+COLLECTIVES_HD void copy_body(E* dst, const E* src, i64 n, i64 start, i64 stride) {
+    i64 done = 0;
+    if (sizeof(E) < 16 && aligned16(dst) && aligned16(src)) {
+        const i64 lanes = Lanes<E>::N, vectors = n / lanes;
+        for (i64 j = start; j < vectors; j += stride)
+            reinterpret_cast<Vec16*>(dst)[j] = reinterpret_cast<const Vec16*>(src)[j];
+        done = vectors * lanes;
+    }
+    for (i64 i = done + start; i < n; i += stride) dst[i] = src[i];
+}
+
 // The byte offset of element i of a C-ordered view with ``ndim`` dimensions.
 COLLECTIVES_HD i64 strided_offset(i64 i, int ndim, const i64* shape, const i64* strides) {
     i64 offset = 0;

@@ -482,6 +482,56 @@ def test_every_call_has_at_most_two_fences_at_any_size():
                     assert len(plan.ops) <= 2 * size + 3, (collective, algorithm, size, count, len(plan.ops))
 
 
+def test_every_phase_is_one_kernel_for_up_to_16_ranks():
+    """As the device executor runs the plans (device_node.phases): every phase between
+    fences launches one kernel or copy, for every rank of up to 16 (a fold of up to 16
+    inputs, a copy of up to 16 peers' buffers); beyond, one per 16."""
+    from collectives.routes.base import compiled_plan
+
+    launches_of = {device_node._COPY: lambda specs: 1, device_node._REDUCE: lambda specs: 1,
+                   device_node._REDUCE_MANY: lambda specs: -(-(len(specs) - 1) // 16),
+                   device_node._COPY_MANY: lambda specs: -(-len(specs) // 16)}
+    for collective, algorithm in PEERS:
+        for size in (2, 3, 4, 8, 16, 17, 40):
+            for inplace in (False, True) if collective in ("allreduce", "reduce") else (False,):
+                for rank in sorted({0, 1, size - 1}):
+                    count = 3 * size + 1
+                    plan = compiled_plan(collective, algorithm, rank, size, count, 0, 1, inplace, False, 0)
+                    slot = plan.shm // size if plan.shm else 0
+                    for k, phase in enumerate(device_node.phases(plan, rank, count, slot)):
+                        launches = sum(launches_of[kind](specs) for kind, specs in phase)
+                        assert launches <= -(-size // 16), (collective, algorithm, size, inplace, rank, k, phase)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_call_launches_one_kernel_a_phase(mpi_comm):
+    """On the device (the stand-in's or the CuPy backend's launch counts): a warm call of
+    every peer read launches one kernel or copy per phase that has work, so at most
+    three; allgather's reads of the peers and two_shot's copies out of the slots are one
+    kernel each, not one copy per rank."""
+    comm = communicator("host")
+    backend = next(iter(comm._ctx.devices.values())).backend
+    problems = []
+    n = 4 * comm.size + 3
+    for collective, algorithm in PEERS:
+        x = D.asarray(rank_input(comm.rank, n, "float32"))
+        call(comm, collective, x, algorithm)  # warm: registered, plans made
+        before = backend.launches.copy()
+        call(comm, collective, x, algorithm)
+        launched = backend.launches - before
+        want = {("allreduce", "one_shot"): 1, ("allreduce", "two_shot"): 2, ("reduce_scatter", "one_shot"): 1,
+                ("allgather", "one_shot"): 2, ("broadcast", "one_shot"): int(comm.rank != 0),
+                ("reduce", "one_shot"): int(comm.rank == 0)}[(collective, algorithm)]
+        if comm.size <= 16 and sum(launched.values()) != want:
+            problems.append(f"{collective} {algorithm}: {dict(launched)}, want {want} launches")
+        # (allgather at 2 ranks reads one peer: one copy)
+        gathers = algorithm == "two_shot" or (collective == "allgather" and comm.size > 2)
+        if gathers and launched["copy_n"] != 1:
+            problems.append(f"{collective} {algorithm}: its copy phase was not one kernel: {dict(launched)}")
+    comm.free()
+    agree(mpi_comm, problems)
+
+
 def test_freed_and_reallocated_memory_is_opened_anew(pcomm, mpi_comm):
     """A buffer freed and allocated again at the same base gets a new buffer id: the
     peers close their mapping of the old allocation and open the new one (the stand-in

@@ -148,6 +148,7 @@ class CupyDevice:
         # results made for the user included), pinned host buffers, other processes'
         # allocations opened, host memory registered.
         self.counters = Counter()
+        self.launches = Counter()  # copies and kernels launched, by kind (what a phase launches, for tests)
 
     def __repr__(self):
         return f"<cuda:{self.id} {self.name}>"
@@ -221,18 +222,42 @@ class CupyDevice:
         nbytes = _nbytes(dst)
         if nbytes != _nbytes(src):
             raise ValueError(f"copy of {_nbytes(src)} bytes into {nbytes}")
+        self.launches["copy"] += 1
         if nbytes:
             with cupy.cuda.Device(self.id):  # the stream's device (a progress thread starts on device 0)
                 runtime.memcpyAsync(_ptr(dst), _ptr(src), nbytes, _MEMCPY_DEFAULT, stream.ptr)
 
+    def copy_n(self, stream, dsts, srcs):
+        """``dsts[q] = srcs[q]`` for every q (contiguous device arrays of one itemsize,
+        each pair alike in size), in one kernel: block row q does copy q."""
+        k = len(dsts)
+        if not 1 <= k == len(srcs) <= kernels.MAX_INPUTS:
+            raise ValueError(f"copy_n takes 1 to {kernels.MAX_INPUTS} copies, as many sources as destinations")
+        itemsize = dsts[0].dtype.itemsize
+        counts = [int(d.size) for d in dsts]
+        if any(d.dtype.itemsize != itemsize or _nbytes(d) != _nbytes(s) for d, s in zip(dsts, srcs)):
+            raise ValueError("copy_n: the copies must be of one itemsize, each source as large as its destination")
+        self.launches["copy_n"] += 1
+        if not max(counts):
+            return
+        pad = kernels.MAX_INPUTS - k
+        null = [np.uint64(0)] * pad
+        args = (np.int32(k), *dsts, *null, *srcs, *null, *(np.int64(n) for n in counts), *[np.int64(0)] * pad)
+        kernel = self._module(dsts[0].dtype).get_function(kernels.copy_n(itemsize))
+        grid = (kernels.blocks(kernels.vector_items(max(counts), itemsize), self.multiprocessors), k)
+        with cupy.cuda.Device(self.id), stream:  # a RawKernel launches on the current stream
+            kernel(grid, (kernels.THREADS,), args)
+
     def reduce2(self, stream, op, dtype, dst, a, b):
         n = int(dst.size)
+        self.launches["reduce2"] += 1
         if n:
             self._launch(dtype, kernels.reduce2(dtype, op), kernels.vector_items(n, dtype.itemsize), stream,
                          (dst, a, b, np.int64(n)))
 
     def reduce_n(self, stream, op, dtype, dst, sources):
         n = int(dst.size)
+        self.launches["reduce_n"] += 1
         if not n:
             return
         if not 1 <= len(sources) <= kernels.MAX_INPUTS:

@@ -32,7 +32,7 @@ OP_TAGS = {"sum": "Sum", "prod": "Prod", "max": "Max", "min": "Min", "avg": "Sum
 ELEMENTS = {1: "b1", 2: "b2", 4: "b4", 8: "b8", 16: "b16"}  # pack/unpack move opaque elements
 CASTS = (("float32", "float16"), ("float32", "bfloat16"), ("float64", "float16"), ("float64", "bfloat16"),
          ("float16", "float32"), ("bfloat16", "float32"), ("float16", "float64"), ("bfloat16", "float64"))
-MAX_INPUTS = 16  # reduce_n takes up to this many inputs in one pass
+MAX_INPUTS = 16  # reduce_n takes up to this many inputs in one pass, copy_n this many copies
 FENCE = f"{NAMESPACE}::fence"  # the fence of ranks on distinct GPUs (in every dtype's module: it has no dtype)
 MAX_DIMS = 8  # pack/unpack: dimensions of a strided view
 
@@ -82,6 +82,10 @@ def unpack(itemsize):
     return f"{_q('unpack')}<{_q(ELEMENTS[itemsize])}>"
 
 
+def copy_n(itemsize):
+    return f"{_q('copy_n')}<{_q(ELEMENTS[itemsize])}>"
+
+
 def divides(dtype):
     """Whether ``dtype`` has a ``divide_by`` kernel (avg: floating and complex)."""
     return np.dtype(dtype).name in ("float16", "bfloat16", "float32", "float64", "complex64", "complex128")
@@ -93,7 +97,7 @@ def for_dtype(dtype):
     names = [reduce2(dtype, op) for op in ops_for(dtype)] + [reduce_n(dtype, op) for op in ops_for(dtype)]
     if divides(dtype):
         names.append(divide_by(dtype))
-    names += [pack(dtype.itemsize), unpack(dtype.itemsize)]
+    names += [pack(dtype.itemsize), unpack(dtype.itemsize), copy_n(dtype.itemsize)]
     names += [cast_divide(_dtype(s), _dtype(d)) for s, d in CASTS if s == dtype.name]  # compression from dtype
     names.append(FENCE)
     return tuple(names)

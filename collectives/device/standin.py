@@ -70,6 +70,7 @@ HEAP_BYTES = 4 << 30  # the address space of one process's device memory (a spar
 GRANULE = 64 << 10  # segments are whole granules; the file's head holds a buffer id per granule
 SEGMENT_BYTES = 2 << 20  # the smallest segment the pool carves (larger arrays get one their size)
 ALIGNMENT = 256  # blocks start on this boundary, as CuPy's do
+MAX_COPIES = 16  # copy_n's copies in one kernel, as kernels/collectives.cu's
 
 
 class StaleMapping(RuntimeError):
@@ -371,6 +372,7 @@ class StandInDevice:
         # What the device was asked to make, for tests that a warm call makes nothing:
         # events, allocations (device and pinned), openings of other processes' memory.
         self.counters = Counter()
+        self.launches = Counter()  # copies and kernels queued, by kind: what a phase launches, for tests
         atexit.register(self._remove_files)
 
     def __repr__(self):
@@ -555,14 +557,33 @@ class StandInDevice:
             raise ValueError(f"copy of {src_memory.size} bytes into {dst_memory.size}")
         where = tuple("device" if isinstance(x, StandInArray) else "host" for x in (src, dst))
         self.copies.append(("->".join(where), dst_memory.size))
+        self.launches["copy"] += 1
         self._enqueue(stream, lambda: np.copyto(dst_memory, src_memory), dst, src)
+
+    def copy_n(self, stream, dsts, srcs):
+        """``dsts[q] = srcs[q]`` for every q (device arrays, each pair alike in bytes):
+        one kernel (``copy_n`` of ``kernels/collectives.cu``), so one queued operation."""
+        if not 1 <= len(dsts) == len(srcs) <= MAX_COPIES:
+            raise ValueError(f"copy_n takes 1 to {MAX_COPIES} copies, as many sources as destinations")
+        pairs = [(self._bytes(d, "dst"), self._bytes(s, "src")) for d, s in zip(dsts, srcs)]
+        if any(d.size != s.size for d, s in pairs):
+            raise ValueError("copy_n: a source and its destination differ in size")
+        self.launches["copy_n"] += 1
+
+        def run():
+            for d, s in pairs:
+                np.copyto(d, s)
+
+        self._enqueue(stream, run, *dsts, *srcs)
 
     def reduce2(self, stream, op, dtype, dst, a, b):
         d, x, y = (self._typed(v, dtype) for v in (dst, a, b))
+        self.launches["reduce2"] += 1
         self._enqueue(stream, lambda: ops_layer.combine(op, x, y, d), dst, a, b)
 
     def reduce_n(self, stream, op, dtype, dst, sources):
         d, inputs = self._typed(dst, dtype), [self._typed(s, dtype) for s in sources]
+        self.launches["reduce_n"] += 1
 
         def run():
             acc = inputs[0].copy()

@@ -12,11 +12,11 @@ synchronisations between the ranks, whatever the fence mechanism.
     fence 1: arrive, publishing where this rank's input and window slot are
              (allocation, buffer id, offset: the node's shared window, host memory);
              pass once every rank has arrived; open what this process has not opened
-    phase 1: read the other ranks' buffers: a fold is one kernel over the p inputs
-             (at most 16 inputs a kernel); allgather and broadcast copy, one copy per
-             rank read
+    phase 1: read the other ranks' buffers: a fold is one kernel over the p inputs,
+             allgather's copies one copy kernel (at most 16 inputs or copies a
+             kernel); broadcast one copy
     fence 2: nobody reads this rank's input any more
-    phase 2: two_shot's copies out of the window slots, one per rank
+    phase 2: two_shot's copies out of the window slots: one copy kernel
     the call finishes once its last kernel has run (an event the host polls)
 
 A fence is one of three mechanisms, chosen per communicator (``device_fence``,
@@ -421,7 +421,48 @@ def choose_mechanism(backend, exchange):
 
 
 # -- one call's plan, as phases between fences --------------------------------------------------
-_COPY, _REDUCE, _REDUCE_MANY = 0, 1, 2
+_COPY, _REDUCE, _REDUCE_MANY, _COPY_MANY = 0, 1, 2, 3
+_MAX_COPIES = 16  # copies a copy kernel makes (kernels/collectives.cu's copy_n)
+
+
+def _overlap(a, b):
+    """Whether slice specs ``a`` and ``b`` may share memory: this rank's ``in`` and
+    ``out`` may (in place, or a row of the result as the input), a peer's input or
+    window slot only itself."""
+    if a[0] != b[0] or a[1] != b[1]:
+        return a[0] in ("in", "out") and b[0] in ("in", "out")
+    return a[2] < b[3] and b[2] < a[3]
+
+
+def _gathered(entries):
+    """``entries`` (a phase) with every run of two or more copies that do not touch each
+    other's memory (no destination overlaps another copy's source or destination) made
+    one ``_COPY_MANY`` entry: one kernel, not one copy each (allgather's reads of the
+    peers, two_shot's copies out of the slots)."""
+    made, run = [], []
+
+    def touches(pair, others):
+        dst, src = pair
+        return any(_overlap(dst, d) or _overlap(dst, s) or _overlap(src, d) for d, s in others)
+
+    def close():
+        if len(run) > 1:
+            made.append((_COPY_MANY, tuple(run)))
+        else:
+            made.extend((_COPY, pair) for pair in run)
+        run.clear()
+
+    for kind, specs in entries:
+        if kind == _COPY and not touches(specs, run):
+            run.append(specs)
+            continue
+        close()
+        if kind == _COPY:
+            run.append(specs)
+        else:
+            made.append((kind, specs))
+    close()
+    return made
 
 
 def phases(plan, rank, stride, slot):
@@ -456,6 +497,7 @@ def phases(plan, rank, stride, slot):
             made[-1].append((_REDUCE_MANY, (spec(op.dst),) + tuple(spec(x) for x in op.srcs)))
         else:
             raise ValueError(f"the peer-read executor cannot run {op!r}")
+    made = [_gathered(phase) for phase in made]
     object.__setattr__(plan, key[0], (key, made))  # the plan is frozen; a cache beside it
     return made
 
@@ -707,6 +749,10 @@ class PeerCall:
         for kind, specs in self.phases[k]:
             if kind == _COPY:
                 backend.copy(view(specs[0]), view(specs[1]), stream)
+            elif kind == _COPY_MANY:
+                for at in range(0, len(specs), _MAX_COPIES):
+                    pairs = specs[at : at + _MAX_COPIES]
+                    backend.copy_n(stream, [view(d) for d, _ in pairs], [view(s) for _, s in pairs])
             elif kind == _REDUCE_MANY:
                 backend.reduce_n(stream, self.op, self.dtype, view(specs[0]), [view(s) for s in specs[1:]])
             else:

@@ -79,6 +79,11 @@ void unpack_e(void* dst, const void* src, i64 n, int ndim, const i64* shape, con
     unpack_body<E>(static_cast<char*>(dst), static_cast<const E*>(src), n, ndim, shape, strides, 0, 1);
 }
 
+template <class E>
+void copy_e(void* const* dst, const void* const* src, const i64* n, int k) {
+    for (int q = 0; q < k; ++q) copy_body<E>(static_cast<E*>(dst[q]), static_cast<const E*>(src[q]), n[q], 0, 1);
+}
+
 }  // namespace
 
 #define COLLECTIVES_INTEGER_TYPES(X) \
@@ -155,6 +160,18 @@ int cc_unpack(int itemsize, void* dst, const void* src, i64 n, int ndim, const i
         case 4: unpack_e<b4>(dst, src, n, ndim, shape, strides); return 0;
         case 8: unpack_e<b8>(dst, src, n, ndim, shape, strides); return 0;
         case 16: unpack_e<b16>(dst, src, n, ndim, shape, strides); return 0;
+    }
+    return -1;
+}
+
+// copy_n's copies, each as one block row runs it.
+int cc_copy_n(int itemsize, void* const* dst, const void* const* src, const i64* n, int k) {
+    switch (itemsize) {
+        case 1: copy_e<b1>(dst, src, n, k); return 0;
+        case 2: copy_e<b2>(dst, src, n, k); return 0;
+        case 4: copy_e<b4>(dst, src, n, k); return 0;
+        case 8: copy_e<b8>(dst, src, n, k); return 0;
+        case 16: copy_e<b16>(dst, src, n, k); return 0;
     }
     return -1;
 }
