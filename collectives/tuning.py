@@ -36,10 +36,11 @@ In order, the first that answers:
 
 Device arrays have tables of their own (``device_tables``, same fingerprint rule);
 without one they take the device cost model (:func:`device_choice`): on one node the
-fastest predicted of the peer-read algorithms (``one_shot``, ``two_shot``) and the
-ring over CUDA IPC, from the parameters of :class:`DeviceCostModel`; across nodes the
-cost-model rule (the conservative rule's model is calibrated for host buffers, and
-``native`` there means MPI on host copies).
+fastest predicted of the peer-read algorithms (``one_shot``, ``two_shot``), the ring
+over CUDA IPC and ``native`` staged (MPI's own collective on host copies), from the
+parameters of :class:`DeviceCostModel`; across nodes the cost-model rule (the
+conservative rule's model is calibrated for host buffers, and ``native`` there means
+MPI on host copies).
 
 In deterministic mode a choice that cannot reduce in rank order (see
 ``collectives.algorithms.ORDERED``) gives way to one that can, and an override that
@@ -618,7 +619,7 @@ def conservative_choice(collective, nbytes, size, topology=None, model=SHIPPED_M
     return (best if gain >= needed else "native"), gain, best
 
 
-# == the device cost model: peer reads against the ring, on one node =================
+# == the device cost model: peer reads, the ring and staged native, on one node ========
 
 @dataclass(frozen=True)
 class DeviceCostModel:
@@ -627,13 +628,26 @@ class DeviceCostModel:
     of the node's ranks (the floor ``make bench-gpu`` measures), ``launch`` one kernel
     or copy, ``bandwidth`` the device's copy rate B (bytes read plus written per second;
     ``shared``: the node's ranks share one GPU, whose memory carries the sum of their
-    traffic), and, for the ring over CUDA IPC, ``ipc_step`` the host's handshake of one
-    message and ``ipc_rate`` its bytes per second. The defaults come from the one GPU
-    measured so far (bench/results/NVIDIA-H100-80GB-HBM3: the copy at 2.7-3.0 TB/s, a
-    2-rank ring allreduce below 1 MiB 0.4-0.7 ms, so about 150 us a message, its busbw
-    11-16 GB/s); the fence and launch costs are estimates until ``make bench-gpu``
-    measures them, and a device table (``collectives-bench --device cuda --tune``)
-    replaces the whole rule."""
+    traffic), for the ring over CUDA IPC ``ipc_step`` the host's handshake of one
+    message and ``ipc_rate`` its bytes per second, and for ``native`` on device arrays
+    (staged: the input device -> pinned host, the MPI library's own collective on the
+    host copies, the result back) ``staged_fixed`` its cost beyond ``call`` and
+    ``staged_rate`` the bytes per second of what crosses the host (``STAGED_BYTES``:
+    copied in plus copied back), MPI's own work on the host copies included.
+
+    The defaults come from the one GPU measured so far
+    (bench/results/NVIDIA-H100-80GB-HBM3: the copy at 2.7-3.0 TB/s, a 2-rank ring
+    allreduce below 1 MiB 0.4-0.7 ms, so about 150 us a message, its busbw 11-16 GB/s).
+    The staged ones are a least-squares fit (in relative error) of ``call + staged_fixed
+    + STAGED_BYTES / staged_rate`` to the 21 ``native`` rows on device arrays of
+    bench-n2.json (2 ranks, MPICH 5.0.2, not CUDA-aware; allreduce, allgather and
+    broadcast, 64 KiB to 256 MiB: allreduce 378 us at 64 KiB, 283 at 256 KiB, 960 at 1
+    MiB, 3112 at 4 MiB, 11694 at 16 MiB), within -47% to +85% of them (33% rms): 64 KiB
+    took longer than 256 KiB, which no fixed cost plus a rate fits, and MPI's reduction
+    on the host makes large allreduces slower than their bytes say. Only 2 ranks were
+    measured, so ``staged_fixed`` does not grow with the ranks. The fence and launch
+    costs are estimates until ``make bench-gpu`` measures them, and a device table
+    (``collectives-bench --device cuda --tune``) replaces the whole rule."""
 
     call: float = 40e-6
     fence: float = 25e-6
@@ -642,34 +656,60 @@ class DeviceCostModel:
     shared: bool = True
     ipc_step: float = 150e-6
     ipc_rate: float = 15e9
+    staged_fixed: float = 185e-6
+    staged_rate: float = 3.7e9
 
 
 SHIPPED_DEVICE_MODEL = DeviceCostModel()
+
+
+def _kernels(inputs):
+    """Kernels a phase of the peer reads launches over ``inputs`` buffers: a fold or a
+    copy kernel takes 16 (``collectives.transport.device_node``)."""
+    return -(-inputs // 16)
 
 
 # Per collective, for predict_device: each peer-read algorithm's memory traffic (bytes,
 # of n the table's bytes at p ranks) and kernel launches; then the message-based
 # contender over CUDA IPC, its rounds of p - 1 handshakes and the bytes of one step.
 DEVICE_COSTS = {
-    "allreduce": ({"one_shot": (lambda p, n: (p + 1) * n, lambda p: 1),
-                   "two_shot": (lambda p, n: (3 + 1 / p) * n, lambda p: 1 + p)},
+    "allreduce": ({"one_shot": (lambda p, n: (p + 1) * n, lambda p: _kernels(p)),
+                   "two_shot": (lambda p, n: (3 + 1 / p) * n, lambda p: 2 * _kernels(p))},
                   "ring", 2, lambda p, n: n / p),
-    "reduce_scatter": ({"one_shot": (lambda p, n: (1 + 1 / p) * n, lambda p: 1)}, "ring", 1, lambda p, n: n / p),
-    "allgather": ({"one_shot": (lambda p, n: 2 * n, lambda p: p)}, "ring", 1, lambda p, n: n / p),
+    "reduce_scatter": ({"one_shot": (lambda p, n: (1 + 1 / p) * n, lambda p: _kernels(p))}, "ring", 1,
+                       lambda p, n: n / p),
+    "allgather": ({"one_shot": (lambda p, n: 2 * n, lambda p: 1 + _kernels(p - 1))}, "ring", 1, lambda p, n: n / p),
     # the root reads nothing: p - 1 ranks copy; broadcast has no ring, its tree moves as much here
     "broadcast": ({"one_shot": (lambda p, n: 2 * n * (p - 1) / p, lambda p: 1)}, "binomial", 1, lambda p, n: n),
     # the root folds every input
-    "reduce": ({"one_shot": (lambda p, n: (p + 1) * n / p, lambda p: 1)}, "direct", 2, lambda p, n: n / p),
+    "reduce": ({"one_shot": (lambda p, n: (p + 1) * n / p, lambda p: _kernels(p))}, "direct", 2, lambda p, n: n / p),
 }
+
+# Per collective, for predict_device: the bytes of a staged ``native`` call that cross
+# between device and host one after the other (of n the table's bytes at p ranks): the
+# input copied to the host, then the result copied back (a broadcast's root copies in,
+# the others back; a reduce's ranks copy in, the root back).
+STAGED_BYTES = {
+    "allreduce": lambda p, n: n + n,
+    "reduce_scatter": lambda p, n: n + n / p,
+    "allgather": lambda p, n: n / p + n,  # n: the gathered size
+    "broadcast": lambda p, n: n + n,
+    "reduce": lambda p, n: n + n,
+}
+
+# How device_choice's explanation names each contender where the name alone would not say.
+DEVICE_NAMES = {"native": "native (staged: MPI's own on host copies)"}
 
 
 def predict_device(collective, nbytes, size, model=SHIPPED_DEVICE_MODEL):
-    """``{algorithm: seconds}`` of the peer-read algorithms of ``collective`` and its ring
-    (over CUDA IPC) on one node of ``size`` ranks, ``nbytes`` as a tuning table counts
-    them (allgather: the gathered size). The peer reads cost ``call`` + two fences +
-    their launches + their memory traffic (:mod:`collectives.algorithms.peer`'s
-    docstring; all ranks' where they share a GPU, one rank's where each has its own);
-    the ring 2(p-1) (allreduce) or p-1 handshakes and its bytes at ``ipc_rate``."""
+    """``{algorithm: seconds}`` of the peer-read algorithms of ``collective``, its ring
+    (over CUDA IPC) and ``native`` (staged: the MPI library's own collective on host
+    copies) on one node of ``size`` ranks, ``nbytes`` as a tuning table counts them
+    (allgather: the gathered size). The peer reads cost ``call`` + two fences + their
+    launches + their memory traffic (:mod:`collectives.algorithms.peer`'s docstring;
+    all ranks' where they share a GPU, one rank's where each has its own); the ring
+    2(p-1) (allreduce) or p-1 handshakes and its bytes at ``ipc_rate``; ``native``
+    ``call`` + ``staged_fixed`` + its ``STAGED_BYTES`` at ``staged_rate``."""
     p, n, m = size, float(nbytes), model
     ranks = p if m.shared else 1  # whose traffic one device's memory carries
 
@@ -681,19 +721,24 @@ def predict_device(collective, nbytes, size, model=SHIPPED_DEVICE_MODEL):
     reads, other, rounds, step = DEVICE_COSTS[collective]
     times = {algorithm: peer(traffic(p, n), launches(p)) for algorithm, (traffic, launches) in reads.items()}
     times[other] = m.call + rounds * (p - 1) * (m.ipc_step + step(p, n) / m.ipc_rate)
-    return {a: t for a, t in times.items() if a in BUILDERS[collective]}
+    times = {a: t for a, t in times.items() if a in BUILDERS[collective]}
+    # native is no builder: MPI's own collective, which every collective has
+    times["native"] = m.call + m.staged_fixed + STAGED_BYTES[collective](p, n) / m.staged_rate
+    return times
 
 
 def device_choice(collective, nbytes, size, topology=None, model=SHIPPED_DEVICE_MODEL):
     """``(algorithm, why)``: the device rule where no device table answers. On one node,
-    the fastest of :func:`predict_device`; elsewhere (several nodes, or a collective
+    the fastest of :func:`predict_device` (the peer reads, the ring over CUDA IPC, or
+    ``native`` staged through host copies); elsewhere (several nodes, or a collective
     without peer-read algorithms) the cost-model rule."""
     one_node = topology is None or topology.node_count == 1
     times = predict_device(collective, nbytes, size, model) if one_node and size > 1 else {}
     if not times:
         return cost_model_choice(collective, nbytes, size, topology=topology), "cost-model rule"
     best = min(times, key=times.get)
-    said = ", ".join(f"{a} {t * 1e6:.0f} us" for a, t in sorted(times.items(), key=lambda item: item[1]))
+    said = ", ".join(f"{DEVICE_NAMES.get(a, a)} {t * 1e6:.0f} us"
+                     for a, t in sorted(times.items(), key=lambda item: item[1]))
     return best, f"device cost model on one node (predicted: {said})"
 
 

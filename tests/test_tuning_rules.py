@@ -9,6 +9,7 @@ marked ``serial`` send no messages; the others run under every world size and ag
 on their findings (``agree``) so that no rank is left waiting.
 """
 
+import functools
 import json
 import math
 import os
@@ -394,6 +395,78 @@ def test_choose_says_which_rule_decided_and_the_predicted_gain(clean_environment
     assert asked.explain("allreduce", 100)[1] == f"cost-model rule for {interleaved.describe()}"
     with pytest.raises(ValueError, match="COLLECTIVES_AUTO_RULE must be one of conservative, cost-model; got 'fast'"):
         Selector.from_environment(8, {tuning.RULE_ENV: "fast"})
+
+
+# What a staged native call copies device -> host, then host -> device, of n a table's
+# bytes at p ranks (allgather: n the gathered size), written here from what each rank
+# holds: the input goes to the host, the result comes back.
+STAGED_IN_AND_BACK = {"allreduce": lambda p, n: (n, n), "reduce_scatter": lambda p, n: (n, n / p),
+                      "allgather": lambda p, n: (n / p, n), "broadcast": lambda p, n: (n, n),
+                      "reduce": lambda p, n: (n, n)}
+PEER_READ_NAMES = ("one_shot", "two_shot")
+STAGED_SAID = "native (staged: MPI's own on host copies)"
+
+
+@serial
+@pytest.mark.parametrize("p", [2, 4])
+def test_the_device_model_predicts_staged_native_for_every_collective(p):
+    """auto on device arrays chooses among the peer reads, the ring over CUDA IPC and
+    native staged through host copies: call + staged_fixed + the bytes in and back at
+    staged_rate. With the shipped parameters a peer read still wins on one node (the
+    staged path's fixed cost alone is twice a peer read's two fences and call)."""
+    model = tuning.SHIPPED_DEVICE_MODEL
+    assert set(tuning.DEVICE_COSTS) == set(STAGED_IN_AND_BACK)
+    for collective, in_and_back in STAGED_IN_AND_BACK.items():
+        for n in (8, 4096, 1 << 20, 64 << 20):
+            times = tuning.predict_device(collective, n, p)
+            assert "native" in times, (collective, p, n)
+            want = model.call + model.staged_fixed + sum(in_and_back(p, n)) / model.staged_rate
+            assert times["native"] == pytest.approx(want, rel=1e-12), (collective, p, n)
+            assert set(times) - {"native"} <= set(tuning.BUILDERS[collective]) and len(times) >= 3
+            choice, why = tuning.device_choice(collective, n, p)
+            assert choice in PEER_READ_NAMES and choice == min(times, key=times.get), (collective, p, n)
+            assert f"{STAGED_SAID} {times['native'] * 1e6:.0f} us" in why, why
+    # the measured staged allreduce at 2 ranks (bench-n2.json): 283 us at 256 KiB, 11.7 ms at 16 MiB
+    if p == 2:
+        assert tuning.predict_device("allreduce", 256 << 10, 2)["native"] == pytest.approx(283e-6, rel=0.35)
+        assert tuning.predict_device("allreduce", 16 << 20, 2)["native"] == pytest.approx(11.7e-3, rel=0.25)
+
+
+@serial
+def test_a_slow_fence_makes_auto_stage_small_buffers(clean_environment, monkeypatch):
+    """Where the ranks' synchronisation is slow, small buffers go to MPI's own on host
+    copies (one host round trip, no fences) and large ones still to a peer read."""
+    slow = tuning.DeviceCostModel(fence=1e-3)
+    for p, collectives in ((4, list(STAGED_IN_AND_BACK)), (2, ["allreduce", "reduce"])):
+        for collective in collectives:
+            choice, why = tuning.device_choice(collective, 4096, p, model=slow)
+            assert choice == "native", (collective, p, why)
+            assert why.startswith(f"device cost model on one node (predicted: {STAGED_SAID} "), why
+            assert tuning.device_choice(collective, 256 << 20, p, model=slow)[0] in PEER_READ_NAMES, (collective, p)
+    # auto without a device table: the selector says so, naming the staged path
+    monkeypatch.setattr(tuning, "device_choice", functools.partial(tuning.device_choice, model=slow))
+    selector = Selector.from_environment(4, {})
+    choice, why = selector.explain("allreduce", 4096, device=True)
+    times = tuning.predict_device("allreduce", 4096, 4, slow)
+    assert choice == "native" and why.endswith(" (no measured table for device arrays)")
+    assert f"predicted: {STAGED_SAID} {times['native'] * 1e6:.0f} us, " in why
+    assert selector.explain("allreduce", 256 << 20, device=True)[0] in PEER_READ_NAMES
+    assert selector.explain("allreduce", 4096)[0] == "native"  # host arrays: the conservative rule, as before
+
+
+@serial
+def test_a_slow_staged_path_is_never_picked():
+    """The same slow fence, but a staged path slower still (a second, or just over the
+    two slow fences): auto never stages, at any size, at 2 to 8 ranks."""
+    for staged_fixed in (1.0, 2.5e-3):
+        slow_staging = tuning.DeviceCostModel(fence=1e-3, staged_fixed=staged_fixed)
+        for p in (2, 3, 4, 8):
+            for collective in STAGED_IN_AND_BACK:
+                for e in range(0, 31, 2):
+                    times = tuning.predict_device(collective, 1 << e, p, slow_staging)
+                    choice, why = tuning.device_choice(collective, 1 << e, p, model=slow_staging)
+                    assert "native" in times and choice != "native", (collective, p, 1 << e)
+                    assert STAGED_SAID in why  # still a contender, named
 
 
 def test_float16_and_bfloat16_stay_off_native_under_the_conservative_rule(mpi_comm, clean_environment):
