@@ -181,7 +181,7 @@ class PeerWindow:
         (its word ``_ANNOUNCED``, written after them), read after it."""
         words = self.words
         found = [q for q in range(self.size) if words[q * _LINE + _ANNOUNCED] == number]
-        self.win.Sync()
+        self.win.Sync()  # (what they wrote before the word, read after it)
         return found
 
     def signalled(self, value):
@@ -653,20 +653,20 @@ class PeerCall:
         return self.window.signalled(epoch & 0xFFFFFFFF)
 
     def _check_announced(self):
-        """stream and kernel, waiting at the first fence: raise at once where a rank that
-        has published this call signed another one or gave a buffer that cannot be
-        shared. Its host published that as it made the call, but its stream signals only
-        once its device work before the call has run, and a rank that passes the fence
-        and raises first breaks the communicator: the others must not learn of the
-        mismatch only from its notice, but raise the same error themselves."""
+        """stream and kernel, waiting at the first fence: once every rank has published
+        this call, raise at once where one signed another call or gave a buffer that
+        cannot be shared, as :meth:`_meet` would. A host publishes as it makes the call,
+        but its stream signals only once its device work before the call has run, and a
+        rank that passes the fence and raises first breaks the communicator: the others
+        must not learn of the mismatch only from its notice, but raise the same error
+        themselves."""
         window = self.window
-        announced = window.announced(self.number)
-        if len(announced) < 2:
+        if len(window.announced(self.number)) < window.size:
             return
-        compare_signatures(window, self.parity, self.signature, self.describe, announced)
-        check_shareable(window.descriptors(self.parity, 0)[announced], "input x", self.describe, announced)
+        compare_signatures(window, self.parity, self.signature, self.describe)
+        check_shareable(window.descriptors(self.parity, 0), "input x", self.describe)
         if self.slot:
-            check_shareable(window.descriptors(self.parity, 1)[announced], "window slot", self.describe, announced)
+            check_shareable(window.descriptors(self.parity, 1), "window slot", self.describe)
 
     def _signal(self, k, epoch):
         """stream and kernel (the first fence): once the work before it has run, the
@@ -815,20 +815,19 @@ def unshareable_message(what, which):
             "be shared (Communicator.empty(device=...), CuPy's default pool, torch's caching allocator)")
 
 
-def check_shareable(descriptors, what, describe, of=None):
+def check_shareable(descriptors, what, describe):
     """Raise where some rank's descriptor (a row of ``descriptors`` per rank, this
-    rank's included; ``of``: the ranks of the rows, where not every rank's) says its
-    ``what`` cannot be shared: every rank reads the same rows, so every rank raises the
-    same error, naming the ranks, before anyone opens or reads anything."""
-    which = np.flatnonzero(descriptors[:, _HANDLE_WORDS + 3] == _UNSHAREABLE).tolist()
-    if which:
-        raise CollectiveError(f"{describe}: {unshareable_message(what, [of[i] for i in which] if of else which)}")
+    rank's included) says its ``what`` cannot be shared: every rank reads the same rows,
+    so every rank raises the same error, naming the ranks, before anyone opens or reads
+    anything."""
+    which = np.flatnonzero(descriptors[:, _HANDLE_WORDS + 3] == _UNSHAREABLE)
+    if which.size:
+        raise CollectiveError(f"{describe}: {unshareable_message(what, which.tolist())}")
 
 
-def compare_signatures(window, parity, mine, describe, of=None):
-    """Raise on every rank where some rank (of ``of``, else of all) signed another call
-    (its size, or anything else)."""
-    for rank in range(window.size) if of is None else of:
+def compare_signatures(window, parity, mine, describe):
+    """Raise on every rank where some rank signed another call (its size, or anything else)."""
+    for rank in range(window.size):
         theirs = window.signature_of(rank, parity)
         if theirs == mine:
             continue
