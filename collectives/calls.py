@@ -200,8 +200,6 @@ def lean_device_call(ctx: Any, spec: Any, x: Any, out: Any, op: str, root: Any, 
     progress, options = ctx.progress, ctx.options
     if options.check or options.stall_warn is not None or progress.broken is not None or type(op) is not str:
         return NOT_HANDLED
-    if spec.scatters:
-        return NOT_HANDLED  # reduce_scatter on device arrays: the general path
     if timeout is None:
         timeout = options.timeout
     elif (type(timeout) is not float and type(timeout) is not int) or not 0 < timeout < math.inf:
@@ -217,7 +215,7 @@ def lean_device_call(ctx: Any, spec: Any, x: Any, out: Any, op: str, root: Any, 
     if not x.flags.c_contiguous:
         return NOT_HANDLED
     leaf = spec.root_result and root != ctx.rank  # gets no result; out is left alone
-    shape = (ctx.size,) + x.shape if spec.gathers else x.shape
+    shape = spec.result_shape(x.shape, x.size, ctx.size, ctx.rank) if spec.gathers or spec.scatters else x.shape
     if spec.one_buffer:
         out = x
     elif out is not None and not (out is x and spec.inplace):

@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 import collectives as cc
 from collectives import calls
-from collectives.algorithms import PEER_READS
+from collectives.algorithms import PEER_READS, block_bounds
 from collectives.device import bfloat16
 from collectives.routes import LeanEntry
 from collectives.routes.base import compiled_plan
@@ -33,8 +33,8 @@ from device_under_test import select
 
 D = None  # the device under test: the stand-in, or a GPU with --device cuda
 MECHANISMS = ["host", "stream", "kernel"]
-# The blocking collectives the device lean path takes (reduce_scatter: the host's only).
-LEAN_PEERS = sorted((c, a) for c, a in PEER_READS if SPECS[c].lean and not SPECS[c].scatters)
+# The blocking collectives the device lean path takes.
+LEAN_PEERS = sorted((c, a) for c, a in PEER_READS if SPECS[c].lean)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -112,6 +112,8 @@ def call(comm, collective, x, algorithm, op="sum", root=0, out=None, **kw):
         return comm.allreduce(x, op=op, algorithm=algorithm, out=out, **kw)
     if collective == "allgather":
         return comm.allgather(x, algorithm=algorithm, out=out, **kw)
+    if collective == "reduce_scatter":
+        return comm.reduce_scatter(x, op=op, algorithm=algorithm, out=out, **kw)
     if collective == "broadcast":
         return comm.broadcast(x, root=root, algorithm=algorithm, **kw)
     return comm.reduce(x, root=root, op=op, algorithm=algorithm, out=out, **kw)
@@ -148,7 +150,8 @@ def test_the_lean_path_gives_the_general_paths_bits(lcomm, mpi_comm, spy, collec
     kinds = ((np.int32, "sum"), (np.float32, "avg"), (np.float64, "max")) if SPECS[collective].reduces else \
         ((np.int32, "-"), (np.float64, "-"))
     hows = {"allreduce": ("fresh", "out", "inplace"), "reduce": ("fresh", "out", "inplace"),
-            "allgather": ("fresh", "out"), "broadcast": ("fresh",)}[collective]  # (broadcast works in x itself)
+            "allgather": ("fresh", "out"), "reduce_scatter": ("fresh", "out"),
+            "broadcast": ("fresh",)}[collective]  # (broadcast works in x itself)
     for how in hows:
         for dtype, op in kinds:
             for shape in ((37,), (3, 5)):
@@ -162,7 +165,7 @@ def test_the_lean_path_gives_the_general_paths_bits(lcomm, mpi_comm, spy, collec
                             spy.lean = path == "lean"
                             taken = spy.taken
                             x = D.asarray(xs[rank] if collective != "broadcast" or rank == root else 0 * xs[rank])
-                            result_shape = (size,) + shape if collective == "allgather" else shape
+                            result_shape = SPECS[collective].result_shape(shape, int(np.prod(shape)), size, rank)
                             out = {"fresh": None, "out": D.asarray(np.full(result_shape, 7, dtype)),
                                    "inplace": x}[how]
                             if how == "inplace" and collective == "reduce" and rank != root:
@@ -277,6 +280,8 @@ def test_a_warm_lean_loop_allocates_builds_and_sends_nothing(mpi_comm, monkeypat
     y, z = D.asarray(xs[rank]), D.asarray(xs[rank])
     gathered, total = D.empty((size, 100), np.float32), D.empty(1000, np.float32)
     root_in = D.asarray(xs[rank])
+    lo, hi = block_bounds(1000, size)[rank : rank + 2]
+    block = D.empty(hi - lo, np.float32)
 
     def loop():
         comm.allreduce(y, out=y, op="max", algorithm="one_shot")
@@ -284,6 +289,7 @@ def test_a_warm_lean_loop_allocates_builds_and_sends_nothing(mpi_comm, monkeypat
         comm.allgather(z[:100], out=gathered, algorithm="one_shot")
         comm.broadcast(root_in, root=last, algorithm="one_shot")
         comm.reduce(z, root=0, out=total if rank == 0 else None, algorithm="one_shot")
+        comm.reduce_scatter(z, out=block, algorithm="one_shot")
 
     loop()  # warm: the lean entries made, every buffer opened, the window slot made
     gc.collect()
@@ -318,7 +324,7 @@ def test_a_warm_lean_loop_allocates_builds_and_sends_nothing(mpi_comm, monkeypat
     mpi = {name: proxy.calls for name, proxy in proxies.items() if proxy.calls}
     if mpi or ctx.progress.entries != requests:
         problems.append(f"MPI: {mpi}, requests {requests} -> {ctx.progress.entries}")
-    calls_made = 5 * rounds
+    calls_made = 6 * rounds
     fences = after[2]["fences"] - before[2]["fences"]
     host = after[2]["host meetings"] - before[2]["host meetings"]
     if after[2]["calls"] - before[2]["calls"] != calls_made:
@@ -338,6 +344,8 @@ def test_a_warm_lean_loop_allocates_builds_and_sends_nothing(mpi_comm, monkeypat
         problems.append("broadcast: wrong result")
     if rank == 0 and differs(sum(xs), D.asnumpy(total)):
         problems.append("reduce: wrong result")
+    if differs(sum(xs)[lo:hi], D.asnumpy(block)):
+        problems.append("reduce_scatter: wrong result")
     comm.free()
     agree(mpi_comm, problems)
 
