@@ -289,7 +289,10 @@ def fuse_reductions(schedule, limit=16, inplace=False):
     ufunc, so it keeps the chain.
 
     A step may also move the fold to a new destination (``t = a op b; d = t op c``)
-    where no later operation touches ``t``. A run is fused only where each input either
+    where no later operation touches ``t``, and a copy of the fold's result right after
+    it (``t = a op b op c; d = t``: an in-place reduce's root, which folds into ``tmp``
+    for the host's chain of steps) becomes the fold into ``d`` on the same terms: one
+    kernel, not a kernel and a copy. A run is fused only where each input either
     is the destination's very elements or shares no memory with it (``inplace``: ``in``
     and ``out`` are one buffer), as the one-pass kernel reads every input of an element
     before it writes that element."""
@@ -306,6 +309,10 @@ def fuse_reductions(schedule, limit=16, inplace=False):
     def untouched_after(index, x):
         return not any(overlap(x, y) for later in schedule.ops[index + 1:] for y in sum(_reads_writes(later), ()))
 
+    def unread_after(index, x):  # (a fence orders memory but reads none of it)
+        return not any(overlap(x, y) for later in schedule.ops[index + 1:] if not isinstance(later, Fence)
+                       for y in sum(_reads_writes(later), ()))
+
     out = Schedule([], schedule.tmp, schedule.shm, schedule.banks)
     for index, op in enumerate(schedule.ops):
         last = out.ops[-1] if out.ops else None
@@ -315,6 +322,11 @@ def fuse_reductions(schedule, limit=16, inplace=False):
             if (len(inputs) <= limit and not overlap(op.b, last.dst)
                     and all(safe_input(x, op.dst) for x in inputs)
                     and (op.dst == last.dst or untouched_after(index, last.dst))):
+                out.ops[-1] = ReduceMany(op.dst, inputs)
+                continue
+        if isinstance(op, Copy) and isinstance(last, (Reduce, ReduceMany)) and op.src == last.dst:
+            inputs = last.srcs if isinstance(last, ReduceMany) else (last.a, last.b)
+            if all(safe_input(x, op.dst) for x in inputs) and unread_after(index, last.dst):
                 out.ops[-1] = ReduceMany(op.dst, inputs)
                 continue
         out.ops.append(op)

@@ -494,9 +494,9 @@ def test_every_phase_is_one_kernel_for_up_to_16_ranks():
     for collective, algorithm in PEERS:
         for size in (2, 3, 4, 8, 16, 17, 40):
             for inplace in (False, True) if collective in ("allreduce", "reduce") else (False,):
-                for rank in sorted({0, 1, size - 1}):
+                for rank, root in ((r, root) for r in range(size) for root in sorted({0, 2 % size, size - 1})):
                     count = 3 * size + 1
-                    plan = compiled_plan(collective, algorithm, rank, size, count, 0, 1, inplace, False, 0)
+                    plan = compiled_plan(collective, algorithm, rank, size, count, root, 1, inplace, False, 0)
                     slot = plan.shm // size if plan.shm else 0
                     for k, phase in enumerate(device_node.phases(plan, rank, count, slot)):
                         launches = sum(launches_of[kind](specs) for kind, specs in phase)

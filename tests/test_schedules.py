@@ -256,6 +256,19 @@ def test_fusion_keeps_a_fold_apart_from_memory_it_would_overwrite():
     s.reduce(sl("out", 0, 2), sl("out", 0, 2), sl("in", 1, 3))
     assert len(fuse_reductions(s).ops) == 1
     assert len(fuse_reductions(s, inplace=True).ops) == 2
+    # A fold into tmp copied out right after (an in-place reduce's root): one fold into
+    # out, unless tmp is read later or an input overlaps out but is not its elements.
+    for later, second, fused in ((False, sl("in", 0, 2), True), (True, sl("in", 0, 2), False),
+                                 (False, sl("in", 1, 3), False)):
+        s = Schedule([], tmp=4)
+        s.reduce(sl("tmp", 0, 2), sl("reg", 0, 2), second)
+        s.reduce(sl("tmp", 0, 2), sl("tmp", 0, 2), sl("reg", 4, 6))
+        s.copy(sl("out", 0, 2), sl("tmp", 0, 2))
+        if later:
+            s.send(1, sl("tmp", 0, 2))
+        ops = fuse_reductions(s, inplace=True).ops
+        want = [ReduceMany(sl("out", 0, 2), (sl("reg", 0, 2), second, sl("reg", 4, 6)))]
+        assert (ops == want) == fused, (later, second, ops)
 
 
 def _one_call(blocking, rng):
