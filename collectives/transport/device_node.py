@@ -89,8 +89,8 @@ class PeerWindow:
     """The node's shared window of one communicator's peer-read calls (host memory,
     ``MPI.Win.Allocate_shared``; collective to make): a line per rank (fence counter,
     call counter, signatures, descriptors, process id), a row of 32-bit words per rank,
-    which the other ranks' streams write (``stream`` fences), and one the rank's own
-    fence kernels write where a peer did not come in time (``late``)."""
+    which the other ranks' streams write (``stream`` and ``kernel`` fences), and one the
+    rank's own fence kernels write where a peer did not come in time (``late``)."""
 
     def __init__(self, node_comm):
         self.comm = node_comm
@@ -283,9 +283,9 @@ class PeerNode:
         self.nothing = self.backend.empty(0, np.uint8)  # the buffers of a call that moves nothing (a barrier)
         self._buffers = {}  # the peers' buffers seen, typed (peer_buffer)
         self._flag_stream = None  # kernel: where flags_now copies the flags out
-        # calls; fences (the plans': two a call); host meetings (fences a host waits at
-        # for the others: both with host fences, the first with stream and kernel ones);
-        # synchronisations (between the ranks: the fences, two a call, by any mechanism)
+        # calls; fences (the plans': two a call, the ranks' only synchronisations); host
+        # meetings (fences a host waits at for the others: both with host fences, the
+        # first with stream and kernel ones)
         self.counters = Counter()
 
     def take_event(self):
@@ -593,7 +593,6 @@ class PeerCall:
                 return False
             self.arrived = False
             node.counters["host meetings"] += 1  # the fence is the hosts' meeting
-            node.counters["synchronisations"] += 1
             if k == 1:
                 self._meet()
         elif k == 1:  # where the inputs are, and that they are ready: the host sees both
@@ -607,10 +606,8 @@ class PeerCall:
                 return False
             self.arrived = False
             node.counters["host meetings"] += 1
-            node.counters["synchronisations"] += 1
             self._meet()
         else:  # the devices' own: the host enqueues it and goes on
-            node.counters["synchronisations"] += 1
             if node.mechanism == "stream":
                 self._signal(k, epoch)
                 self._wait_for_others(k, epoch)
