@@ -96,20 +96,26 @@ __device__ __forceinline__ u32 load_acquire_system(const u32* p) {
     return v;
 }
 
-// One fence of `size` ranks, one block of at least `size` threads. Thread q (q != rank)
-// writes `epoch` into word `rank` of rank q's inbox (`inboxes[q]`, its device memory
-// opened here), after everything this rank's stream did before (fence, then a release
-// at system scope), and waits until rank q has written `epoch` (or later: the
-// comparison is cyclic, as the epochs wrap) into word q of this rank's own inbox,
-// acquiring what rank q did before. After `limit_ns` it gives up and sets late[q] (host
-// memory, which the host reads to name the ranks) to 1; the work after it then runs
-// on whatever is there, and the host raises. late[rank], which no fence writes, is the
-// host's word to stop: once the host has set it (the communicator broke), a waiting
-// fence returns within about 0.1 ms (it looks that often), setting nothing.
+// One fence of `size` ranks, one block of at least `size` threads. An inbox is 2 * size
+// words: word q the epoch rank q reached, word size + q the digest it wrote with it.
+// Thread q (q != rank) writes `digest` into word size + rank and `epoch` into word
+// `rank` of rank q's inbox (`inboxes[q]`, its device memory opened here), after
+// everything this rank's stream did before (fence, then a release at system scope),
+// and waits until rank q has written `epoch` (or later: the comparison is cyclic, as
+// the epochs wrap) into word q of this rank's own inbox, acquiring what rank q did
+// before. Where `check` is set, a digest of rank q's other than `digest` sets late[q]
+// to 2: the ranks disagree on the call or on where its buffers are (the digest names
+// both), which the host raises; the work after it runs all the same. After `limit_ns`
+// it gives up and sets late[q] (host memory, which the host reads to name the ranks) to
+// 1; the work after it then runs on whatever is there, and the host raises. late[rank],
+// which no fence writes, is the host's word to stop: once the host has set it (the
+// communicator broke), a waiting fence returns within about 0.1 ms (it looks that
+// often), setting nothing.
 __global__ void fence(u32* const* inboxes, const u32* inbox, int rank, int size, u32 epoch, u64 limit_ns,
-                      u32* late) {
+                      u32* late, u32 digest, int check) {
     const int q = threadIdx.x;
     if (q >= size || q == rank) return;
+    inboxes[q][size + rank] = digest;  // (ordered before the epoch by the release below)
     __threadfence_system();
     store_release_system(inboxes[q] + rank, epoch);
     const u64 start = global_time_ns();
@@ -126,6 +132,10 @@ __global__ void fence(u32* const* inboxes, const u32* inbox, int rank, int size,
             if (load_acquire_system(late + rank) != 0u) return;
         }
         __nanosleep(200);
+    }
+    if (check && load_acquire_system(inbox + size + q) != digest) {
+        late[q] = 2u;
+        __threadfence_system();
     }
 }
 

@@ -14,6 +14,7 @@ mutation tests at the end take each synchronisation of the new path out in turn 
 show a test failing for every one.
 """
 
+import functools
 import gc
 import json
 import re
@@ -467,6 +468,108 @@ def test_a_warm_loop_opens_allocates_builds_and_sends_nothing(mpi_comm, mechanis
     agree(mpi_comm, problems)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_calls_on_registered_arrays_with_fence_kernels_wait_on_no_host(mpi_comm):
+    """kernel fences (ranks on distinct GPUs): a call whose input lies in a registered
+    array (``Communicator.empty(device=)``) and needs no window slot reads every peer's
+    counterpart, the same place in its own registered array, without the hosts'
+    meeting: the devices' two fences are the call's only synchronisations, and no host
+    waits for another. Every one_shot collective on the whole array and on a slice of
+    it, allreduce in place too, each bit for bit the NumPy reference."""
+    comm = communicator("kernel")
+    p, n = comm.size, 1000 * comm.size
+    x = comm.empty(n, np.float64, device=D.device)
+    user = D.new_stream()
+    node = _peer_state(comm)[0]
+    before, calls, problems = node.counters.copy(), 0, []
+    with D.use_stream(user):
+        for k, part in enumerate((slice(0, n), slice(8, 8 + 5 * p))):
+            for collective in ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "allreduce in place"):
+                xs = [rank_input(r, n, "float64") + k for r in range(p)]
+                D.copy_async(x, xs[comm.rank], user)
+                name = collective.split()[0]
+                view = x[part]
+                root = (k + calls) % p
+                got = call(comm, name, view, "one_shot", root=root, out=view if "in place" in collective else None)
+                calls += 1
+                want = expected_result(name, comm.rank, p, [v[part] for v in xs], "sum", root)
+                wrong = differs(want, None if got is None else D.asnumpy(got, stream=user))
+                if wrong:
+                    problems.append(f"{collective} on {part}: {wrong}")
+    after = node.counters
+    counted = {k: after[k] - before[k] for k in ("fences", "host meetings", "registered calls")}
+    if counted != {"fences": 2 * calls, "host meetings": 0, "registered calls": calls}:
+        problems.append(f"{calls} calls: {counted}")
+    comm.free()
+    agree(mpi_comm, problems)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("case", ["another place", "another registered array", "an array not registered",
+                                  "another collective"])
+def test_a_registered_call_where_a_rank_passes_something_else_raises_on_every_rank(mpi_comm, case):
+    """kernel fences: the ranks read each other's registered arrays without asking where
+    they are, so the first fence kernels compare a digest of the call and of where every
+    rank's input is; where the last rank passed another place, array or call, every
+    rank raises the mismatch (the results are undefined; the communicator is broken,
+    left unfreed)."""
+    comm = communicator("kernel")
+    x, other = (comm.empty(64, np.float32, device=D.device) for _ in range(2))
+    user = D.new_stream()
+    with D.use_stream(user):
+        for array in (x, other):
+            D.copy_async(array, np.ones(64, np.float32), user)
+        mine, collective = x[:32], "allreduce"
+        if comm.rank == comm.size - 1:
+            if case == "another collective":
+                collective = "reduce_scatter"
+            else:
+                mine = {"another place": x[1:33], "another registered array": other[:32],
+                        "an array not registered": D.asarray(np.ones(32, np.float32), stream=user)}[case]
+        with pytest.raises(cc.CollectiveMismatchError, match="made another call, or passed another buffer"):
+            call(comm, collective, mine, "one_shot", timeout=20)
+    mpi_comm.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_whose_registered_array_is_gone_asks_and_the_call_holds(mpi_comm):
+    """kernel fences: a rank that no longer holds its registered array (a view of it
+    kept) finds no registration and meets the others' hosts to see where their inputs
+    are, while they take its input as their counterpart without asking: where it passed
+    that very place, the digests agree and every rank gets the right result."""
+    comm = communicator("kernel")
+    p = comm.size
+    x = comm.empty(100, np.float32, device=D.device)
+    view = x[4:68]
+    if comm.rank == p - 1:
+        del x
+        gc.collect()
+    xs = [rank_input(r, 64, "float32") for r in range(p)]
+    user = D.new_stream()
+    with D.use_stream(user):
+        D.copy_async(view, xs[comm.rank], user)
+        got = D.asnumpy(comm.allreduce(view, algorithm="one_shot", timeout=20), stream=user)
+    problems = [] if differs(sum(xs), got) is None else [differs(sum(xs), got)]
+    comm.free()
+    agree(mpi_comm, problems)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_registered_call_names_the_rank_that_does_not_come(mpi_comm):
+    """kernel fences, registered arrays: no host waits at the first fence, so it is the
+    devices' first fence that waits for the rank that never called, and the timeout
+    names that rank (read from the fence kernel's flags)."""
+    comm = communicator("kernel")
+    x = comm.empty(1000, np.float32, device=D.device)
+    user = D.new_stream()
+    with D.use_stream(user):
+        D.copy_async(x, np.ones(1000, np.float32), user)
+        if comm.rank != 0:
+            with pytest.raises(cc.CollectiveTimeoutError, match="waits? for rank 0 to arrive"):
+                comm.allreduce(x, algorithm="one_shot", timeout=1.0)
+    mpi_comm.Barrier()  # (the communicator is broken on the ranks that waited: not freed)
+
+
 def test_every_call_has_at_most_two_fences_at_any_size():
     """In the plans themselves: no segments, two fences (none for one rank or nothing)."""
     from collectives.routes.base import compiled_plan
@@ -728,6 +831,7 @@ MUTATIONS = {  # name: (mechanism, PeerCall method, its replacement given the re
     "kernel: pass fence 1 without the others' signals": ("kernel", "_others_signalled", _passes),
     "kernel: no signal at fence 1": ("kernel", "_signal", _only_at(1, None)),
     "kernel: no fence kernel at fence 2": ("kernel", "_fence_kernel", _only_at(2, None)),
+    "kernel, registered arrays: no fence kernel at fence 1": ("kernel", "_fence_kernel", _only_at(1, None)),
     "kernel: the call does not wait for the user's stream": ("kernel", "_wait_for_user", _give_the_event_back),
     "no wait for the other routes' calls before": ("host", "_wait_for_other_routes", lambda real: lambda self: None),
 }
@@ -735,24 +839,27 @@ WORKLOAD = [("allreduce", "one_shot"), ("allreduce", "two_shot"), ("reduce_scatt
             ("allgather", "one_shot"), ("broadcast", "one_shot"), ("reduce", "one_shot")]
 
 
-def _workload(comm, mpi_comm, rounds):
+def _workload(comm, mpi_comm, rounds, registered=False):
     """``rounds`` of every peer-read collective, each input written by work queued on the
     user's stream just before the call (on rank 0 held back for 20 ms by a word the
     stream waits for, while every rank polls the call: the others would read rank 0's
     input too early), and overwritten just after it returns, as a caller may (the
     others then wait 10 ms before they go on: they would read rank 0's input too late);
-    returns (wrong results, an error) as every rank saw them."""
+    returns (wrong results, an error) as every rank saw them. ``registered``: every
+    input is one registered array (``Communicator.empty(device=)``), which with kernel
+    fences the calls that need no window slot read without the host's meeting."""
     wrong, error = 0, None
     user, dev = D.new_stream(), D.si.device()
     gate = np.zeros(1, np.uint32)  # host memory the user's stream waits on (a stream wait value)
+    n = 3000
+    kept = comm.empty(n, np.float32, device=D.device) if registered else None
     with D.use_stream(user):
         for k in range(rounds):
             for collective, algorithm in WORKLOAD:
-                n = 3000
                 root = k % comm.size
                 xs = [rank_input(r, n, "float32") + k for r in range(comm.size)]
                 try:
-                    x = D.empty(n, np.float32)
+                    x = kept if registered else D.empty(n, np.float32)
                     if comm.rank == 0:
                         dev.wait_value(user, gate, 0, gate[0] + 1)
                     D.copy_async(x, xs[comm.rank], user)
@@ -833,7 +940,8 @@ def _after_a_ring_call(comm, mpi_comm, rounds):
     return mpi_comm.allreduce(wrong), error
 
 
-WORKLOAD_OF = {"no wait for the other routes' calls before": _after_a_ring_call}  # (the others: _workload)
+WORKLOAD_OF = {"no wait for the other routes' calls before": _after_a_ring_call,  # (the others: _workload)
+               "kernel, registered arrays: no fence kernel at fence 1": functools.partial(_workload, registered=True)}
 
 
 @pytest.mark.mpi(min_size=2)
@@ -844,6 +952,7 @@ def test_the_workload_passes_with_every_synchronisation(mpi_comm):
     for mechanism in MECHANISMS:
         comm = communicator(mechanism)
         assert _workload(comm, mpi_comm, 3) == (0, None), mechanism
+        assert _workload(comm, mpi_comm, 3, registered=True) == (0, None), mechanism
         assert _after_a_ring_call(comm, mpi_comm, 3) == (0, None), mechanism
         comm.free()
 

@@ -209,9 +209,11 @@ def test_the_fence_kernel_meets_and_gives_up_on_one_gpu_with_several_streams(cup
     flag written; then rank 3 never comes, and the others give up at their limit and
     set its late word (host memory the host reads) only; then it never comes again, and
     the others, given 10 s, stop within a moment once the host sets their own words (the
-    stop word PeerNode.release sets), setting nothing."""
+    stop word PeerNode.release sets), setting nothing. Before that, a fence where rank 3
+    writes another digest than the others: every rank marks the ranks whose digest
+    differs from its own with 2, and only where it checks."""
     p = 4
-    flags = [cupy.zeros(p, cupy.uint32) for _ in range(p)]
+    flags = [cupy.zeros(2 * p, cupy.uint32) for _ in range(p)]
     table = backend.pointer_table(flags)
     late_words = np.zeros(p * p, np.uint32)
     late = backend.map_host(late_words)
@@ -226,9 +228,21 @@ def test_the_fence_kernel_meets_and_gives_up_on_one_gpu_with_several_streams(cup
             for r in range(p):
                 got = cupy.asnumpy(flags[r])
                 assert all(got[q] == epoch for q in range(p) if q != r), (epoch, r, got)
+        for epoch, check in ((4, False), (5, True)):  # rank 3 disagrees
+            for r in range(p):
+                backend.fence_kernel(streams[r], table, flags[r], r, epoch, 10.0, late, r * p,
+                                     digest=8 if r == p - 1 else 7, check=check)
+            for stream in streams:
+                stream.synchronize()
+            want = np.zeros((p, p), np.uint32)
+            if check:
+                want[: p - 1, p - 1] = 2
+                want[p - 1, : p - 1] = 2
+            assert np.array_equal(late_words.reshape(p, p), want), (check, late_words.reshape(p, p))
+            late_words[...] = 0
         start = time.perf_counter()
         for r in range(p - 1):
-            backend.fence_kernel(streams[r], table, flags[r], r, 4, 0.2, late, r * p)
+            backend.fence_kernel(streams[r], table, flags[r], r, 6, 0.2, late, r * p)
         for stream in streams:
             stream.synchronize()
         waited = time.perf_counter() - start
@@ -239,7 +253,7 @@ def test_the_fence_kernel_meets_and_gives_up_on_one_gpu_with_several_streams(cup
         late_words[...] = 0
         start = time.perf_counter()
         for r in range(p - 1):
-            backend.fence_kernel(streams[r], table, flags[r], r, 5, 10.0, late, r * p)
+            backend.fence_kernel(streams[r], table, flags[r], r, 7, 10.0, late, r * p)
         time.sleep(0.05)  # they spin
         for r in range(p - 1):
             late_words[r * p + r] = 1  # the stop word

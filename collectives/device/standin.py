@@ -38,7 +38,8 @@ matter for correctness, and the worst timing those semantics allow:
   words of host memory (the node's shared window), lazily like everything else; a
   stream waiting on a word another process writes waits for that process. A
   **fence kernel** (:meth:`fence_kernel`, the distinct-GPU fence) writes this rank's
-  flag and waits for the peers' with a time limit, as ``kernels/collectives.cu``'s does.
+  flag (and digest) and waits for the peers' with a time limit, comparing their
+  digests where asked, as ``kernels/collectives.cu``'s does.
 
 The random choices come from ``random.Random(seed)``; the seed is
 ``COLLECTIVES_STANDIN_SEED`` (default 0) plus the MPI rank, so a run can be repeated
@@ -220,9 +221,9 @@ class _FenceKernel:
     time limit has passed, or the host has set its stop word (``late[late_index +
     rank]``, which no fence writes)."""
 
-    def __init__(self, table, flags, rank, epoch, limit, late, late_index):
+    def __init__(self, table, flags, rank, epoch, limit, late, late_index, digest, check):
         self.table, self.flags, self.rank, self.epoch, self.limit = table, flags, rank, epoch, limit
-        self.late, self.late_index = late, late_index
+        self.late, self.late_index, self.digest, self.check = late, late_index, digest, check
         self.started = None
 
     def _waiting(self):
@@ -230,11 +231,14 @@ class _FenceKernel:
         return [q for q in range(len(self.table)) if q != self.rank and not _cyclic_geq(mine[q], self.epoch)]
 
     def ready(self):
-        if self.started is None:  # the kernel runs: its writes first
+        if self.started is None:  # the kernel runs: its writes first (the digest before the epoch)
+            size = len(self.table)
             for q, flags in enumerate(self.table):
                 if q != self.rank:
                     _check(flags)
-                    flags._memory.view(np.uint32)[self.rank] = self.epoch
+                    words = flags._memory.view(np.uint32)
+                    words[size + self.rank] = self.digest
+                    words[self.rank] = self.epoch
             self.started = time.monotonic()
         return not self._waiting() or self._stopped() or time.monotonic() - self.started > self.limit
 
@@ -244,8 +248,14 @@ class _FenceKernel:
     def finish(self):
         if self._stopped():  # released: it sets nothing
             return
-        for q in self._waiting():
+        waiting = self._waiting()
+        for q in waiting:
             self.late[self.late_index + q] = 1
+        if self.check:
+            mine, size = self.flags._memory.view(np.uint32), len(self.table)
+            for q in range(size):
+                if q != self.rank and q not in waiting and mine[size + q] != self.digest:
+                    self.late[self.late_index + q] = 2
 
 
 class _Heap:
@@ -642,16 +652,18 @@ class StandInDevice:
         addresses in device memory; here the arrays)."""
         return list(arrays)
 
-    def fence_kernel(self, stream, table, flags, rank, epoch, limit, late, late_index):
+    def fence_kernel(self, stream, table, flags, rank, epoch, limit, late, late_index, digest=0, check=False):
         """The fence kernel of ``kernels/collectives.cu``, once ``stream`` gets there:
-        writes ``epoch`` into word ``rank`` of every other rank's flags (``table[q]``),
-        then waits until every other rank q has written it into word q of ``flags``, at
-        most ``limit`` seconds from its start; a rank it gave up on gets ``late[late_index
-        + q] = 1``. It stops at once, setting nothing, once ``late[late_index + rank]`` is
-        set (the host's word to stop)."""
+        writes ``digest`` into word ``size + rank`` and ``epoch`` into word ``rank`` of
+        every other rank's flags (``table[q]``, 2 words a rank), then waits until every
+        other rank q has written it into word q of ``flags``, at most ``limit`` seconds
+        from its start; a rank it gave up on gets ``late[late_index + q] = 1``, and where
+        ``check`` is set, one whose digest differs from ``digest`` gets 2. It stops at
+        once, setting nothing, once ``late[late_index + rank]`` is set (the host's word
+        to stop)."""
         with self._lock:
             self._push(stream, ("fence", _FenceKernel(table, flags, rank, epoch & 0xFFFFFFFF, limit, late,
-                                                      late_index), None))
+                                                      late_index, digest & 0xFFFFFFFF, check), None))
 
     def wait_value(self, stream, words, index, value):
         """``stream`` runs nothing more until ``(int32)(words[index] - value) >= 0``

@@ -50,8 +50,10 @@ def peer_node(ctx: Any, device: Any, timeout: float | None) -> Any:
 
 def register(ctx: Any, device: Any, array: Any, nbytes: int, timeout: float | None) -> None:
     """Open every node rank's ``array`` (collective: each passes its own, of ``nbytes``)
-    in every other, so that calls on it find it open (``Communicator.empty(device=)``).
-    Nothing to do where the node's ranks cannot open each other's memory."""
+    in every other, so that calls on it find it open (``Communicator.empty(device=)``),
+    and remember every rank's, so that with in-kernel fences a call on it need not ask
+    where the others' are. Nothing to do where the node's ranks cannot open each
+    other's memory."""
     if not device.ipc_everywhere or ctx.size == 1:
         return
     import numpy as np
@@ -66,6 +68,7 @@ def register(ctx: Any, device: Any, array: Any, nbytes: int, timeout: float | No
     for rank, words in enumerate(everyone):
         if rank != node.window.rank:
             node.open(rank, words, "registered array")
+    node.remember(array, everyone)
 
 
 @lru_cache(maxsize=1024)

@@ -33,13 +33,21 @@ A fence is one of three mechanisms, chosen per communicator (``device_fence``,
   they are ready, and enqueues the rest of the call at once. The second fence is the
   devices' alone: the stream writes its number as at the first and waits until every
   peer has (``cuStreamWaitValue32``); the host does not wait for it.
-- ``kernel`` (ranks on distinct GPUs): the first fence as with ``stream``; at the
-  second a small kernel writes the fence's number into every peer's flags (device
-  memory) and spins on its own, at most a time limit.
+- ``kernel`` (ranks on distinct GPUs): at both fences a small kernel writes the
+  fence's number into every peer's flags (device memory) and spins on its own, at most
+  a time limit; at the first it also writes and compares a digest of the call and of
+  where every rank's input is. Before the first fence kernel the host waits as with
+  ``stream`` to see where the peers' inputs are, unless this rank's input lies in a
+  registered array (``Communicator.empty(device=)``) and the call needs no window
+  slot: then it takes every peer's input to be the same place in that peer's own
+  registered array, and no host waits for another. Ranks whose digests differ (one
+  passed another place, array or call) mark each other, and every rank raises (any two
+  that disagree make every rank see a difference).
 
-The first fence is where the hosts must meet anyway (a host can only launch a read of
-a peer's buffer once it knows where that buffer is), so it also carries the device's
-readiness: one synchronisation, not a hosts' meeting beside a device fence.
+The first fence is where the hosts must meet unless they know where the buffers are
+(a host can only launch a read of a peer's buffer once it knows where that buffer is),
+so it also carries the device's readiness: one synchronisation, not a hosts' meeting
+beside a device fence (with ``kernel`` fences the fence kernel checks the digest there).
 
 Whatever the mechanism, a call finishes once its last event has completed: so its
 result is ready for anything the user queues afterwards (the user's stream needs no
@@ -65,6 +73,8 @@ device's say so).
 """
 
 import os
+import weakref
+import zlib
 from collections import Counter
 
 import numpy as np
@@ -265,9 +275,9 @@ class PeerNode:
         # queues on the shared streams in an order of its own (a deadlock across ranks).
         self.stream = self.backend.stream("peer")
         if mechanism == "kernel":  # every rank's inbox of flags, in its device memory, opened by the others
-            window = self.window
-            self.flags = self.backend.empty(window.size, np.uint32)
-            self.backend.copy(self.flags, np.zeros(window.size, np.uint32), self.stream)
+            window = self.window  # (2 words a rank: the fence it reached, and its digest of the call)
+            self.flags = self.backend.empty(2 * window.size, np.uint32)
+            self.backend.copy(self.flags, np.zeros(2 * window.size, np.uint32), self.stream)
             self.backend.synchronize_stream(self.stream)
             everyone = exchange(self.descriptor(self.flags, self.flags.nbytes))
             check_shareable(everyone, "fence flags", "the peer-read set-up")
@@ -280,6 +290,11 @@ class PeerNode:
         self.slot, self._slots = None, []  # this rank's window slot (device bytes), and every one made
         self.nothing = self.backend.empty(0, np.uint8)  # the buffers of a call that moves nothing (a barrier)
         self._buffers = {}  # the peers' buffers seen, typed (peer_buffer)
+        # Registered arrays (Communicator.empty(device=)): (base, buffer id) of this rank's
+        # allocation -> [(the array, weakly: registered while it lives; its offset and
+        # bytes; every rank's descriptor of its own)] (remember, counterparts)
+        self._registered = {}
+        self._counterparts = {}  # (this rank's base, buffer id, offset, bytes) -> what counterparts found
         self._flag_stream = None  # kernel: where flags_now copies the flags out
         # calls; fences (the plans': two a call, the ranks' only synchronisations); host
         # meetings (fences a host waits at for the others: both with host fences, the
@@ -335,7 +350,7 @@ class PeerNode:
         if self._flag_stream is None:
             self._flag_stream = self.backend.stream("flags")
         host = np.empty(self.window.size, np.uint32)
-        self.backend.copy(host, self.flags, self._flag_stream)
+        self.backend.copy(host, self.flags[: self.window.size], self._flag_stream)
         self.backend.synchronize_stream(self._flag_stream)
         return host
 
@@ -352,6 +367,50 @@ class PeerNode:
                 self._buffers.clear()
             self._buffers[key] = found
         return found
+
+    def remember(self, array, everyone):
+        """``array`` is registered: ``everyone`` holds every node rank's descriptor of its
+        own (``Communicator.empty(device=)``, collective), each opened here already."""
+        mine = everyone[self.window.rank]
+        base, buffer_id, offset, nbytes = (int(v) for v in mine[_HANDLE_WORDS : _HANDLE_WORDS + 4])
+        if nbytes <= 0:
+            return
+        try:
+            alive = weakref.ref(array)
+        except TypeError:  # an array that cannot be referred to weakly: never taken as registered
+            return
+        entries = self._registered.setdefault((base, buffer_id), [])
+        entries[:] = [e for e in entries if e[0]() is not None]
+        entries.append((alive, offset, nbytes, everyone.copy()))
+        self._counterparts.clear()
+
+    def counterparts(self, mine):
+        """Where every rank's counterpart of this rank's buffer ``mine`` (its descriptor)
+        is, if ``mine`` lies in an array registered here that still lives: ``(every
+        rank's descriptor, as each would publish its own, the same place in its own
+        registered array; a CRC of them)``, else None. A registered array in use lives,
+        so its memory is nobody else's: an array found in its range is (a view of) it."""
+        key = tuple(int(v) for v in mine[_HANDLE_WORDS : _HANDLE_WORDS + 4])
+        found = self._counterparts.get(key)
+        if found is None:
+            found = self._counterparts[key] = self._find_counterparts(*key)
+            if len(self._counterparts) > 256:
+                self._counterparts.clear()
+        alive, rows, crc = found
+        return None if alive is None or alive() is None else (rows, crc)
+
+    def _find_counterparts(self, base, buffer_id, offset, nbytes):
+        for alive, start, length, everyone in self._registered.get((base, buffer_id), ()):
+            delta = offset - start
+            if alive() is None or delta < 0 or delta + nbytes > length:
+                continue
+            if np.any(delta + nbytes > everyone[:, _HANDLE_WORDS + 3]):
+                continue  # a rank's is shorter: not the same array everywhere
+            rows = everyone.copy()
+            rows[:, _HANDLE_WORDS + 2] += delta
+            rows[:, _HANDLE_WORDS + 3] = nbytes
+            return alive, rows, placement_crc(rows)
+        return None, None, None
 
     def release(self):
         """Let this rank's stream pass every fence it may wait at (after a failure, so
@@ -385,6 +444,18 @@ class PeerNode:
 
 def _ptr(array):
     return array.ptr if hasattr(array, "ptr") else array.data.ptr
+
+
+def placement_crc(descriptors):
+    """A CRC of where every rank's buffer is (base, buffer id, offset, bytes of each
+    rank's descriptor), the same on every rank that sees the same."""
+    return zlib.crc32(np.ascontiguousarray(descriptors[:, _HANDLE_WORDS : _HANDLE_WORDS + 4]).tobytes())
+
+
+def call_digest(signature, placement):
+    """The 32-bit digest of a call that the fence kernels compare at the first fence:
+    its signature (number, code, bytes, root) and where every rank's input is."""
+    return zlib.crc32(np.asarray(signature, np.int64).tobytes(), placement) or 1
 
 
 class _Sliced:
@@ -537,6 +608,9 @@ class PeerCall:
         self.ended = False
         self.done = False
         self.peers = None  # rank -> (its input, its window slot), each a _Sliced typed device array
+        self.mine = None  # this rank's input's descriptor, as published
+        self.assumed = False  # kernel: the peers' inputs taken as registered counterparts (no host wait)
+        self.digest = 0  # kernel: the call's digest, which the first fence kernels compare
 
     # -- the steps ------------------------------------------------------------------------------
     def step(self):
@@ -599,12 +673,17 @@ class PeerCall:
                 window.arrive(_ANNOUNCED, self.number)  # (nobody waits for it: see _check_announced)
                 self._signal(k, epoch)
                 self.arrived = True
-            if not self._others_signalled(epoch):
-                self._check_announced()
-                return False
+                if node.mechanism == "kernel":
+                    self._assume()
+            if not self.assumed:
+                if not self._others_signalled(epoch):
+                    self._check_announced()
+                    return False
+                node.counters["host meetings"] += 1
+                self._meet()
             self.arrived = False
-            node.counters["host meetings"] += 1
-            self._meet()
+            if node.mechanism == "kernel":  # the devices' check of the digests, and the peers' readiness
+                self._fence_kernel(k, epoch)
         else:  # the devices' own: the host enqueues it and goes on
             if node.mechanism == "stream":
                 self._signal(k, epoch)
@@ -672,22 +751,49 @@ class PeerCall:
                 self.backend.write_value(node.stream, node.inbox, window.word(q, window.rank), value)
 
     def _fence_kernel(self, k, epoch):
-        """kernel (after the first fence): one small kernel writes fence ``k``'s number
+        """kernel: one small kernel writes fence ``k``'s number (and the call's digest)
         into every peer's flags and waits for theirs in its own, at most ``limit``
-        seconds."""
+        seconds; at the first fence it also compares the peers' digests with this rank's."""
         node, window = self.node, self.window
         self.backend.fence_kernel(node.stream, node.table, node.flags, window.rank, epoch & 0xFFFFFFFF, self.limit,
-                                  node.late, window.rank * window.row)
+                                  node.late, window.rank * window.row, digest=self.digest, check=k == 1)
+
+    def _assume(self):
+        """kernel, the first fence: where this rank's input lies in a registered array
+        (``Communicator.empty(device=)``) and the call needs no window slot, take every
+        peer's input to be its counterpart, the same place in its own registered array
+        (so the host need not wait to see where they are: the devices then meet alone).
+        The digest the fence kernels compare names where every rank's input is, so a
+        rank that passed another array makes every rank raise."""
+        if self.slot or not self.arrays["in"].nbytes:
+            return
+        found = self.node.counterparts(self.mine)
+        if found is None:
+            return
+        rows, placement = found
+        node, storage = self.node, self.arrays["in"].dtype
+        self.peers = {q: (node.peer_buffer(q, rows[q], "input", storage), None)
+                      for q in range(self.window.size) if q != self.window.rank}
+        self.digest = call_digest(self.signature, placement)
+        self.assumed = True
+        node.counters["registered calls"] += 1
 
     def _check_late(self):
-        """kernel: raise naming the ranks a fence kernel gave up on."""
+        """kernel: raise naming the ranks a fence kernel gave up on, or whose digest of
+        the call differed from this rank's."""
         window = self.window
         row = window.late[window.rank * window.row : window.rank * window.row + window.size]
-        late = [q for q in range(window.size) if row[q] and q != window.rank]  # (its own word: release's)
+        late = [q for q in range(window.size) if row[q] == 1 and q != window.rank]  # (its own word: release's)
         if late:
             raise CollectiveTimeoutError(f"{self.describe}: its in-kernel fences waited {self.limit:g} s for "
                                          f"{ranks(late)} to arrive, and gave up (the call's timeout, else "
                                          f"{DEFAULT_KERNEL_LIMIT:g} s: a kernel cannot be stopped from outside)")
+        differ = [q for q in range(window.size) if row[q] == 2 and q != window.rank]
+        if differ:
+            raise CollectiveMismatchError(
+                f"{self.describe}: {ranks(differ)} made another call, or passed another buffer: a call on a "
+                "registered array (Communicator.empty(device=)) reads every rank's own array at the same place "
+                "without asking where it is, so every rank must pass its own alike (the result is undefined)")
 
     def _wait_for_others(self, k, epoch):
         """stream: the stream waits until every peer has written fence ``k``'s number
@@ -702,7 +808,8 @@ class PeerCall:
         window, node = self.window, self.node
         window.sign(self.parity, self.signature)
         inp = self.arrays["in"]
-        window.publish(self.parity, 0, node.descriptor(inp, inp.nbytes))
+        self.mine = node.descriptor(inp, inp.nbytes)
+        window.publish(self.parity, 0, self.mine)
         slot = node.slot_of(self.slot * self.dtype.itemsize) if self.slot else None
         window.publish(self.parity, 1, node.descriptor(slot, slot.nbytes) if slot is not None
                        else np.zeros(_DESCRIPTOR, np.int64))
@@ -729,6 +836,8 @@ class PeerCall:
             self.peers[q] = (inp, slot)
         if self.slot:
             self.own_slot = _Sliced(node.slot[: self.slot * storage.itemsize].view(storage))
+        if node.mechanism == "kernel":
+            self.digest = call_digest(self.signature, placement_crc(window.descriptors(self.parity, 0)))
 
     def _view(self, spec):
         buf, q, lo, hi = spec
@@ -787,7 +896,7 @@ class PeerCall:
         if mechanism == "host":
             return ""
         flags = self.node.flags_now() if mechanism == "kernel" else None
-        for k in range(2, self.fences + 1):  # (the host saw the first passed)
+        for k in range(1 if self.assumed else 2, self.fences + 1):  # (the host saw the first passed, unless assumed)
             epoch = (self.base + k) & 0xFFFFFFFF
             if flags is None:
                 late = window.behind_on_device(epoch)
