@@ -103,21 +103,24 @@ __device__ __forceinline__ u32 load_acquire_system(const u32* p) {
 // everything this rank's stream did before (fence, then a release at system scope),
 // and waits until rank q has written `epoch` (or later: the comparison is cyclic, as
 // the epochs wrap) into word q of this rank's own inbox, acquiring what rank q did
-// before. Where `check` is set, a digest of rank q's other than `digest` sets late[q]
-// to 2: the ranks disagree on the call or on where its buffers are (the digest names
-// both), which the host raises; the work after it runs all the same. After `limit_ns`
+// before; unless `wait` is 0: then it only signals (a rank whose host has met the
+// others already, so that ranks whose kernels wait there can pass). Where `check` is
+// set, a digest of rank q's other than `digest` sets late[q] to 2: the ranks disagree
+// on the call or on where its buffers are (the digest names both), which the host
+// raises; the work after it runs all the same. After `limit_ns`
 // it gives up and sets late[q] (host memory, which the host reads to name the ranks) to
 // 1; the work after it then runs on whatever is there, and the host raises. late[rank],
 // which no fence writes, is the host's word to stop: once the host has set it (the
 // communicator broke), a waiting fence returns within about 0.1 ms (it looks that
 // often), setting nothing.
 __global__ void fence(u32* const* inboxes, const u32* inbox, int rank, int size, u32 epoch, u64 limit_ns,
-                      u32* late, u32 digest, int check) {
+                      u32* late, u32 digest, int wait, int check) {
     const int q = threadIdx.x;
     if (q >= size || q == rank) return;
     inboxes[q][size + rank] = digest;  // (ordered before the epoch by the release below)
     __threadfence_system();
     store_release_system(inboxes[q] + rank, epoch);
+    if (!wait) return;
     const u64 start = global_time_ns();
     u64 looked = start;
     while ((int)(load_acquire_system(inbox + q) - epoch) < 0) {

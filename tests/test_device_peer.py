@@ -506,13 +506,15 @@ def test_calls_on_registered_arrays_with_fence_kernels_wait_on_no_host(mpi_comm)
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("case", ["another place", "another registered array", "an array not registered",
-                                  "another collective"])
+                                  "another collective", "another collective on an array not registered"])
 def test_a_registered_call_where_a_rank_passes_something_else_raises_on_every_rank(mpi_comm, case):
     """kernel fences: the ranks read each other's registered arrays without asking where
     they are, so the first fence kernels compare a digest of the call and of where every
     rank's input is; where the last rank passed another place, array or call, every
     rank raises the mismatch (the results are undefined; the communicator is broken,
-    left unfreed)."""
+    left unfreed). A rank that passed an array not registered asks where the others'
+    are, and raises at its host's meeting; it signals its fences first, so that the
+    others' fence kernels see its digest, pass, and raise too."""
     comm = communicator("kernel")
     x, other = (comm.empty(64, np.float32, device=D.device) for _ in range(2))
     user = D.new_stream()
@@ -521,12 +523,14 @@ def test_a_registered_call_where_a_rank_passes_something_else_raises_on_every_ra
             D.copy_async(array, np.ones(64, np.float32), user)
         mine, collective = x[:32], "allreduce"
         if comm.rank == comm.size - 1:
-            if case == "another collective":
+            if case.startswith("another collective"):
                 collective = "reduce_scatter"
+                if case.endswith("not registered"):  # (its host meets the others', and raises there)
+                    mine = D.asarray(np.ones(32, np.float32), stream=user)
             else:
                 mine = {"another place": x[1:33], "another registered array": other[:32],
                         "an array not registered": D.asarray(np.ones(32, np.float32), stream=user)}[case]
-        with pytest.raises(cc.CollectiveMismatchError, match="made another call, or passed another buffer"):
+        with pytest.raises(cc.CollectiveMismatchError, match="another call|another buffer|a different call"):
             call(comm, collective, mine, "one_shot", timeout=20)
     mpi_comm.Barrier()
 

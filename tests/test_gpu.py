@@ -211,7 +211,8 @@ def test_the_fence_kernel_meets_and_gives_up_on_one_gpu_with_several_streams(cup
     the others, given 10 s, stop within a moment once the host sets their own words (the
     stop word PeerNode.release sets), setting nothing. Before that, a fence where rank 3
     writes another digest than the others: every rank marks the ranks whose digest
-    differs from its own with 2, and only where it checks."""
+    differs from its own with 2, and only where it checks; and one where the others
+    only signal (``wait=False``) and rank 3 passes."""
     p = 4
     flags = [cupy.zeros(2 * p, cupy.uint32) for _ in range(p)]
     table = backend.pointer_table(flags)
@@ -240,9 +241,14 @@ def test_the_fence_kernel_meets_and_gives_up_on_one_gpu_with_several_streams(cup
                 want[p - 1, : p - 1] = 2
             assert np.array_equal(late_words.reshape(p, p), want), (check, late_words.reshape(p, p))
             late_words[...] = 0
+        for r in range(p):  # the others only signal (their hosts met already): rank 3's wait passes
+            backend.fence_kernel(streams[r], table, flags[r], r, 6, 10.0, late, r * p, wait=r == p - 1)
+        for stream in streams:
+            stream.synchronize()
+        assert not late_words.any(), late_words.reshape(p, p)
         start = time.perf_counter()
         for r in range(p - 1):
-            backend.fence_kernel(streams[r], table, flags[r], r, 6, 0.2, late, r * p)
+            backend.fence_kernel(streams[r], table, flags[r], r, 7, 0.2, late, r * p)
         for stream in streams:
             stream.synchronize()
         waited = time.perf_counter() - start
@@ -253,7 +259,7 @@ def test_the_fence_kernel_meets_and_gives_up_on_one_gpu_with_several_streams(cup
         late_words[...] = 0
         start = time.perf_counter()
         for r in range(p - 1):
-            backend.fence_kernel(streams[r], table, flags[r], r, 7, 10.0, late, r * p)
+            backend.fence_kernel(streams[r], table, flags[r], r, 8, 10.0, late, r * p)
         time.sleep(0.05)  # they spin
         for r in range(p - 1):
             late_words[r * p + r] = 1  # the stop word

@@ -415,14 +415,16 @@ class CupyDevice:
         with cupy.cuda.Device(self.id):
             return cupy.asarray(np.array([_ptr(a) for a in arrays], np.uint64))
 
-    def fence_kernel(self, stream, table, flags, rank, epoch, limit, late, late_index, digest=0, check=False):
+    def fence_kernel(self, stream, table, flags, rank, epoch, limit, late, late_index, digest=0, wait=True,
+                     check=False):
         """The fence kernel (``kernels/collectives.cu``): one block of a thread per rank;
         ``flags`` 2 words a rank (epoch, digest)."""
         size = int(table.size)
         kernel = self._module(np.dtype(np.uint32)).get_function(kernels.FENCE)  # every dtype's module has it
         limit_ns = int(min(limit, 1e9) * 1e9)
         args = (table, flags, np.int32(rank), np.int32(size), np.uint32(epoch & 0xFFFFFFFF), np.uint64(limit_ns),
-                np.uint64(late.device + 4 * late_index), np.uint32(digest & 0xFFFFFFFF), np.int32(bool(check)))
+                np.uint64(late.device + 4 * late_index), np.uint32(digest & 0xFFFFFFFF), np.int32(bool(wait)),
+                np.int32(bool(check)))
         with cupy.cuda.Device(self.id), stream:
             kernel((1,), (32 * -(-size // 32),), args)
 

@@ -221,9 +221,9 @@ class _FenceKernel:
     time limit has passed, or the host has set its stop word (``late[late_index +
     rank]``, which no fence writes)."""
 
-    def __init__(self, table, flags, rank, epoch, limit, late, late_index, digest, check):
+    def __init__(self, table, flags, rank, epoch, limit, late, late_index, digest, wait, check):
         self.table, self.flags, self.rank, self.epoch, self.limit = table, flags, rank, epoch, limit
-        self.late, self.late_index, self.digest, self.check = late, late_index, digest, check
+        self.late, self.late_index, self.digest, self.wait, self.check = late, late_index, digest, wait, check
         self.started = None
 
     def _waiting(self):
@@ -240,13 +240,15 @@ class _FenceKernel:
                     words[size + self.rank] = self.digest
                     words[self.rank] = self.epoch
             self.started = time.monotonic()
+        if not self.wait:
+            return True
         return not self._waiting() or self._stopped() or time.monotonic() - self.started > self.limit
 
     def _stopped(self):
         return bool(self.late[self.late_index + self.rank])
 
     def finish(self):
-        if self._stopped():  # released: it sets nothing
+        if self._stopped() or not self.wait:  # released, or signalling only: it sets nothing
             return
         waiting = self._waiting()
         for q in waiting:
@@ -652,18 +654,19 @@ class StandInDevice:
         addresses in device memory; here the arrays)."""
         return list(arrays)
 
-    def fence_kernel(self, stream, table, flags, rank, epoch, limit, late, late_index, digest=0, check=False):
+    def fence_kernel(self, stream, table, flags, rank, epoch, limit, late, late_index, digest=0, wait=True,
+                     check=False):
         """The fence kernel of ``kernels/collectives.cu``, once ``stream`` gets there:
         writes ``digest`` into word ``size + rank`` and ``epoch`` into word ``rank`` of
         every other rank's flags (``table[q]``, 2 words a rank), then waits until every
         other rank q has written it into word q of ``flags``, at most ``limit`` seconds
-        from its start; a rank it gave up on gets ``late[late_index + q] = 1``, and where
-        ``check`` is set, one whose digest differs from ``digest`` gets 2. It stops at
-        once, setting nothing, once ``late[late_index + rank]`` is set (the host's word
-        to stop)."""
+        from its start (unless ``wait`` is false: it only writes); a rank it gave up on
+        gets ``late[late_index + q] = 1``, and where ``check`` is set, one whose digest
+        differs from ``digest`` gets 2. It stops at once, setting nothing, once
+        ``late[late_index + rank]`` is set (the host's word to stop)."""
         with self._lock:
             self._push(stream, ("fence", _FenceKernel(table, flags, rank, epoch & 0xFFFFFFFF, limit, late,
-                                                      late_index, digest & 0xFFFFFFFF, check), None))
+                                                      late_index, digest & 0xFFFFFFFF, wait, check), None))
 
     def wait_value(self, stream, words, index, value):
         """``stream`` runs nothing more until ``(int32)(words[index] - value) >= 0``

@@ -33,21 +33,22 @@ A fence is one of three mechanisms, chosen per communicator (``device_fence``,
   they are ready, and enqueues the rest of the call at once. The second fence is the
   devices' alone: the stream writes its number as at the first and waits until every
   peer has (``cuStreamWaitValue32``); the host does not wait for it.
-- ``kernel`` (ranks on distinct GPUs): at both fences a small kernel writes the
+- ``kernel`` (ranks on distinct GPUs): at the second fence a small kernel writes the
   fence's number into every peer's flags (device memory) and spins on its own, at most
-  a time limit; at the first it also writes and compares a digest of the call and of
-  where every rank's input is. Before the first fence kernel the host waits as with
-  ``stream`` to see where the peers' inputs are, unless this rank's input lies in a
-  registered array (``Communicator.empty(device=)``) and the call needs no window
-  slot: then it takes every peer's input to be the same place in that peer's own
-  registered array, and no host waits for another. Ranks whose digests differ (one
-  passed another place, array or call) mark each other, and every rank raises (any two
-  that disagree make every rank see a difference).
+  a time limit. At the first the host waits as with ``stream`` to see where the peers'
+  inputs are, and a fence kernel only signals (with a digest of the call and of where
+  every rank's input is), unless this rank's input lies in a registered array
+  (``Communicator.empty(device=)``) and the call needs no window slot: then it takes
+  every peer's input to be the same place in that peer's own registered array, no host
+  waits for another, and the first fence kernel waits as the second does and compares
+  the digests. Ranks whose digests differ (one passed another place, array or call)
+  mark each other, and every rank raises (any two that disagree make every rank see a
+  difference); a rank that asked compares the published digests at its hosts' meeting.
 
 The first fence is where the hosts must meet unless they know where the buffers are
 (a host can only launch a read of a peer's buffer once it knows where that buffer is),
 so it also carries the device's readiness: one synchronisation, not a hosts' meeting
-beside a device fence (with ``kernel`` fences the fence kernel checks the digest there).
+beside a device fence.
 
 Whatever the mechanism, a call finishes once its last event has completed: so its
 result is ready for anything the user queues afterwards (the user's stream needs no
@@ -73,6 +74,7 @@ device's say so).
 """
 
 import os
+import time
 import weakref
 import zlib
 from collections import Counter
@@ -87,8 +89,8 @@ from .progress import Handle
 
 MECHANISMS = ("host", "stream", "kernel")
 DEFAULT_KERNEL_LIMIT = 300.0  # seconds an in-kernel wait lasts at most where the call has no timeout
-_LINE = 64  # int64 words of one rank's line in the window (512 bytes)
-_EPOCH, _ANNOUNCED, _SIGNATURE, _DESCRIPTORS, _PID = 0, 1, 2, 10, 63  # word offsets in a line
+_LINE = 66  # int64 words of one rank's line in the window
+_EPOCH, _ANNOUNCED, _SIGNATURE, _DESCRIPTORS, _PID, _DIGEST = 0, 1, 2, 10, 63, 64  # word offsets in a line
 _DESCRIPTOR = 13  # words of a buffer's descriptor: IPC handle (8), base, buffer id, offset, bytes, allocation size
 _HANDLE_WORDS = 8
 _UNSHAREABLE = -1  # a descriptor's byte count where the rank's buffer cannot be exported
@@ -169,6 +171,13 @@ class PeerWindow:
     def descriptor_of(self, rank, parity, which):
         start = _DESCRIPTORS + (2 * parity + which) * _DESCRIPTOR
         return self.lines[rank, start : start + _DESCRIPTOR].copy()
+
+    def publish_digest(self, parity, digest):
+        self.words[self.rank * _LINE + _DIGEST + parity] = digest
+
+    def digests(self, parity):
+        """Every rank's digest of its call of ``parity`` (0: it asked where the buffers are)."""
+        return [int(self.words[q * _LINE + _DIGEST + parity]) for q in range(self.size)]
 
     def descriptors(self, parity, which):
         """Every rank's descriptor of buffer ``which`` (a view: one row per rank)."""
@@ -670,20 +679,31 @@ class PeerCall:
         elif k == 1:  # where the inputs are, and that they are ready: the host sees both
             if not self.arrived:
                 self._publish()
+                if node.mechanism == "kernel":
+                    self._assume()
+                    window.publish_digest(self.parity, self.digest if self.assumed else 0)
                 window.arrive(_ANNOUNCED, self.number)  # (nobody waits for it: see _check_announced)
                 self._signal(k, epoch)
                 self.arrived = True
-                if node.mechanism == "kernel":
-                    self._assume()
-            if not self.assumed:
+            if self.assumed:  # the devices meet alone
+                self._fence_kernel(k, epoch)
+            else:
                 if not self._others_signalled(epoch):
                     self._check_announced()
                     return False
                 node.counters["host meetings"] += 1
-                self._meet()
+                if node.mechanism != "kernel":
+                    self._meet()
+                else:  # a signal first: ranks that did not ask wait for it on their devices
+                    self.digest = call_digest(self.signature, placement_crc(window.descriptors(self.parity, 0)))
+                    self._fence_kernel(k, epoch)
+                    try:
+                        self._meet()
+                        self._compare_digests()
+                    except CollectiveError:
+                        self._flush()
+                        raise
             self.arrived = False
-            if node.mechanism == "kernel":  # the devices' check of the digests, and the peers' readiness
-                self._fence_kernel(k, epoch)
         else:  # the devices' own: the host enqueues it and goes on
             if node.mechanism == "stream":
                 self._signal(k, epoch)
@@ -753,10 +773,42 @@ class PeerCall:
     def _fence_kernel(self, k, epoch):
         """kernel: one small kernel writes fence ``k``'s number (and the call's digest)
         into every peer's flags and waits for theirs in its own, at most ``limit``
-        seconds; at the first fence it also compares the peers' digests with this rank's."""
+        seconds. At the first fence it compares the peers' digests with this rank's,
+        where the rank took the peers' registered arrays without asking; where its host
+        met the others' there, it only writes (for the ranks that did not ask)."""
         node, window = self.node, self.window
+        waits = k > 1 or self.assumed
         self.backend.fence_kernel(node.stream, node.table, node.flags, window.rank, epoch & 0xFFFFFFFF, self.limit,
-                                  node.late, window.rank * window.row, digest=self.digest, check=k == 1)
+                                  node.late, window.rank * window.row, digest=self.digest, wait=waits,
+                                  check=k == 1 and waits)
+
+    def _flush(self):
+        """kernel, about to raise at the first fence: signal this call's later fences
+        too, and let this rank's stream run up to there (within a few seconds), so that
+        the ranks whose kernels wait for it see its digest, pass, and raise too (a GPU
+        runs what was queued anyway; the stand-in runs its streams only while someone
+        waits)."""
+        node, window, backend, event = self.node, self.window, self.backend, self.node.fence_event
+        for k in range(2, self.fences + 1):
+            backend.fence_kernel(node.stream, node.table, node.flags, window.rank, (self.base + k) & 0xFFFFFFFF,
+                                 self.limit, node.late, window.rank * window.row, digest=self.digest, wait=False)
+        backend.record(event, self.node.stream)
+        until = time.monotonic() + min(self.limit, 10.0)
+        while not backend.query(event) and time.monotonic() < until:
+            time.sleep(1e-4)
+
+    def _compare_digests(self):
+        """kernel, past the first fence's hosts' meeting: the ranks that took the
+        buffers without asking published their digest; raise if one differs from this
+        rank's (which names the call and where every rank's input is). This rank's fence
+        kernel has signalled already, with its own digest, so those ranks' kernels pass
+        and see the difference too, and every rank raises (:meth:`_meet`'s errors too)."""
+        differ = [q for q, d in enumerate(self.window.digests(self.parity)) if d and d != self.digest]
+        if differ:
+            raise CollectiveMismatchError(
+                f"{self.describe}: {ranks(differ)} read this rank's input at the place in its registered array "
+                "where its own lies in its own (Communicator.empty(device=)), but this rank passed another buffer "
+                "or made another call: on registered arrays every rank must pass its own alike")
 
     def _assume(self):
         """kernel, the first fence: where this rank's input lies in a registered array
@@ -783,17 +835,17 @@ class PeerCall:
         the call differed from this rank's."""
         window = self.window
         row = window.late[window.rank * window.row : window.rank * window.row + window.size]
-        late = [q for q in range(window.size) if row[q] == 1 and q != window.rank]  # (its own word: release's)
-        if late:
-            raise CollectiveTimeoutError(f"{self.describe}: its in-kernel fences waited {self.limit:g} s for "
-                                         f"{ranks(late)} to arrive, and gave up (the call's timeout, else "
-                                         f"{DEFAULT_KERNEL_LIMIT:g} s: a kernel cannot be stopped from outside)")
-        differ = [q for q in range(window.size) if row[q] == 2 and q != window.rank]
-        if differ:
+        differ = [q for q in range(window.size) if row[q] == 2 and q != window.rank]  # (its own word: release's)
+        if differ:  # (first: ranks that called something else may well be late too)
             raise CollectiveMismatchError(
                 f"{self.describe}: {ranks(differ)} made another call, or passed another buffer: a call on a "
                 "registered array (Communicator.empty(device=)) reads every rank's own array at the same place "
                 "without asking where it is, so every rank must pass its own alike (the result is undefined)")
+        late = [q for q in range(window.size) if row[q] == 1 and q != window.rank]
+        if late:
+            raise CollectiveTimeoutError(f"{self.describe}: its in-kernel fences waited {self.limit:g} s for "
+                                         f"{ranks(late)} to arrive, and gave up (the call's timeout, else "
+                                         f"{DEFAULT_KERNEL_LIMIT:g} s: a kernel cannot be stopped from outside)")
 
     def _wait_for_others(self, k, epoch):
         """stream: the stream waits until every peer has written fence ``k``'s number
@@ -836,8 +888,6 @@ class PeerCall:
             self.peers[q] = (inp, slot)
         if self.slot:
             self.own_slot = _Sliced(node.slot[: self.slot * storage.itemsize].view(storage))
-        if node.mechanism == "kernel":
-            self.digest = call_digest(self.signature, placement_crc(window.descriptors(self.parity, 0)))
 
     def _view(self, spec):
         buf, q, lo, hi = spec
