@@ -42,7 +42,9 @@ least of ``REPEATS`` timings (a timing that another process's time slice slowed 
 nothing of the machine), of one run for the model's parameters, of a batch of calls
 in a row for the calls (what a program's calls take, the waits on peers the
 scheduler lets run late among them). The sizes go in ascending order, and timing
-stops, for the largest sizes left, once ``BUDGET`` (0.6 s) was spent on it. Measured
+stops, for the largest sizes left, once ``BUDGET`` (0.6 s) was spent on it (MPI's own
+collectives are timed at their first two sizes all the same: they are the yardstick,
+and the model scales between two sizes at least). Measured
 at 2 and 4 ranks on one node of the 2-core machine: 0.27-0.32 s and 0.61-0.71 s
 (``bench/results/xeon-2vcpu-mpich5/issue33``).
 ``collectives.tuning.calibrated_choice`` then chooses: below ``SMALL`` (64 KiB) and
@@ -427,7 +429,9 @@ def _time_calls(comm, timer, algorithms):
     (:func:`_typical`), as ``{collective: [[bytes, seconds], ...]}`` and ``{collective:
     {algorithm: [[bytes, seconds], ...]}}``. Size by size, ascending, every collective
     at each (allreduce first), so that what ``BUDGET`` leaves out, once spent, is the
-    largest sizes. From ``FEWER_FROM`` on, where each call takes milliseconds, only
+    largest sizes (and the library's calls: MPI's own are timed at the first two sizes
+    whatever was spent; with more ranks than cores a loaded machine spent it all at
+    the first size). From ``FEWER_FROM`` on, where each call takes milliseconds, only
     the library's ``FEWER`` fastest at the size before are timed; none whose call
     would take over ``SLOW_OURS``; and no size (past the second) whose calls would take
     over ``SLOW_CALL``. Every decision follows from the slowest rank's figures, the
@@ -437,7 +441,8 @@ def _time_calls(comm, timer, algorithms):
     spent = 0.0
     for nbytes in sorted({b for sizes in NATIVE_AT.values() for b in sizes}):
         for collective, sizes in NATIVE_AT.items():
-            if nbytes not in sizes or not alive[collective] or spent > BUDGET:
+            over = spent > BUDGET
+            if nbytes not in sizes or not alive[collective] or (over and nbytes > sizes[1]):
                 continue
             points = found[collective]
             if nbytes > sizes[1] and any(points[a][-1][1] * nbytes / points[a][-1][0] > SLOW_CALL
@@ -449,6 +454,8 @@ def _time_calls(comm, timer, algorithms):
                 alive[collective] = ("native",) + tuple(ours[:FEWER])
             slow = set()
             for name in alive[collective]:
+                if over and name != "native":
+                    continue
                 guess = points[name][-1][1] * nbytes / points[name][-1][0] if points[name] else None
                 if name != "native" and guess is not None and guess > SLOW_OURS:
                     slow.add(name)  # not timed here, nor at the larger sizes
