@@ -199,12 +199,13 @@ class Communicator:
         so that the peer-read algorithms (``one_shot``, ``two_shot``) read it in place
         from their first call. Any other device array is registered the same way at
         its first such call; this only does it ahead of time. Its lifetime is the
-        array's own. With in-kernel fences (ranks on distinct GPUs) a peer read on it
-        (all but ``two_shot``) also asks no host where the other ranks' inputs are: each
-        rank reads the others' arrays at the place where its own input lies in its
-        array, so every rank must pass its own array alike, at the same place (else
-        every rank raises :class:`~collectives.CollectiveMismatchError`, and the result
-        is undefined)."""
+        array's own. With in-kernel fences (ranks on distinct GPUs) a peer read (all but
+        ``two_shot``) whose input is the whole array asks no host where the other ranks'
+        inputs are: each rank reads the others' arrays of the same ``empty``, so every
+        rank must pass its own (else every rank raises
+        :class:`~collectives.CollectiveMismatchError`, and the result is undefined), and
+        keep it alive as long as the others keep theirs. A slice of it asks, as any
+        other array."""
         return registered.empty(self._ctx, shape, dtype, device)
 
     def zeros(self, shape: Any, dtype: Any = "float32", device: Any = None) -> Any:

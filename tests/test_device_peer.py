@@ -470,81 +470,125 @@ def test_a_warm_loop_opens_allocates_builds_and_sends_nothing(mpi_comm, mechanis
 
 @pytest.mark.mpi(min_size=2)
 def test_calls_on_registered_arrays_with_fence_kernels_wait_on_no_host(mpi_comm):
-    """kernel fences (ranks on distinct GPUs): a call whose input lies in a registered
-    array (``Communicator.empty(device=)``) and needs no window slot reads every peer's
-    counterpart, the same place in its own registered array, without the hosts'
-    meeting: the devices' two fences are the call's only synchronisations, and no host
-    waits for another. Every one_shot collective on the whole array and on a slice of
-    it, allreduce in place too, each bit for bit the NumPy reference."""
+    """kernel fences (ranks on distinct GPUs): a call whose input is a whole registered
+    array (``Communicator.empty(device=)``) and that needs no window slot reads every
+    peer's array of the same ``empty`` without the hosts' meeting: the devices' two
+    fences are the call's only synchronisations, and no host waits for another. Every
+    one_shot collective, allreduce in place too, each bit for bit the NumPy reference;
+    then slices of it, at a place that differs from rank to rank (each rank's row of an
+    allgather's output) or not, which ask as any array does."""
     comm = communicator("kernel")
     p, n = comm.size, 1000 * comm.size
     x = comm.empty(n, np.float64, device=D.device)
     user = D.new_stream()
     node = _peer_state(comm)[0]
-    before, calls, problems = node.counters.copy(), 0, []
+    problems = []
+
+    def run(collective, part, k, root):
+        xs = [rank_input(r, n, "float64") + k for r in range(p)]
+        D.copy_async(x, xs[comm.rank], user)
+        name = collective.split()[0]
+        view = x[part(comm.rank)]
+        got = call(comm, name, view, "one_shot", root=root, out=view if "in place" in collective else None)
+        want = expected_result(name, comm.rank, p, [xs[r][part(r)] for r in range(p)], "sum", root)
+        wrong = differs(want, None if got is None else D.asnumpy(got, stream=user))
+        if wrong:
+            problems.append(f"{collective}: {wrong}")
+
+    def counted(before):
+        return {k: node.counters[k] - before[k] for k in ("fences", "host meetings", "registered calls")}
+
+    collectives = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "allreduce in place")
     with D.use_stream(user):
-        for k, part in enumerate((slice(0, n), slice(8, 8 + 5 * p))):
-            for collective in ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "allreduce in place"):
-                xs = [rank_input(r, n, "float64") + k for r in range(p)]
-                D.copy_async(x, xs[comm.rank], user)
-                name = collective.split()[0]
-                view = x[part]
-                root = (k + calls) % p
-                got = call(comm, name, view, "one_shot", root=root, out=view if "in place" in collective else None)
-                calls += 1
-                want = expected_result(name, comm.rank, p, [v[part] for v in xs], "sum", root)
-                wrong = differs(want, None if got is None else D.asnumpy(got, stream=user))
-                if wrong:
-                    problems.append(f"{collective} on {part}: {wrong}")
-    after = node.counters
-    counted = {k: after[k] - before[k] for k in ("fences", "host meetings", "registered calls")}
-    if counted != {"fences": 2 * calls, "host meetings": 0, "registered calls": calls}:
-        problems.append(f"{calls} calls: {counted}")
+        before = node.counters.copy()
+        for k, collective in enumerate(collectives):
+            run(collective, lambda r: slice(None), k, k % p)
+        calls = len(collectives)
+        if counted(before) != {"fences": 2 * calls, "host meetings": 0, "registered calls": calls}:
+            problems.append(f"whole arrays, {calls} calls: {counted(before)}")
+        before = node.counters.copy()
+        for k, part in enumerate((lambda r: slice(8, 8 + 5 * p), lambda r: slice(r * 1000, (r + 1) * 1000))):
+            run("allgather", part, k, 0)
+        if counted(before) != {"fences": 4, "host meetings": 2, "registered calls": 0}:
+            problems.append(f"slices, 2 calls: {counted(before)}")
     comm.free()
     agree(mpi_comm, problems)
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("case", ["another place", "another registered array", "an array not registered",
+@pytest.mark.parametrize("case", ["another registered array", "an array not registered", "a slice of another",
                                   "another collective", "another collective on an array not registered"])
 def test_a_registered_call_where_a_rank_passes_something_else_raises_on_every_rank(mpi_comm, case):
     """kernel fences: the ranks read each other's registered arrays without asking where
     they are, so the first fence kernels compare a digest of the call and of where every
-    rank's input is; where the last rank passed another place, array or call, every
-    rank raises the mismatch (the results are undefined; the communicator is broken,
-    left unfreed). A rank that passed an array not registered asks where the others'
-    are, and raises at its host's meeting; it signals its fences first, so that the
-    others' fence kernels see its digest, pass, and raise too."""
+    rank's input is; where the last rank passed another array or made another call,
+    every rank raises the mismatch (the results are undefined; the communicator is
+    broken, left unfreed). A rank that passed an array not registered, or a slice, asks
+    where the others' are, and raises at its host's meeting (or while it waits there);
+    it signals its fences first, so that the others' fence kernels see its digest,
+    pass, and raise too."""
     comm = communicator("kernel")
-    x, other = (comm.empty(64, np.float32, device=D.device) for _ in range(2))
+    x, other, big = (comm.empty(n, np.float32, device=D.device) for n in (64, 64, 128))
     user = D.new_stream()
     with D.use_stream(user):
-        for array in (x, other):
-            D.copy_async(array, np.ones(64, np.float32), user)
-        mine, collective = x[:32], "allreduce"
+        for array in (x, other, big):
+            D.copy_async(array, np.ones(array.size, np.float32), user)
+        mine, collective = x, "allreduce"
         if comm.rank == comm.size - 1:
             if case.startswith("another collective"):
                 collective = "reduce_scatter"
                 if case.endswith("not registered"):  # (its host meets the others', and raises there)
-                    mine = D.asarray(np.ones(32, np.float32), stream=user)
+                    mine = D.asarray(np.ones(64, np.float32), stream=user)
             else:
-                mine = {"another place": x[1:33], "another registered array": other[:32],
-                        "an array not registered": D.asarray(np.ones(32, np.float32), stream=user)}[case]
+                mine = {"another registered array": other, "a slice of another": big[:64],
+                        "an array not registered": D.asarray(np.ones(64, np.float32), stream=user)}[case]
         with pytest.raises(cc.CollectiveMismatchError, match="another call|another buffer|a different call"):
             call(comm, collective, mine, "one_shot", timeout=20)
     mpi_comm.Barrier()
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_rank_that_raises_while_it_waits_at_the_first_fence_signals_the_others(mpi_comm):
+    """kernel fences: rank 0 takes its registered array without asking, but its stream
+    holds its signals back (its user's work before the call waits for a word); the last
+    rank made another call, on an array not registered, and so sees every rank's
+    announcement while it waits at the first fence, and raises there. It signals its
+    fences first, so that rank 0's fence kernels see its digest, pass, and raise the
+    mismatch too, well within the timeout (not after their time limit)."""
+    stand_in_only("the user's stream is held back by a stand-in wait")
+    comm = communicator("kernel")
+    x = comm.empty(64, np.float32, device=D.device)
+    user, dev = D.new_stream(), D.si.device()
+    gate = np.zeros(1, np.uint32)
+    last = comm.rank == comm.size - 1
+    with D.use_stream(user):
+        D.copy_async(x, np.ones(64, np.float32), user)
+        mine = D.asarray(np.ones(64, np.float32), stream=user) if last else x
+        if comm.rank == 0:
+            dev.wait_value(user, gate, 0, 1)
+        start = time.monotonic()
+        handle = call(comm, "reduce_scatter" if last else "allreduce", mine, "one_shot", asynchronous=True,
+                      timeout=20)
+        if comm.rank == 0:
+            time.sleep(0.5)  # (the others announced meanwhile; rank 0's stream has signalled nothing)
+            gate[0] = 1
+        with pytest.raises(cc.CollectiveMismatchError):
+            handle.wait()
+    took = time.monotonic() - start
+    assert took < 10, f"raised after {took:.1f} s"
+    mpi_comm.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_rank_whose_registered_array_is_gone_asks_and_the_call_holds(mpi_comm):
-    """kernel fences: a rank that no longer holds its registered array (a view of it
-    kept) finds no registration and meets the others' hosts to see where their inputs
-    are, while they take its input as their counterpart without asking: where it passed
-    that very place, the digests agree and every rank gets the right result."""
+    """kernel fences: a rank that no longer holds its registered array (a view of all
+    of it kept) finds no registration and meets the others' hosts to see where their
+    inputs are, while they take its input as their counterpart without asking: it is
+    that very array, so the digests agree and every rank gets the right result."""
     comm = communicator("kernel")
     p = comm.size
-    x = comm.empty(100, np.float32, device=D.device)
-    view = x[4:68]
+    x = comm.empty(64, np.float32, device=D.device)
+    view = x[:]
     if comm.rank == p - 1:
         del x
         gc.collect()

@@ -36,14 +36,16 @@ A fence is one of three mechanisms, chosen per communicator (``device_fence``,
 - ``kernel`` (ranks on distinct GPUs): at the second fence a small kernel writes the
   fence's number into every peer's flags (device memory) and spins on its own, at most
   a time limit. At the first the host waits as with ``stream`` to see where the peers'
-  inputs are, and a fence kernel only signals (with a digest of the call and of where
-  every rank's input is), unless this rank's input lies in a registered array
+  inputs are, unless this rank's input is a whole registered array
   (``Communicator.empty(device=)``) and the call needs no window slot: then it takes
-  every peer's input to be the same place in that peer's own registered array, no host
-  waits for another, and the first fence kernel waits as the second does and compares
-  the digests. Ranks whose digests differ (one passed another place, array or call)
-  mark each other, and every rank raises (any two that disagree make every rank see a
-  difference); a rank that asked compares the published digests at its hosts' meeting.
+  every peer's input to be that peer's array of the same ``empty``, no host waits for
+  another, and a first fence kernel waits as the second does, comparing a digest of
+  the call and of where every rank's input is. Ranks whose digests differ (one passed
+  another array or made another call) mark each other, and every rank raises (any two
+  that disagree make every rank see a difference). Such ranks publish their digest in
+  the window: a rank that asked compares them at its hosts' meeting, and signals the
+  first fence on the devices (a kernel that only writes; before raising, every fence
+  left), so that their kernels pass.
 
 The first fence is where the hosts must meet unless they know where the buffers are
 (a host can only launch a read of a peer's buffer once it knows where that buffer is),
@@ -61,7 +63,8 @@ before it has enqueued everything. At the first fence each rank also signs the c
 (number, collective, algorithm, dtype, op, size, root), and once past it every rank
 compares the signatures and checks every rank's descriptors (its own too): ranks that
 called different things, or a buffer that cannot be shared, make every rank raise
-alike instead of reading each other's memory or waiting for ranks that raised.
+alike instead of reading each other's memory or waiting for ranks that raised (ranks
+that took registered arrays without asking raise the digests' mismatch instead).
 
 Registration: a rank's input is exported once per allocation (its base address and the
 driver's buffer id: CuPy's and torch's pools sub-allocate, so a buffer is base plus
@@ -89,7 +92,7 @@ from .progress import Handle
 
 MECHANISMS = ("host", "stream", "kernel")
 DEFAULT_KERNEL_LIMIT = 300.0  # seconds an in-kernel wait lasts at most where the call has no timeout
-_LINE = 66  # int64 words of one rank's line in the window
+_LINE = 80  # int64 words of one rank's line in the window (640 bytes: the rows after stay 128-byte aligned)
 _EPOCH, _ANNOUNCED, _SIGNATURE, _DESCRIPTORS, _PID, _DIGEST = 0, 1, 2, 10, 63, 64  # word offsets in a line
 _DESCRIPTOR = 13  # words of a buffer's descriptor: IPC handle (8), base, buffer id, offset, bytes, allocation size
 _HANDLE_WORDS = 8
@@ -100,7 +103,7 @@ _AHEAD = 1 << 20  # released waits: a value this far past the fences pending (cy
 class PeerWindow:
     """The node's shared window of one communicator's peer-read calls (host memory,
     ``MPI.Win.Allocate_shared``; collective to make): a line per rank (fence counter,
-    call counter, signatures, descriptors, process id), a row of 32-bit words per rank,
+    call counter, signatures, descriptors, process id, digests), a row of 32-bit words per rank,
     which the other ranks' streams write (``stream`` and ``kernel`` fences), and one the
     rank's own fence kernels write where a peer did not come in time (``late``)."""
 
@@ -303,7 +306,7 @@ class PeerNode:
         # allocation -> [(the array, weakly: registered while it lives; its offset and
         # bytes; every rank's descriptor of its own)] (remember, counterparts)
         self._registered = {}
-        self._counterparts = {}  # (this rank's base, buffer id, offset, bytes) -> what counterparts found
+        self._counterparts = {}  # (this rank's base, buffer id, offset, bytes) -> what _find_counterparts found
         self._flag_stream = None  # kernel: where flags_now copies the flags out
         # calls; fences (the plans': two a call, the ranks' only synchronisations); host
         # meetings (fences a host waits at for the others: both with host fences, the
@@ -394,11 +397,12 @@ class PeerNode:
         self._counterparts.clear()
 
     def counterparts(self, mine):
-        """Where every rank's counterpart of this rank's buffer ``mine`` (its descriptor)
-        is, if ``mine`` lies in an array registered here that still lives: ``(every
-        rank's descriptor, as each would publish its own, the same place in its own
-        registered array; a CRC of them)``, else None. A registered array in use lives,
-        so its memory is nobody else's: an array found in its range is (a view of) it."""
+        """Every rank's registered array, if this rank's buffer ``mine`` (its descriptor)
+        is a whole array registered here that still lives, and every peer's is still the
+        allocation open here: ``(every rank's descriptor of its own, as each publishes
+        it; a CRC of where they are)``, else None. A registered array that lives is the
+        only array in its memory. (Only a whole array: a slice of one may be at a place
+        that differs from rank to rank, as a rank's row of an allgather's output.)"""
         key = tuple(int(v) for v in mine[_HANDLE_WORDS : _HANDLE_WORDS + 4])
         found = self._counterparts.get(key)
         if found is None:
@@ -406,19 +410,20 @@ class PeerNode:
             if len(self._counterparts) > 256:
                 self._counterparts.clear()
         alive, rows, crc = found
-        return None if alive is None or alive() is None else (rows, crc)
+        if alive is None or alive() is None:
+            return None
+        opened, pids = self.memory.opened, self.window.pids
+        for q, row in enumerate(rows):  # (a peer's allocation closed here since: never read it)
+            if q != self.window.rank:
+                known = opened.get((pids[q], int(row[_HANDLE_WORDS])))
+                if known is None or known[0] != int(row[_HANDLE_WORDS + 1]) & (2 ** 64 - 1):
+                    return None
+        return rows, crc
 
     def _find_counterparts(self, base, buffer_id, offset, nbytes):
         for alive, start, length, everyone in self._registered.get((base, buffer_id), ()):
-            delta = offset - start
-            if alive() is None or delta < 0 or delta + nbytes > length:
-                continue
-            if np.any(delta + nbytes > everyone[:, _HANDLE_WORDS + 3]):
-                continue  # a rank's is shorter: not the same array everywhere
-            rows = everyone.copy()
-            rows[:, _HANDLE_WORDS + 2] += delta
-            rows[:, _HANDLE_WORDS + 3] = nbytes
-            return alive, rows, placement_crc(rows)
+            if alive() is not None and (offset, nbytes) == (start, length):
+                return alive, everyone, placement_crc(everyone)
         return None, None, None
 
     def release(self):
@@ -687,22 +692,19 @@ class PeerCall:
                 self.arrived = True
             if self.assumed:  # the devices meet alone
                 self._fence_kernel(k, epoch)
-            else:
+            elif node.mechanism != "kernel":
                 if not self._others_signalled(epoch):
                     self._check_announced()
                     return False
                 node.counters["host meetings"] += 1
-                if node.mechanism != "kernel":
-                    self._meet()
-                else:  # a signal first: ranks that did not ask wait for it on their devices
-                    self.digest = call_digest(self.signature, placement_crc(window.descriptors(self.parity, 0)))
-                    self._fence_kernel(k, epoch)
-                    try:
-                        self._meet()
-                        self._compare_digests()
-                    except CollectiveError:
-                        self._flush()
-                        raise
+                self._meet()
+            else:  # kernel, a rank that asks: ranks that did not may wait for it on their devices
+                if not self._others_signalled(epoch):
+                    self._signalling_if_it_raises(self._check_announced, 1)
+                    return False
+                node.counters["host meetings"] += 1
+                self._signal_fences((1,))  # first: so that they go on while this host opens buffers
+                self._signalling_if_it_raises(self._meet_having_asked, 2)
             self.arrived = False
         else:  # the devices' own: the host enqueues it and goes on
             if node.mechanism == "stream":
@@ -773,29 +775,49 @@ class PeerCall:
     def _fence_kernel(self, k, epoch):
         """kernel: one small kernel writes fence ``k``'s number (and the call's digest)
         into every peer's flags and waits for theirs in its own, at most ``limit``
-        seconds. At the first fence it compares the peers' digests with this rank's,
-        where the rank took the peers' registered arrays without asking; where its host
-        met the others' there, it only writes (for the ranks that did not ask)."""
+        seconds; at the first fence (a rank that took the peers' registered arrays
+        without asking) it compares the peers' digests with this rank's."""
         node, window = self.node, self.window
-        waits = k > 1 or self.assumed
         self.backend.fence_kernel(node.stream, node.table, node.flags, window.rank, epoch & 0xFFFFFFFF, self.limit,
-                                  node.late, window.rank * window.row, digest=self.digest, wait=waits,
-                                  check=k == 1 and waits)
+                                  node.late, window.rank * window.row, digest=self.digest, check=k == 1)
 
-    def _flush(self):
-        """kernel, about to raise at the first fence: signal this call's later fences
-        too, and let this rank's stream run up to there (within a few seconds), so that
-        the ranks whose kernels wait for it see its digest, pass, and raise too (a GPU
-        runs what was queued anyway; the stand-in runs its streams only while someone
-        waits)."""
-        node, window, backend, event = self.node, self.window, self.backend, self.node.fence_event
-        for k in range(2, self.fences + 1):
-            backend.fence_kernel(node.stream, node.table, node.flags, window.rank, (self.base + k) & 0xFFFFFFFF,
-                                 self.limit, node.late, window.rank * window.row, digest=self.digest, wait=False)
-        backend.record(event, self.node.stream)
-        until = time.monotonic() + min(self.limit, 10.0)
-        while not backend.query(event) and time.monotonic() < until:
-            time.sleep(1e-4)
+    def _meet_having_asked(self):
+        """kernel: :meth:`_meet`, then the published digests compared with this rank's."""
+        self._meet()
+        self._compare_digests()
+
+    def _signal_fences(self, fences):
+        """kernel, a rank whose host asked where the buffers are: where a rank took its
+        registered array without asking (it published a digest), its fence kernels wait
+        for this rank's on its device, so write this rank's digest and the numbers of
+        ``fences`` into the peers' flags, waiting for nothing (the first fence, or every
+        one left before raising: their kernels then see the digest, pass, and raise too).
+        Where every rank asked, no device waits at the first fence: no kernel. True if it
+        signalled."""
+        node, window = self.node, self.window
+        if not any(window.digests(self.parity)):
+            return False
+        self.digest = call_digest(self.signature, placement_crc(window.descriptors(self.parity, 0)))
+        for k in fences:
+            self.backend.fence_kernel(node.stream, node.table, node.flags, window.rank, (self.base + k) & 0xFFFFFFFF,
+                                      self.limit, node.late, window.rank * window.row, digest=self.digest, wait=False)
+        return True
+
+    def _signalling_if_it_raises(self, check, first):
+        """Run ``check``; if it raises, first signal fences ``first`` … the call's last
+        (:meth:`_signal_fences`) and let this rank's stream run up to there, within a few
+        seconds (a GPU runs what was queued anyway; the stand-in runs its streams only
+        while someone waits)."""
+        try:
+            check()
+        except BaseException:
+            if self._signal_fences(range(first, self.fences + 1)):
+                backend, event = self.backend, self.node.fence_event
+                backend.record(event, self.node.stream)
+                until = time.monotonic() + min(self.limit, 10.0)
+                while not backend.query(event) and time.monotonic() < until:
+                    time.sleep(1e-4)
+            raise
 
     def _compare_digests(self):
         """kernel, past the first fence's hosts' meeting: the ranks that took the
@@ -811,12 +833,12 @@ class PeerCall:
                 "or made another call: on registered arrays every rank must pass its own alike")
 
     def _assume(self):
-        """kernel, the first fence: where this rank's input lies in a registered array
+        """kernel, the first fence: where this rank's input is a whole registered array
         (``Communicator.empty(device=)``) and the call needs no window slot, take every
-        peer's input to be its counterpart, the same place in its own registered array
-        (so the host need not wait to see where they are: the devices then meet alone).
-        The digest the fence kernels compare names where every rank's input is, so a
-        rank that passed another array makes every rank raise."""
+        peer's input to be its counterpart, its array of the same ``empty`` (so the host
+        need not wait to see where they are: the devices then meet alone). The digest
+        the fence kernels compare names where every rank's input is, so a rank that
+        passed another array makes every rank raise."""
         if self.slot or not self.arrays["in"].nbytes:
             return
         found = self.node.counterparts(self.mine)
