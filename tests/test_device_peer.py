@@ -495,21 +495,27 @@ def test_calls_on_registered_arrays_with_fence_kernels_wait_on_no_host(mpi_comm)
         if wrong:
             problems.append(f"{collective}: {wrong}")
 
-    def counted(before):
-        return {k: node.counters[k] - before[k] for k in ("fences", "host meetings", "registered calls")}
+    def counted(before):  # (fence kernels launched: waiting ones, and ones that only signal)
+        return {k: node.counters[k] - before[k] for k in ("fences", "host meetings", "registered calls")} | {
+            k: node.backend.launches[k] - before[k] for k in ("fence", "fence signal")}
+
+    def now():
+        return node.counters | node.backend.launches
 
     collectives = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "allreduce in place")
     with D.use_stream(user):
-        before = node.counters.copy()
+        before = now()
         for k, collective in enumerate(collectives):
             run(collective, lambda r: slice(None), k, k % p)
         calls = len(collectives)
-        if counted(before) != {"fences": 2 * calls, "host meetings": 0, "registered calls": calls}:
+        if counted(before) != {"fences": 2 * calls, "host meetings": 0, "registered calls": calls,
+                               "fence": 2 * calls, "fence signal": 0}:
             problems.append(f"whole arrays, {calls} calls: {counted(before)}")
-        before = node.counters.copy()
+        before = now()  # (every rank asks: no signal kernel at the first fence, the second fence's kernel)
         for k, part in enumerate((lambda r: slice(8, 8 + 5 * p), lambda r: slice(r * 1000, (r + 1) * 1000))):
             run("allgather", part, k, 0)
-        if counted(before) != {"fences": 4, "host meetings": 2, "registered calls": 0}:
+        if counted(before) != {"fences": 4, "host meetings": 2, "registered calls": 0, "fence": 2,
+                               "fence signal": 0}:
             problems.append(f"slices, 2 calls: {counted(before)}")
     comm.free()
     agree(mpi_comm, problems)
@@ -542,8 +548,11 @@ def test_a_registered_call_where_a_rank_passes_something_else_raises_on_every_ra
             else:
                 mine = {"another registered array": other, "a slice of another": big[:64],
                         "an array not registered": D.asarray(np.ones(64, np.float32), stream=user)}[case]
+        start = time.monotonic()
         with pytest.raises(cc.CollectiveMismatchError, match="another call|another buffer|a different call"):
             call(comm, collective, mine, "one_shot", timeout=20)
+    took = time.monotonic() - start
+    assert took < 10, f"raised after {took:.1f} s (not signalled: a fence kernel spun to its limit)"
     mpi_comm.Barrier()
 
 
@@ -595,14 +604,16 @@ def test_a_rank_whose_registered_array_is_gone_asks_and_the_call_holds(mpi_comm)
     xs = [rank_input(r, 64, "float32") for r in range(p)]
     user = D.new_stream()
     node = _peer_state(comm)[0]
-    before = node.counters.copy()
+    before = node.counters.copy(), node.backend.launches.copy()
     with D.use_stream(user):
         D.copy_async(view, xs[comm.rank], user)
         got = D.asnumpy(comm.allreduce(view, algorithm="one_shot", timeout=20), stream=user)
     problems = [] if differs(sum(xs), got) is None else [differs(sum(xs), got)]
-    asked = node.counters["host meetings"] - before["host meetings"]
-    if D.name != "cuda" and asked != (comm.rank == p - 1):  # (a CuPy view keeps its array alive: none asks)
-        problems.append(f"{asked} host meetings")
+    asked = node.counters["host meetings"] - before[0]["host meetings"]
+    signalled = node.backend.launches["fence signal"] - before[1]["fence signal"]
+    mine = (comm.rank == p - 1, comm.rank == p - 1)  # the rank that asks signals the first fence to the others
+    if D.name != "cuda" and (asked, signalled) != mine:  # (a CuPy view keeps its array alive: none asks)
+        problems.append(f"{asked} host meetings, {signalled} signal kernels")
     comm.free()
     agree(mpi_comm, problems)
 

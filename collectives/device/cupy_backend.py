@@ -419,6 +419,7 @@ class CupyDevice:
                      check=False):
         """The fence kernel (``kernels/collectives.cu``): one block of a thread per rank;
         ``flags`` 2 words a rank (epoch, digest)."""
+        self.launches["fence" if wait else "fence signal"] += 1
         size = int(table.size)
         kernel = self._module(np.dtype(np.uint32)).get_function(kernels.FENCE)  # every dtype's module has it
         limit_ns = int(min(limit, 1e9) * 1e9)

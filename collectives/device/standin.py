@@ -664,6 +664,7 @@ class StandInDevice:
         gets ``late[late_index + q] = 1``, and where ``check`` is set, one whose digest
         differs from ``digest`` gets 2. It stops at once, setting nothing, once
         ``late[late_index + rank]`` is set (the host's word to stop)."""
+        self.launches["fence" if wait else "fence signal"] += 1
         with self._lock:
             self._push(stream, ("fence", _FenceKernel(table, flags, rank, epoch & 0xFFFFFFFF, limit, late,
                                                       late_index, digest & 0xFFFFFFFF, wait, check), None))

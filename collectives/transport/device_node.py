@@ -804,13 +804,17 @@ class PeerCall:
         return True
 
     def _signalling_if_it_raises(self, check, first):
-        """Run ``check``; if it raises, first signal fences ``first`` … the call's last
-        (:meth:`_signal_fences`) and let this rank's stream run up to there, within a few
-        seconds (a GPU runs what was queued anyway; the stand-in runs its streams only
-        while someone waits)."""
+        """Run ``check``; if it raises a disagreement (a :class:`CollectiveError`: another
+        call, a buffer that cannot be shared, another digest; this rank's digest then
+        differs from theirs, so they raise too), first signal fences ``first`` … the
+        call's last (:meth:`_signal_fences`) and let this rank's stream run up to there,
+        within a few seconds (a GPU runs what was queued anyway; the stand-in runs its
+        streams only while someone waits). Another error (a driver's) leaves the digests
+        alike: the others are not let past fences whose reads of this rank's input its
+        caller may overwrite once it has raised; they time out, naming it."""
         try:
             check()
-        except BaseException:
+        except CollectiveError:
             if self._signal_fences(range(first, self.fences + 1)):
                 backend, event = self.backend, self.node.fence_event
                 backend.record(event, self.node.stream)
@@ -828,9 +832,9 @@ class PeerCall:
         differ = [q for q, d in enumerate(self.window.digests(self.parity)) if d and d != self.digest]
         if differ:
             raise CollectiveMismatchError(
-                f"{self.describe}: {ranks(differ)} read this rank's input at the place in its registered array "
-                "where its own lies in its own (Communicator.empty(device=)), but this rank passed another buffer "
-                "or made another call: on registered arrays every rank must pass its own alike")
+                f"{self.describe}: {ranks(differ)} passed a whole registered array (Communicator.empty(device=)) "
+                "and so read this rank's array of the same empty() without asking, but this rank passed another "
+                "buffer or made another call: on whole registered arrays every rank must pass its own alike")
 
     def _assume(self):
         """kernel, the first fence: where this rank's input is a whole registered array
@@ -860,8 +864,8 @@ class PeerCall:
         differ = [q for q in range(window.size) if row[q] == 2 and q != window.rank]  # (its own word: release's)
         if differ:  # (first: ranks that called something else may well be late too)
             raise CollectiveMismatchError(
-                f"{self.describe}: {ranks(differ)} made another call, or passed another buffer: a call on a "
-                "registered array (Communicator.empty(device=)) reads every rank's own array at the same place "
+                f"{self.describe}: {ranks(differ)} made another call, or passed another buffer: a call on a whole "
+                "registered array (Communicator.empty(device=)) reads every rank's array of the same empty() "
                 "without asking where it is, so every rank must pass its own alike (the result is undefined)")
         late = [q for q in range(window.size) if row[q] == 1 and q != window.rank]
         if late:
