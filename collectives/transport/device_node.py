@@ -302,11 +302,10 @@ class PeerNode:
         self.slot, self._slots = None, []  # this rank's window slot (device bytes), and every one made
         self.nothing = self.backend.empty(0, np.uint8)  # the buffers of a call that moves nothing (a barrier)
         self._buffers = {}  # the peers' buffers seen, typed (peer_buffer)
-        # Registered arrays (Communicator.empty(device=)): (base, buffer id) of this rank's
-        # allocation -> [(the array, weakly: registered while it lives; its offset and
-        # bytes; every rank's descriptor of its own)] (remember, counterparts)
+        # Registered arrays (Communicator.empty(device=)): where this rank's lies (base,
+        # buffer id, offset, bytes) -> (the array, weakly: registered while it lives;
+        # every rank's descriptor of its own; their placement_crc) (remember, counterparts)
         self._registered = {}
-        self._counterparts = {}  # (this rank's base, buffer id, offset, bytes) -> what _find_counterparts found
         self._flag_stream = None  # kernel: where flags_now copies the flags out
         # calls; fences (the plans': two a call, the ranks' only synchronisations); host
         # meetings (fences a host waits at for the others: both with host fences, the
@@ -383,18 +382,16 @@ class PeerNode:
     def remember(self, array, everyone):
         """``array`` is registered: ``everyone`` holds every node rank's descriptor of its
         own (``Communicator.empty(device=)``, collective), each opened here already."""
-        mine = everyone[self.window.rank]
-        base, buffer_id, offset, nbytes = (int(v) for v in mine[_HANDLE_WORDS : _HANDLE_WORDS + 4])
-        if nbytes <= 0:
+        key = _placement(everyone[self.window.rank])
+        if key[3] <= 0:
             return
         try:
             alive = weakref.ref(array)
         except TypeError:  # an array that cannot be referred to weakly: never taken as registered
             return
-        entries = self._registered.setdefault((base, buffer_id), [])
-        entries[:] = [e for e in entries if e[0]() is not None]
-        entries.append((alive, offset, nbytes, everyone.copy()))
-        self._counterparts.clear()
+        for gone in [k for k, (held, _, _) in self._registered.items() if held() is None]:
+            del self._registered[gone]
+        self._registered[key] = (alive, everyone.copy(), placement_crc(everyone))
 
     def counterparts(self, mine):
         """Every rank's registered array, if this rank's buffer ``mine`` (its descriptor)
@@ -403,13 +400,7 @@ class PeerNode:
         it; a CRC of where they are)``, else None. A registered array that lives is the
         only array in its memory. (Only a whole array: a slice of one may be at a place
         that differs from rank to rank, as a rank's row of an allgather's output.)"""
-        key = tuple(int(v) for v in mine[_HANDLE_WORDS : _HANDLE_WORDS + 4])
-        found = self._counterparts.get(key)
-        if found is None:
-            found = self._counterparts[key] = self._find_counterparts(*key)
-            if len(self._counterparts) > 256:
-                self._counterparts.clear()
-        alive, rows, crc = found
+        alive, rows, crc = self._registered.get(_placement(mine), (None, None, None))
         if alive is None or alive() is None:
             return None
         opened, pids = self.memory.opened, self.window.pids
@@ -419,12 +410,6 @@ class PeerNode:
                 if known is None or known[0] != int(row[_HANDLE_WORDS + 1]) & (2 ** 64 - 1):
                     return None
         return rows, crc
-
-    def _find_counterparts(self, base, buffer_id, offset, nbytes):
-        for alive, start, length, everyone in self._registered.get((base, buffer_id), ()):
-            if alive() is not None and (offset, nbytes) == (start, length):
-                return alive, everyone, placement_crc(everyone)
-        return None, None, None
 
     def release(self):
         """Let this rank's stream pass every fence it may wait at (after a failure, so
@@ -458,6 +443,11 @@ class PeerNode:
 
 def _ptr(array):
     return array.ptr if hasattr(array, "ptr") else array.data.ptr
+
+
+def _placement(descriptor):
+    """Where a descriptor's buffer is: (base, buffer id, offset, bytes)."""
+    return tuple(int(v) for v in descriptor[_HANDLE_WORDS : _HANDLE_WORDS + 4])
 
 
 def placement_crc(descriptors):
@@ -777,9 +767,13 @@ class PeerCall:
         into every peer's flags and waits for theirs in its own, at most ``limit``
         seconds; at the first fence (a rank that took the peers' registered arrays
         without asking) it compares the peers' digests with this rank's."""
+        self._launch_fence(epoch, wait=True, check=k == 1)
+
+    def _launch_fence(self, epoch, wait, check=False):
+        """The fence kernel at ``epoch`` with this call's digest: waiting, or only signalling."""
         node, window = self.node, self.window
         self.backend.fence_kernel(node.stream, node.table, node.flags, window.rank, epoch & 0xFFFFFFFF, self.limit,
-                                  node.late, window.rank * window.row, digest=self.digest, check=k == 1)
+                                  node.late, window.rank * window.row, digest=self.digest, wait=wait, check=check)
 
     def _meet_having_asked(self):
         """kernel: :meth:`_meet`, then the published digests compared with this rank's."""
@@ -794,13 +788,12 @@ class PeerCall:
         one left before raising: their kernels then see the digest, pass, and raise too).
         Where every rank asked, no device waits at the first fence: no kernel. True if it
         signalled."""
-        node, window = self.node, self.window
+        window = self.window
         if not any(window.digests(self.parity)):
             return False
         self.digest = call_digest(self.signature, placement_crc(window.descriptors(self.parity, 0)))
         for k in fences:
-            self.backend.fence_kernel(node.stream, node.table, node.flags, window.rank, (self.base + k) & 0xFFFFFFFF,
-                                      self.limit, node.late, window.rank * window.row, digest=self.digest, wait=False)
+            self._launch_fence(self.base + k, wait=False)
         return True
 
     def _signalling_if_it_raises(self, check, first):
