@@ -98,7 +98,7 @@ SOAK_RANKS    ?= 4
 SOAK_CALLS    ?= 20000
 SOAK_ARGS     ?= --max-growth-mib 32
 
-.PHONY: install test lint test-serial test-mpi test-openmpi test-impi test-long test-torch-suite test-multihost bench-multihost test-gpu demo bench bench-gpu bench-gpu-paths gpu-wheels gpu-session bench-training bench-ddp bench-reliability bench-ps examples examples-ps soak tune project docs clean
+.PHONY: install test lint test-serial test-mpi test-openmpi test-impi test-long test-torch-suite test-multihost bench-multihost test-gpu demo bench bench-gpu bench-gpu-paths probe-gpu gpu-wheels gpu-session bench-training bench-ddp bench-reliability bench-ps examples examples-ps soak tune project docs clean
 
 install: $(VENV)/.installed
 
@@ -213,16 +213,33 @@ bench-multihost: install
 # and MPIEXEC= for an environment that has the package. It fails, rather than skips,
 # where no GPU is visible. One rank runs without mpiexec, as test-serial does (a serial
 # test's subprocess must not inherit an mpiexec job's environment).
-GPU_SIZES     ?= 1 2 3 4
+# A GPU is lent for minutes, so a run must say why it failed even when a limit cuts it
+# short: each rank writes its own log into GPU_LOGS as it goes (tracebacks, the slowest
+# tests); a library wait gives up after COLLECTIVES_TIMEOUT (GPU_TEST_TIMEOUT s) naming
+# the ranks it waited for, not hang; past GPU_TEST_STACKS s in one test every thread's
+# stack is written to the log; and where pytest-timeout is installed (the GPU image has
+# it) a test past GPU_TEST_KILL s ends that world size's run, stacks written, rather than
+# leave the ranks in different tests. Every world size runs; the target fails if any did.
+GPU_SIZES     ?= 2 1 4 3
 GPU_TESTS     ?= tests/test_device.py tests/test_device_peer.py tests/test_device_lean.py tests/test_gpu.py tests/test_torch_backend_gpu.py
+GPU_LOGS      ?= gpu-logs
+GPU_TEST_TIMEOUT ?= 30
+GPU_TEST_STACKS  ?= 45
+GPU_TEST_KILL    ?= 90
 test-gpu:
 	@$(PYTHON) -c "import cupy, sys; n = cupy.cuda.runtime.getDeviceCount(); print(f'{n} GPU(s):', cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()); sys.exit(n == 0)"
-	@for n in $(GPU_SIZES); do \
-	  echo "== GPU, mpiexec -n $$n"; \
+	@mkdir -p $(GPU_LOGS); failed=""; \
+	kill=$$($(PYTHON) -c "import pytest_timeout" 2>/dev/null && echo "-p timeout --timeout=$(GPU_TEST_KILL) --timeout-method=thread"); \
+	for n in $(GPU_SIZES); do \
+	  echo "== GPU, mpiexec -n $$n (each rank's log: $(GPU_LOGS)/n$$n-r<rank>.log)"; \
 	  if [ $$n = 1 ]; then launch=""; only=""; else launch="$(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n"; only="not serial"; fi; \
-	  timeout $(RUN_TIMEOUT) $$launch $(PYTHON) -m pytest -q --with-mpi --device cuda \
-	    -m "$$only" $(GPU_TESTS) || exit 1; \
-	done
+	  COLLECTIVES_TIMEOUT=$${COLLECTIVES_TIMEOUT:-$(GPU_TEST_TIMEOUT)} GPU_LOG="$(GPU_LOGS)/n$$n" \
+	    timeout $(RUN_TIMEOUT) $$launch sh -c 'exec "$$0" "$$@" > "$$GPU_LOG-r$${PMI_RANK:-$${OMPI_COMM_WORLD_RANK:-0}}.log" 2>&1' \
+	    $(PYTHON) -m pytest -q -rfE --tb=short --durations=8 -o faulthandler_timeout=$(GPU_TEST_STACKS) $$kill \
+	    --with-mpi --device cuda -m "$$only" $(GPU_TESTS) || failed="$$failed $$n"; \
+	  grep -h -E '^(FAILED|ERROR) ' $(GPU_LOGS)/n$$n-r*.log | sort -u; tail -n 1 $(GPU_LOGS)/n$$n-r0.log; \
+	done; \
+	if [ -n "$$failed" ]; then echo "test-gpu: failed at$$failed rank(s): see $(GPU_LOGS)/"; exit 1; fi
 
 # Issue 31's GPU measurements, in one command (under 8 minutes on one GPU: each step has
 # a time limit, GPU_STEP_LIMITS, 7 minutes in all), into GPU_RESULTS: at each of
@@ -255,19 +272,31 @@ bench-gpu:
 	$(PYTHON) -m collectives.tools.bench.peer --report $(GPU_RESULTS) || failed="$$failed report"; \
 	if [ -n "$$failed" ]; then echo "bench-gpu: failed or cut short:$$failed"; exit 1; fi
 
+# Where a device call's time goes on a GPU the ranks share (collectives.tools.bench.probe):
+# GPU round trips alone and together, host and stream token rings between the ranks, a
+# one_shot call timed in parts by each fence mechanism; at 2 and 4 ranks, into GPU_RESULTS.
+probe-gpu:
+	mkdir -p $(GPU_RESULTS)
+	@for n in $(GPU_BENCH_SIZES); do \
+	  echo "== where a call's time goes: $$n ranks"; \
+	  timeout 60 $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m mpi4py -m collectives.tools.bench.probe \
+	    --json $(GPU_RESULTS)/probe-n$$n.json || exit 1; \
+	done
+
 # The GPU machines lent to this project have CuPy, PyTorch and mpi4py but no MPI runtime
 # and no pytest-mpi, and no network. Here, `make gpu-wheels` saves them for their
 # Python 3.12 in .whl/ (ignored by git: carry it); there, `make gpu-session` installs
 # them and this package under /tmp/gpu-env and runs GPU_SESSION (bench-gpu first: its
-# figures are what the issue waits for, then test-gpu), each step's log, its results
-# as one tarball and a summary under OUT (tests/harness/gpu_session.sh).
+# figures are what the issue waits for, about a minute on the H200; then probe-gpu, under
+# two; then test-gpu), each step's log, its results and the test ranks' logs as one
+# tarball each and a summary under OUT (tests/harness/gpu_session.sh).
 GPU_WHEELS    ?= mpich==5.0.2 pytest-mpi==0.6
 gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 	  -d .whl $(GPU_WHEELS)
 
-GPU_SESSION   ?= bench test
+GPU_SESSION   ?= bench probe test
 gpu-session:
 	tests/harness/gpu_session.sh $(GPU_SESSION)
 

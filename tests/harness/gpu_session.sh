@@ -6,11 +6,13 @@
 #   there:  tests/harness/gpu_session.sh bench   # carrying .whl; then, warm: ... test
 #
 # Installs the wheels and this package (not editable: the kernels ship inside it) under
-# /tmp/gpu-env, then runs each step named (bench: make bench-gpu; test: make test-gpu),
-# each within its limit (BENCH_LIMIT, TEST_LIMIT seconds), and leaves under OUT (the
-# device tool's folder; bench/results/gpu-session here) each step's log, the results
-# folder as one tarball and summary.txt with every step's exit status. A step that
-# fails does not stop the next; the script fails if any did.
+# /tmp/gpu-env, then runs each step named (bench: make bench-gpu; test: make test-gpu;
+# probe: make probe-gpu, where a call's time goes on a GPU the ranks share), each
+# within its limit (BENCH_LIMIT, TEST_LIMIT, PROBE_LIMIT seconds), and leaves under OUT
+# (the device tool's folder; bench/results/gpu-session here) each step's log, the
+# results folder and the test ranks' logs as one tarball each, and summary.txt with
+# every step's exit status. A step that fails does not stop the next; the script fails
+# if any did.
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench/results/gpu-session}
@@ -32,7 +34,7 @@ site=$(echo "$ENV_DIR"/lib/python3*/site-packages)
 # beside it, not inside), even under `python -m` from the checkout's root.
 export PATH="$ENV_DIR/bin:$PATH" LD_LIBRARY_PATH="$ENV_DIR/lib:${LD_LIBRARY_PATH:-}" \
        PYTHONPATH="$site:${PYTHONPATH:-}" PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
-make_vars=(PYTHON="$PY" MPIEXEC="$ENV_DIR/bin/mpiexec" MPIEXEC_FLAGS=)
+make_vars=(PYTHON="$PY" MPIEXEC="$ENV_DIR/bin/mpiexec" MPIEXEC_FLAGS= GPU_LOGS=/tmp/gpu-logs)
 "$PY" -c "import collectives, cupy; from mpi4py import MPI; print(collectives.__file__, MPI.Get_library_version().splitlines()[0], cupy.cuda.runtime.getDeviceProperties(0)['name'].decode())" \
   2>&1 | tee -a "$summary"
 gpu=$("$PY" -c "import cupy; print(cupy.cuda.runtime.getDeviceProperties(0)['name'].decode().replace(' ', '-'))")
@@ -43,7 +45,8 @@ for step in "$@"; do
   case $step in
     bench) target=bench-gpu; limit=${BENCH_LIMIT:-480} ;;
     test)  target=test-gpu;  limit=${TEST_LIMIT:-540} ;;
-    *) echo "unknown step $step (bench, test)" | tee -a "$summary"; exit 2 ;;
+    probe) target=probe-gpu; limit=${PROBE_LIMIT:-120} ;;
+    *) echo "unknown step $step (bench, test, probe)" | tee -a "$summary"; exit 2 ;;
   esac
   start=$(date +%s)
   timeout "$limit" make --no-print-directory "${make_vars[@]}" "$target" > "$OUT/$target.log" 2>&1
@@ -53,5 +56,8 @@ for step in "$@"; do
 done
 if [ -n "$gpu" ] && [ -d "$results" ]; then
   tar czf "$OUT/results.tar.gz" "$results" && echo "results: $results -> $OUT/results.tar.gz" | tee -a "$summary"
+fi
+if [ -d /tmp/gpu-logs ]; then
+  tar czf "$OUT/gpu-logs.tar.gz" -C /tmp gpu-logs && echo "test logs: $OUT/gpu-logs.tar.gz" | tee -a "$summary"
 fi
 exit $status
