@@ -72,7 +72,9 @@ def _device_empty(ctx: Any, backend: Any, shape: tuple[int, ...], dtype: Any, nb
     from .routes.peer import register
 
     storage = backend.storage_dtype(dtype)
-    array = backend.empty(shape, storage)
+    # An allocation of its own, not the pool's: the peers open exactly this array (a pool's
+    # chunk would open to them whatever else lies in it), and its id changes only with it.
+    array = backend.dedicated(shape, storage)
     register(ctx, device_context(ctx, backend, ctx.options.timeout), array, nbytes, ctx.options.timeout)
     return bfloat16(array) if storage != dtype else array
 

@@ -702,7 +702,8 @@ def test_a_call_launches_one_kernel_a_phase(mpi_comm):
 def test_freed_and_reallocated_memory_is_opened_anew(pcomm, mpi_comm):
     """A buffer freed and allocated again at the same base gets a new buffer id: the
     peers close their mapping of the old allocation and open the new one (the stand-in
-    raises where a stale mapping is read)."""
+    raises where a stale mapping is read). Each round's x is an allocation of its own: a
+    pool's block may lie in a chunk the peers have open already (CuPy's does, on a GPU)."""
     comm, problems = pcomm, []
     comm.allreduce(D.asarray(np.ones(3, np.float32)), algorithm="one_shot")  # the window: made before the rounds
     memory = _peer_state(comm)[1]
@@ -711,7 +712,7 @@ def test_freed_and_reallocated_memory_is_opened_anew(pcomm, mpi_comm):
     gc.collect()
     D.free_all_blocks()  # what earlier tests freed: so every round's x is a new allocation
     for round_ in range(3):
-        x = D.asarray(rank_input(comm.rank, count, "float32") + round_)
+        x = D.dedicated(rank_input(comm.rank, count, "float32") + round_)
         bases.append(getattr(x, "ptr", None) or x.data.ptr)
         before = memory.counters.copy()
         got = comm.allreduce(x, algorithm="one_shot")
@@ -741,6 +742,38 @@ def test_empty_on_a_device_is_registered_and_usable(mpi_comm):
         problems.append(f"allreduce on it: {D.asnumpy(got)[0]}")
     with pytest.raises(ValueError, match="device must be None .* got 'gpu'"):
         comm.empty(4, device="gpu")
+    comm.free()
+    agree(mpi_comm, problems)
+
+
+def test_empty_on_a_device_is_an_allocation_of_its_own(mpi_comm):
+    """comm.empty(device=) does not come out of the pool: where the pool has room in a
+    chunk the peers opened before (a block freed in it, another array still there, as
+    CuPy's pool leaves them on a GPU), a pool's array would lie in that chunk, and the
+    peers would open nothing new, their mapping of it shared with whatever else lies
+    there. Each peer opens the new array, once, and nothing more on the first call."""
+    comm = communicator("host")
+    memory = _peer_state(comm)[1] if comm.size > 1 else None
+    gc.collect()
+    D.free_all_blocks()
+    chunk = D.asarray(np.ones(3 << 20, np.float32))  # 12 MiB: a chunk of its own in the pool
+    comm.allreduce(chunk, algorithm="one_shot")  # the peers open that chunk
+    del chunk
+    gc.collect()
+    kept = D.asarray(np.ones(256, np.float32))  # lands in the freed chunk, which stays in the pool
+    problems = []
+    opened = memory.counters["opened"] if memory else 0
+    x = comm.zeros(1 << 20, "float32", device=D.device)  # 4 MiB: would fit in the chunk's free room
+    registered = (memory.counters["opened"] - opened) if memory else 0
+    if comm.size > 1 and registered != comm.size - 1:
+        problems.append(f"empty(device=) made the peers open {registered} allocations, not {comm.size - 1}")
+    before = memory.counters["opened"] if memory else 0
+    comm.allreduce(x, out=x, algorithm="one_shot")
+    if memory and memory.counters["opened"] != before:
+        problems.append(f"the first call on it opened {memory.counters['opened'] - before} allocations")
+    if differs(np.zeros(1 << 20, np.float32), D.asnumpy(x)):
+        problems.append("wrong result")
+    del kept
     comm.free()
     agree(mpi_comm, problems)
 

@@ -11,7 +11,8 @@ CuPy nor torch; they are imported when such an array is first seen.
 The device interface (a *backend*: one object per device) is what the executor may
 use, and all it may use:
 
-- memory: ``empty(shape, dtype, stream=None)`` (device), ``pinned(nbytes)``
+- memory: ``empty(shape, dtype, stream=None)`` (device, from the pool),
+  ``dedicated(shape, dtype)`` (device, an allocation of its own), ``pinned(nbytes)``
   (page-locked host, a NumPy uint8 array), ``storage_dtype(dtype)`` (what it stores a
   dtype in: CuPy keeps bfloat16 in uint16);
 - streams and events: ``stream()``, ``current_stream()``, ``event(interprocess)``,

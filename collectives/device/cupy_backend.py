@@ -162,6 +162,17 @@ class CupyDevice:
         with cupy.cuda.Device(self.id), (stream if stream is not None else contextlib.nullcontext()):
             return cupy.empty(shape, dtype)
 
+    def dedicated(self, shape, dtype):
+        """Device memory in an allocation of its own (``cudaMalloc``, not CuPy's pool,
+        which carves arrays out of shared chunks): what ``Communicator.empty(device=)``
+        returns, which the node's ranks open whole. ``cudaFree`` when it is gone."""
+        self.counters["allocations"] += 1
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        with cupy.cuda.Device(self.id):
+            memory = cupy.cuda.Memory(max(int(nbytes), 1))
+            return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
+
     def prepare(self, dtype):
         """Compile ``dtype``'s kernels now (NVRTC, at the first call on a dtype), before
         the call sends anything, not inside the progress engine."""

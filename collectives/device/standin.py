@@ -260,6 +260,12 @@ class _FenceKernel:
                     self.late[self.late_index + q] = 2
 
 
+def _dtype_and_nbytes(shape, dtype):
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64)) if np.ndim(shape) else int(shape)
+    return dtype, count * dtype.itemsize
+
+
 class _Heap:
     """One process's stand-in device memory: a sparse file in ``/dev/shm`` mapped once,
     whose head holds a buffer id per granule (0: free) that other processes read to
@@ -314,6 +320,7 @@ class _Segment:
         self.memory = heap.bytes[self.offset : self.offset + self.length]
         self.free = [(0, self.length)]
         self.used = 0
+        self.dedicated = False  # one array's alone (StandInDevice.dedicated): back to the heap with it
 
     def take(self, nbytes):
         for k, (start, free) in enumerate(self.free):
@@ -394,9 +401,7 @@ class StandInDevice:
     def empty(self, shape, dtype, stream=None):
         """Device memory (contents: garbage), a block of the pool. ``stream``: the stream
         it will be used on (CuPy's pool cares; the stand-in does not)."""
-        dtype = np.dtype(dtype)
-        count = int(np.prod(shape, dtype=np.int64)) if np.ndim(shape) else int(shape)
-        nbytes = count * dtype.itemsize
+        dtype, nbytes = _dtype_and_nbytes(shape, dtype)
         self.counters["allocations"] += 1
         if nbytes == 0:
             return StandInArray(self, np.empty(shape, dtype))
@@ -417,6 +422,25 @@ class StandInDevice:
             memory[...] = GARBAGE
         block = _Block(self, segment, start, size)
         return StandInArray(self, memory.view(dtype).reshape(shape), block)
+
+    def dedicated(self, shape, dtype):
+        """Device memory (contents: garbage) in an allocation of its own, a segment no
+        other array lies in (CUDA's ``cudaMalloc``, not the pool's): what
+        ``Communicator.empty(device=)`` returns, which the node's ranks open whole. Its
+        range goes back to the heap once the array is gone and the work queued on it has
+        run (``cudaFree`` waits for the device)."""
+        dtype, nbytes = _dtype_and_nbytes(shape, dtype)
+        self.counters["allocations"] += 1
+        if nbytes == 0:
+            return StandInArray(self, np.empty(shape, dtype))
+        with self._lock:
+            if self._heap is None:
+                self._heap = _Heap(self)
+            segment = _Segment(self._heap, nbytes)
+            segment.dedicated = True
+            start = segment.take(segment.length)
+        block = _Block(self, segment, start, segment.length)
+        return StandInArray(self, segment.memory[:nbytes].view(dtype).reshape(shape), block)
 
     def free_all_blocks(self):
         """Give the segments no array lies in back to the heap (``cupy``'s
@@ -451,6 +475,8 @@ class StandInDevice:
                 freed.append(block)
             else:
                 block.segment.give(block.start, block.nbytes)
+                if block.segment.dedicated:
+                    self._heap.release(block.segment.offset, block.segment.length)
 
     def allocation(self, array):
         """``(base, nbytes, buffer id)`` of the segment ``array`` lies in (the allocation

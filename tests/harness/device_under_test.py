@@ -42,6 +42,14 @@ class StandIn:
         """Give the pool's unused segments back (they may be allocated again, under new ids)."""
         self.si.device().free_all_blocks()
 
+    def dedicated(self, host):
+        """A device array holding ``host`` in an allocation of its own (freed with it)."""
+        host = np.ascontiguousarray(host)
+        device = self.si.device()
+        x = device.dedicated(host.shape, host.dtype)
+        device.copy(x.reshape(-1), host.copy().reshape(-1), device.current_stream())
+        return x
+
     def unshareable(self, host):
         """A device array holding ``host`` in memory no other process can open: outside
         the stand-in's pool (as CUDA's managed memory is outside what IPC exports)."""
@@ -87,6 +95,15 @@ class Cuda:
 
     def free_all_blocks(self):
         self.cupy.get_default_memory_pool().free_all_blocks()
+
+    def dedicated(self, host):
+        """A device array holding ``host`` in an allocation of its own (``cudaMalloc``,
+        not the pool's; ``cudaFree`` when it is gone)."""
+        host = np.ascontiguousarray(host)
+        memory = self.cupy.cuda.Memory(max(host.nbytes, 1))
+        x = self.cupy.ndarray(host.shape, host.dtype, self.cupy.cuda.MemoryPointer(memory, 0))
+        x.set(host)
+        return x
 
     def unshareable(self, host):
         """A device array holding ``host`` in managed memory, which CUDA IPC cannot export."""
