@@ -625,39 +625,43 @@ def conservative_choice(collective, nbytes, size, topology=None, model=SHIPPED_M
 class DeviceCostModel:
     """The device rule's parameters where no device table was measured, in seconds and
     bytes per second: ``call`` the host's work of one call, ``fence`` one synchronisation
-    of the node's ranks (the floor ``make bench-gpu`` measures), ``launch`` one kernel
-    or copy, ``bandwidth`` the device's copy rate B (bytes read plus written per second;
-    ``shared``: the node's ranks share one GPU, whose memory carries the sum of their
-    traffic), for the ring over CUDA IPC ``ipc_step`` the host's handshake of one
-    message and ``ipc_rate`` its bytes per second, and for ``native`` on device arrays
-    (staged: the input device -> pinned host, the MPI library's own collective on the
-    host copies, the result back) ``staged_fixed`` its cost beyond ``call`` and
-    ``staged_rate`` the bytes per second of what crosses the host (``STAGED_BYTES``:
-    copied in plus copied back), MPI's own work on the host copies included.
+    of the node's ranks, ``launch`` one kernel or copy, ``bandwidth`` the device's copy
+    rate B (bytes read plus written per second; ``shared``: the node's ranks share one
+    GPU, whose memory carries the sum of their traffic), ``switch`` what each further
+    process whose device work a call waits for costs on a GPU the ranks share (the GPU
+    runs one process at a time: it switches to each in turn, per round of kernels), for
+    the ring over CUDA IPC ``ipc_step`` the host's handshake of one message and
+    ``ipc_rate`` its bytes per second, and for ``native`` on device arrays (staged: the
+    input device -> pinned host, the MPI library's own collective on the host copies,
+    the result back, two switches a process) ``staged_fixed`` its cost beyond ``call``
+    and ``staged_rate`` the bytes per second of what crosses the host
+    (``STAGED_BYTES``: copied in plus copied back), MPI's own work on the host copies
+    included.
 
-    The defaults come from the one GPU measured so far
-    (bench/results/NVIDIA-H100-80GB-HBM3: the copy at 2.7-3.0 TB/s, a 2-rank ring
-    allreduce below 1 MiB 0.4-0.7 ms, so about 150 us a message, its busbw 11-16 GB/s).
-    The staged ones are a least-squares fit (in relative error) of ``call + staged_fixed
-    + STAGED_BYTES / staged_rate`` to the 21 ``native`` rows on device arrays of
-    bench-n2.json (2 ranks, MPICH 5.0.2, not CUDA-aware; allreduce, allgather and
-    broadcast, 64 KiB to 256 MiB: allreduce 378 us at 64 KiB, 283 at 256 KiB, 960 at 1
-    MiB, 3112 at 4 MiB, 11694 at 16 MiB), within -47% to +85% of them (33% rms): 64 KiB
-    took longer than 256 KiB, which no fixed cost plus a rate fits, and MPI's reduction
-    on the host makes large allreduces slower than their bytes say. Only 2 ranks were
-    measured, so ``staged_fixed`` does not grow with the ranks. The fence and launch
-    costs are estimates until ``make bench-gpu`` measures them, and a device table
-    (``collectives-bench --device cuda --tune``) replaces the whole rule."""
+    The defaults come from the one GPU measured with peer reads
+    (bench/results/NVIDIA-H200: 2 and 4 ranks sharing one H200, MPICH 5.0.2 not
+    CUDA-aware). B: its copy, 4.0-4.1 TB/s. ``call``, ``fence`` and ``switch`` solve
+    one_shot allreduce at 8 B, 440 us at 2 ranks and 820 at 4 (2 fences and p - 1
+    switches); they then give two_shot (two rounds of kernels) 630 and 1390 us against
+    830 and 1200-1500 measured, and broadcast at 64 MiB (p - 1 processes copy) 280 and
+    730 us against 147 and 704. ``ipc_step``: the 8 B ring allreduce, 830 us at 2 ranks
+    (2 handshakes) and 2228 at 4 (6). ``staged_fixed``: native at 8 B, 470 us at 2 ranks
+    (1142 at 4: the model says 1230); ``staged_rate`` the least-squares fit (in relative
+    error) of native allreduce from 1 to 256 MiB at 2 and 4 ranks, within -60% to +62%
+    of them (42% rms: MPI's reduction on the host slows past 16 MiB). A device table
+    (``collectives-bench --device cuda --tune``, or ``make bench-gpu``'s tuning.json)
+    replaces the whole rule."""
 
     call: float = 40e-6
-    fence: float = 25e-6
+    fence: float = 100e-6
     launch: float = 6e-6
-    bandwidth: float = 2.5e12
+    bandwidth: float = 4.0e12
     shared: bool = True
-    ipc_step: float = 150e-6
+    switch: float = 190e-6
+    ipc_step: float = 395e-6
     ipc_rate: float = 15e9
-    staged_fixed: float = 185e-6
-    staged_rate: float = 3.7e9
+    staged_fixed: float = 50e-6
+    staged_rate: float = 4.0e9
 
 
 SHIPPED_DEVICE_MODEL = DeviceCostModel()
@@ -670,19 +674,25 @@ def _kernels(inputs):
 
 
 # Per collective, for predict_device: each peer-read algorithm's memory traffic (bytes,
-# of n the table's bytes at p ranks) and kernel launches; then the message-based
-# contender over CUDA IPC, its rounds of p - 1 handshakes and the bytes of one step.
+# of n the table's bytes at p ranks), kernel launches, how many ranks run device work
+# and in how many rounds (the kernels before, between and after its fences); then the
+# message-based contender over CUDA IPC, its rounds of p - 1 handshakes and the bytes of
+# one step.
 DEVICE_COSTS = {
-    "allreduce": ({"one_shot": (lambda p, n: (p + 1) * n, lambda p: _kernels(p)),
-                   "two_shot": (lambda p, n: (3 + 1 / p) * n, lambda p: 2 * _kernels(p))},
+    "allreduce": ({"one_shot": (lambda p, n: (p + 1) * n, lambda p: _kernels(p), lambda p: p, 1),
+                   "two_shot": (lambda p, n: (3 + 1 / p) * n, lambda p: 2 * _kernels(p), lambda p: p, 2)},
                   "ring", 2, lambda p, n: n / p),
-    "reduce_scatter": ({"one_shot": (lambda p, n: (1 + 1 / p) * n, lambda p: _kernels(p))}, "ring", 1,
-                       lambda p, n: n / p),
-    "allgather": ({"one_shot": (lambda p, n: 2 * n, lambda p: 1 + _kernels(p - 1))}, "ring", 1, lambda p, n: n / p),
+    "reduce_scatter": ({"one_shot": (lambda p, n: (1 + 1 / p) * n, lambda p: _kernels(p), lambda p: p, 1)}, "ring",
+                       1, lambda p, n: n / p),
+    # its own row before the first fence, the others' after it
+    "allgather": ({"one_shot": (lambda p, n: 2 * n, lambda p: 1 + _kernels(p - 1), lambda p: p, 2)}, "ring", 1,
+                  lambda p, n: n / p),
     # the root reads nothing: p - 1 ranks copy; broadcast has no ring, its tree moves as much here
-    "broadcast": ({"one_shot": (lambda p, n: 2 * n * (p - 1) / p, lambda p: 1)}, "binomial", 1, lambda p, n: n),
+    "broadcast": ({"one_shot": (lambda p, n: 2 * n * (p - 1) / p, lambda p: 1, lambda p: p - 1, 1)}, "binomial", 1,
+                  lambda p, n: n),
     # the root folds every input
-    "reduce": ({"one_shot": (lambda p, n: (p + 1) * n / p, lambda p: _kernels(p))}, "direct", 2, lambda p, n: n / p),
+    "reduce": ({"one_shot": (lambda p, n: (p + 1) * n / p, lambda p: _kernels(p), lambda p: 1, 1)}, "direct", 2,
+               lambda p, n: n / p),
 }
 
 # Per collective, for predict_device: the bytes of a staged ``native`` call that cross
@@ -707,23 +717,31 @@ def predict_device(collective, nbytes, size, model=SHIPPED_DEVICE_MODEL):
     copies) on one node of ``size`` ranks, ``nbytes`` as a tuning table counts them
     (allgather: the gathered size). The peer reads cost ``call`` + two fences + their
     launches + their memory traffic (:mod:`collectives.algorithms.peer`'s docstring;
-    all ranks' where they share a GPU, one rank's where each has its own); the ring
+    all ranks' where they share a GPU, one rank's where each has its own) + where they
+    share one, a ``switch`` per further rank with device work, per round of it; the ring
     2(p-1) (allreduce) or p-1 handshakes and its bytes at ``ipc_rate``; ``native``
-    ``call`` + ``staged_fixed`` + its ``STAGED_BYTES`` at ``staged_rate``."""
+    ``call`` + ``staged_fixed`` + its ``STAGED_BYTES`` at ``staged_rate`` (+ two rounds
+    of switches on a shared GPU)."""
     p, n, m = size, float(nbytes), model
     ranks = p if m.shared else 1  # whose traffic one device's memory carries
 
-    def peer(traffic, launches):
-        return m.call + 2 * m.fence + launches * m.launch + ranks * traffic / m.bandwidth
+    def switches(working, rounds):  # a GPU the ranks share runs one process's work at a time
+        return m.switch * rounds * max(working - 1, 0) if m.shared else 0.0
+
+    def peer(traffic, launches, working, rounds):
+        return (m.call + 2 * m.fence + launches * m.launch + ranks * traffic / m.bandwidth
+                + switches(working, rounds))
 
     if collective not in DEVICE_COSTS:
         return {}
     reads, other, rounds, step = DEVICE_COSTS[collective]
-    times = {algorithm: peer(traffic(p, n), launches(p)) for algorithm, (traffic, launches) in reads.items()}
+    times = {algorithm: peer(traffic(p, n), launches(p), working(p), kernel_rounds)
+             for algorithm, (traffic, launches, working, kernel_rounds) in reads.items()}
     times[other] = m.call + rounds * (p - 1) * (m.ipc_step + step(p, n) / m.ipc_rate)
     times = {a: t for a, t in times.items() if a in BUILDERS[collective]}
-    # native is no builder: MPI's own collective, which every collective has
-    times["native"] = m.call + m.staged_fixed + STAGED_BYTES[collective](p, n) / m.staged_rate
+    # native is no builder: MPI's own collective, which every collective has; its copy in
+    # and its copy back are a round each on every rank's device
+    times["native"] = m.call + m.staged_fixed + STAGED_BYTES[collective](p, n) / m.staged_rate + switches(p, 2)
     return times
 
 
