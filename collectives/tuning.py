@@ -644,8 +644,9 @@ class DeviceCostModel:
     one_shot allreduce at 8 B, 440 us at 2 ranks and 820 at 4 (2 fences and p - 1
     switches); they then give two_shot (two rounds of kernels) 630 and 1390 us against
     830 and 1200-1500 measured, and broadcast at 64 MiB (p - 1 processes copy) 280 and
-    730 us against 147 and 704. ``ipc_step``: the 8 B ring allreduce, 830 us at 2 ranks
-    (2 handshakes) and 2228 at 4 (6). ``staged_fixed``: native at 8 B, 470 us at 2 ranks
+    730 us against 147 and 704. ``ipc_step``: one handshake of a 4-byte ring allgather,
+    639 us at 2 ranks and 575 at 4 (the 8 B ring allreduce, 2(p - 1) handshakes, took
+    less: 831 and 2228 us, against 1240 and 3640 from it). ``staged_fixed``: native at 8 B, 470 us at 2 ranks
     (1142 at 4: the model says 1230); ``staged_rate`` the least-squares fit (in relative
     error) of native allreduce from 1 to 256 MiB at 2 and 4 ranks, within -60% to +62%
     of them (42% rms: MPI's reduction on the host slows past 16 MiB). A device table
@@ -658,7 +659,7 @@ class DeviceCostModel:
     bandwidth: float = 4.0e12
     shared: bool = True
     switch: float = 190e-6
-    ipc_step: float = 395e-6
+    ipc_step: float = 600e-6
     ipc_rate: float = 15e9
     staged_fixed: float = 50e-6
     staged_rate: float = 4.0e9
