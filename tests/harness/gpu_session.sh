@@ -38,7 +38,9 @@ site=$(echo "$ENV_DIR"/lib/python3*/site-packages)
 # beside it, not inside), even under `python -m` from the checkout's root.
 export PATH="$ENV_DIR/bin:$PATH" LD_LIBRARY_PATH="$ENV_DIR/lib:${LD_LIBRARY_PATH:-}" \
        PYTHONPATH="$site:${PYTHONPATH:-}" PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
-make_vars=(PYTHON="$PY" MPIEXEC="$ENV_DIR/bin/mpiexec" MPIEXEC_FLAGS= GPU_LOGS=/tmp/gpu-logs)
+# bench-gpu's own step limits inside BENCH_LIMIT (a step that hangs leaves the others theirs)
+make_vars=(PYTHON="$PY" MPIEXEC="$ENV_DIR/bin/mpiexec" MPIEXEC_FLAGS= GPU_LOGS=/tmp/gpu-logs
+           GPU_STEP_LIMITS="${GPU_STEP_LIMITS:-60 60 25}")
 "$PY" -c "import collectives, cupy; from mpi4py import MPI; print(collectives.__file__, MPI.Get_library_version().splitlines()[0], cupy.cuda.runtime.getDeviceProperties(0)['name'].decode())" \
   2>&1 | tee -a "$summary"
 gpu=$("$PY" -c "import cupy; print(cupy.cuda.runtime.getDeviceProperties(0)['name'].decode().replace(' ', '-'))")

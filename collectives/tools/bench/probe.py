@@ -22,7 +22,8 @@ floor; these probes take it apart, each an empty or 4-byte operation, p50 and p9
   whose streams wait on memory (it may keep a waiting process for its time slice).
 - ``one_shot 8 B`` by each fence mechanism, plain and on a registered array
   (``Communicator.empty(device=)``), timed in parts: from the call to its first fence
-  passed, to its second passed, to its return, to its stream synchronized.
+  passed, to its second passed (with stream fences: enqueued, the devices' own), to its
+  return, to its stream synchronized.
 
 The stand-in runs all of it (in CI) but its times mean nothing.
 """
@@ -51,11 +52,11 @@ def parse_args(argv):
     return args
 
 
-def _row(world, name, samples, per=1):
+def _row(world, name, samples):
     """p50/p99 in us of the slowest rank's samples (every rank passes as many)."""
     from .timing import combine
 
-    stats = combine(world, np.asarray(samples, np.float64) / per)
+    stats = combine(world, np.asarray(samples, np.float64))
     return {"probe": name, "world_size": world.Get_size(), "p50_us": stats["p50_us"], "p99_us": stats["p99_us"],
             "iters": len(samples)}
 
@@ -163,7 +164,8 @@ class Probes:
         self.world.Barrier()
 
     def call_parts(self, comm, x, rows, name):
-        """One_shot allreduce on ``x``: when each fence passed, the return, the sync."""
+        """One_shot allreduce on ``x``, in place: when each fence passed (the host went on
+        to the next phase), the return, the sync; marked through PeerCall's own steps."""
         from ...transport import device_node
 
         marks = {}
