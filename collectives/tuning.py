@@ -646,10 +646,11 @@ class DeviceCostModel:
     830 and 1200-1500 measured, and broadcast at 64 MiB (p - 1 processes copy) 280 and
     730 us against 147 and 704. ``ipc_step``: one handshake of a 4-byte ring allgather,
     639 us at 2 ranks and 575 at 4 (the 8 B ring allreduce, 2(p - 1) handshakes, took
-    less: 831 and 2228 us, against 1240 and 3640 from it). ``staged_fixed``: native at 8 B, 470 us at 2 ranks
-    (1142 at 4: the model says 1230); ``staged_rate`` the least-squares fit (in relative
-    error) of native allreduce from 1 to 256 MiB at 2 and 4 ranks, within -60% to +62%
-    of them (42% rms: MPI's reduction on the host slows past 16 MiB). A device table
+    less: 831 and 2228 us, against 1240 and 3640 from it). ``staged_fixed``: native at
+    8 B, 470 us at 2 ranks (1142 at 4: the model says 1230); ``staged_rate`` the
+    least-squares fit (in relative error) of native allreduce from 1 to 256 MiB at 2 and
+    4 ranks, within -60% to +62% of them (42% rms: MPI's reduction on the host slows past
+    16 MiB). A device table
     (``collectives-bench --device cuda --tune``, or ``make bench-gpu``'s tuning.json)
     replaces the whole rule."""
 
