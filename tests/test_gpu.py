@@ -284,6 +284,8 @@ def test_stream_write_and_wait_values_order_two_streams(cupy, backend):
     first, second = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
     try:
         src, dst = cupy.zeros(1 << 22, cupy.float32), cupy.zeros(1 << 22, cupy.float32)
+        src += 0  # the kernel loaded now: loading a module waits for every stream, the held one too
+        cupy.cuda.Device().synchronize()
         backend.wait_value(second, mapping, 5, 7)
         backend.copy(dst, src, second)
         with first:
