@@ -733,6 +733,49 @@ def test_freed_and_reallocated_memory_is_opened_anew(pcomm, mpi_comm):
     agree(mpi_comm, problems)
 
 
+def test_a_new_allocation_over_a_freed_one_opened_elsewhere_is_opened(pcomm, mpi_comm):
+    """CUDA maps a process's memory once per process: opening an allocation that a
+    mapping still held overlaps may fail (cudaErrorAlreadyMapped: seen on an H200 for a
+    new allocation over a freed one, though not for every such one; the stand-in
+    always refuses, the stricter rule). A peer's allocation freed and a new one made
+    over its range at another base (its old mapping is not replaced by base, as in the
+    test above): the call on the new one gives the right sum, and on the stand-in the
+    peers closed the stale mapping to open it."""
+    comm, problems = pcomm, []
+    comm.allreduce(D.asarray(np.ones(3, np.float32)), algorithm="one_shot")  # the window: made before
+    memory = _peer_state(comm)[1]
+    count = 2 << 20  # 8 MiB of float32: larger than the holes earlier tests leave
+    gc.collect()
+    D.free_all_blocks()
+    before, after = D.dedicated(rank_input(comm.rank, count, "float32")), None
+    x = D.dedicated(rank_input(comm.rank, count, "float32"))
+    if differs(sum(rank_input(r, count, "float32") for r in range(comm.size)),
+               D.asnumpy(comm.allreduce(x, algorithm="one_shot"))):
+        problems.append("the first allocation: wrong result")
+    old = _extent(x)
+    del before, x
+    gc.collect()
+    D.free_all_blocks()
+    closed = memory.counters["closed"]
+    after = D.dedicated(rank_input(comm.rank, 2 * count, "float32") + 1)
+    new = _extent(after)
+    want = sum(rank_input(r, 2 * count, "float32") + 1 for r in range(comm.size))
+    if differs(want, D.asnumpy(comm.allreduce(after, algorithm="one_shot"))):
+        problems.append("the new allocation over the freed one: wrong result")
+    overlaps = new[0] != old[0] and new[0] < old[1] and old[0] < new[1]
+    if D.name == "standin" and not overlaps:
+        problems.append(f"the new allocation {new} does not overlap the freed {old} elsewhere: the test tests nothing")
+    if D.name == "standin" and overlaps and comm.size > 1 and memory.counters["closed"] - closed < 1:
+        problems.append("no stale mapping closed")
+    agree(mpi_comm, problems)
+
+
+def _extent(array):
+    """``(first byte, end)`` of the allocation ``array`` lies in."""
+    base, size, _ = D.allocation(array)
+    return base, base + size
+
+
 def test_empty_on_a_device_is_registered_and_usable(mpi_comm):
     comm = communicator("host")
     x = comm.zeros((3, 5), "float64", device=D.device)
@@ -798,6 +841,31 @@ def test_host_arrays_and_missing_ipc_are_refused_before_any_message(mpi_comm):
             comm.allreduce(D.asarray(np.ones(4, np.float32)), algorithm="two_shot")
     # auto would pick a peer read here; without IPC it runs the cost model's message-based choice
     got = comm.allreduce(D.asarray(np.ones(4, np.float32)))
+    assert np.array_equal(D.asnumpy(got), np.full(4, comm.size, np.float32))
+    comm.free()
+    mpi_comm.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_ipc_opening_the_driver_refuses_is_named_in_the_error(mpi_comm, monkeypatch):
+    """Where rank 1 cannot open rank 0's memory when the communicator negotiates its
+    paths, a peer read raises on every rank before any message, and rank 1's error says
+    what the driver said."""
+    stand_in_only("a refusal made to order")
+    from collectives.device import standin
+
+    def refuse(handle, nbytes):
+        raise RuntimeError("peer access refused (made to order)")
+
+    if mpi_comm.rank == 1:
+        monkeypatch.setattr(standin.device(), "open_allocation", refuse)
+    comm = communicator("host")  # the negotiation: rank 1 cannot open rank 0's probe
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="cannot open") as raised:
+        comm.allreduce(D.asarray(np.ones(4, np.float32)), algorithm="one_shot")
+    named = "this rank could not open rank 0's (RuntimeError: peer access refused (made to order))"
+    assert (named in str(raised.value)) == (comm.rank == 1), str(raised.value)
+    got = comm.allreduce(D.asarray(np.ones(4, np.float32)), algorithm="ring")  # staged between them
     assert np.array_equal(D.asnumpy(got), np.full(4, comm.size, np.float32))
     comm.free()
     mpi_comm.Barrier()

@@ -24,14 +24,14 @@ use, and all it may use:
   ``reduce2``, ``reduce_n``, ``divide``, ``cast_divide``, ``pack``, ``unpack``; and
   ``prepare(dtype)``, which compiles a dtype's kernels ahead of their first launch;
 - MPI and IPC: ``mpi_buffer(array)`` (what a CUDA-aware MPI is given),
-  ``ipc_alloc(nbytes)``, ``ipc_open(handle, nbytes)``, ``ipc_event_handle(event)``,
-  ``ipc_open_event(handle)``, ``ipc_free(array)``, ``ipc_close(array)``,
-  ``ipc_close_event(event)``,
+  ``ipc_event_handle(event)``, ``ipc_open_event(handle)``, ``ipc_close_event(event)``,
   ``can_access_peer(uuid)``, and the attributes
   ``kind``, ``id``, ``name``, ``uuid``, ``ipc_capable``;
 - any array shared where it lies (the peer-read algorithms): ``allocation(array)``
   (base, size and buffer id of the allocation it lies in), ``export(base)`` (its IPC
-  handle), ``open_allocation(handle, nbytes)``, ``close_allocation(array)``;
+  handle), ``open_allocation(handle, nbytes)``, ``close_allocation(array)``,
+  ``already_mapped(error)`` (whether an opening failed as CUDA's
+  cudaErrorAlreadyMapped: a mapping the process holds overlaps it);
 - synchronisation without the host: ``map_host(words)`` / ``unmap_host(mapping)``
   (uint32 host memory the device writes and waits on), ``write_value(stream, mapping,
   index, value)`` and ``wait_value(...)`` (stream memory operations),

@@ -4,8 +4,8 @@ collectives[cuda12]`` or ``[cuda13]``).
 Kernels come from ``kernels/collectives.cu``, compiled by NVRTC through
 ``cupy.RawModule`` at first use: one module per dtype, cached per device and hash of
 the sources (CuPy also keeps the compiled code on disk). Copies are
-``cudaMemcpyAsync`` on the executor's streams; IPC memory is a plain ``cudaMalloc``
-(not CuPy's pool) so that its handle names exactly that allocation.
+``cudaMemcpyAsync`` on the executor's streams; the IPC slots are allocations of their
+own (``cudaMalloc``, not CuPy's pool), opened by the others as any shared array is.
 
 For the peer-read algorithms, any device array is shared where it lies: its allocation
 (base address, size and the driver's buffer id, from ``cuPointerGetAttribute``: CuPy's
@@ -34,6 +34,8 @@ from .array import DeviceArray
 _BFLOAT16 = next((d for d in EXTRA_DTYPES if d.name == "bfloat16"), None)
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
 _IPC_LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+_ALREADY_MAPPED = 208  # cudaErrorAlreadyMapped
+_PAGE_2M = 2 << 20  # the driver's large page: what dedicated() allocations are made of
 _HOST_REGISTER_PORTABLE_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 _HOST_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 _BUFFER_ID, _RANGE_START, _RANGE_SIZE = 7, 11, 12  # CU_POINTER_ATTRIBUTE_*
@@ -165,12 +167,15 @@ class CupyDevice:
     def dedicated(self, shape, dtype):
         """Device memory in an allocation of its own (``cudaMalloc``, not CuPy's pool,
         which carves arrays out of shared chunks): what ``Communicator.empty(device=)``
-        returns, which the node's ranks open whole. ``cudaFree`` when it is gone."""
+        returns, which the node's ranks open whole. ``cudaFree`` when it is gone. Whole
+        2 MiB pages: the driver may serve small ``cudaMalloc``s from one page, and a
+        process maps another's memory once (a second mapping of it is refused); an
+        allocation of whole pages shares none with another."""
         self.counters["allocations"] += 1
         dtype = np.dtype(dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         with cupy.cuda.Device(self.id):
-            memory = cupy.cuda.Memory(max(int(nbytes), 1))
+            memory = cupy.cuda.Memory(-(-max(int(nbytes), 1) // _PAGE_2M) * _PAGE_2M)
             return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
 
     def prepare(self, dtype):
@@ -328,25 +333,6 @@ class CupyDevice:
     def mpi_buffer(self, array):
         return array  # a CUDA-aware MPI takes __cuda_array_interface__ objects
 
-    def ipc_alloc(self, nbytes):
-        with cupy.cuda.Device(self.id):
-            ptr = runtime.malloc(max(int(nbytes), 1))
-            handle = bytes(runtime.ipcGetMemHandle(ptr))
-            return _wrap(ptr, int(nbytes), self.id), handle
-
-    def ipc_open(self, handle, nbytes):
-        with cupy.cuda.Device(self.id):
-            ptr = runtime.ipcOpenMemHandle(bytes(handle), _IPC_LAZY_PEER_ACCESS)
-            return _wrap(ptr, int(nbytes), self.id)
-
-    def ipc_free(self, array):
-        with cupy.cuda.Device(self.id):
-            runtime.free(array.data.ptr)
-
-    def ipc_close(self, array):
-        with cupy.cuda.Device(self.id):
-            runtime.ipcCloseMemHandle(array.data.ptr)
-
     def ipc_close_event(self, event):
         with cupy.cuda.Device(self.id):
             runtime.eventDestroy(event.ptr)
@@ -379,6 +365,11 @@ class CupyDevice:
     def close_allocation(self, array):
         with cupy.cuda.Device(self.id):
             runtime.ipcCloseMemHandle(array.data.ptr)
+
+    def already_mapped(self, error):
+        """Whether ``error`` is cudaIpcOpenMemHandle's cudaErrorAlreadyMapped: a mapping
+        this process holds overlaps the allocation it opens."""
+        return isinstance(error, runtime.CUDARuntimeError) and error.status == _ALREADY_MAPPED
 
     def map_host(self, words):
         """``words`` (uint32 host memory) registered for the device: what

@@ -79,6 +79,11 @@ class StaleMapping(RuntimeError):
     that process has freed since (its buffer id changed)."""
 
 
+class AlreadyMapped(RuntimeError):
+    """CUDA's cudaErrorAlreadyMapped: a process opens another's memory while a mapping
+    it holds overlaps it (CUDA maps a process's memory once per process)."""
+
+
 class DeviceDeadlock(RuntimeError):
     """A synchronize waits for work that can never run (a stream waits on an event no
     one will record, or on another process that stopped)."""
@@ -379,14 +384,13 @@ class StandInDevice:
         self.null_stream = self.stream("default")
         self._current = threading.local()
         self._owned_files = []
-        self._maps = []
-        self._ipc_paths = {}
         self._heap = None  # made at the first allocation
         self._segments = []
         self._queued = 0  # operations queued so far (each is numbered)
         self._pending = {}  # the numbers of the queued operations not run yet, oldest first
         self._freed = deque()  # blocks no array refers to, not reusable yet
         self._peer_heaps = {}  # path -> (mapping, bytes) of another process's heap
+        self._mapped = {}  # id of an open_allocation array -> (heap path, first byte, end): open now
         self.copies = deque(maxlen=1 << 16)  # (direction, bytes) of the latest copies queued, for tests
         # What the device was asked to make, for tests that a warm call makes nothing:
         # events, allocations (device and pinned), openings of other processes' memory.
@@ -497,11 +501,20 @@ class StandInDevice:
     def open_allocation(self, handle, nbytes):
         """Map another process's allocation (an :meth:`export` handle): a uint8 array of
         its ``nbytes``, which raises :class:`StaleMapping` at its first use once that
-        process has freed it."""
+        process has freed it. Raises :class:`AlreadyMapped` while a mapping this
+        process holds (not closed) overlaps it: the same allocation, or one freed since
+        whose range the new one reuses. CUDA refuses so in some such cases (an H200
+        refused a new allocation over a freed one still mapped), not in all: the
+        stand-in keeps the stricter rule, so that the tests meet every refusal."""
         path, extra = _path_and_extra(handle)
         offset, buffer_id = struct.unpack("<qq", extra)
-        self.counters["opened"] += 1
         with self._lock:
+            clash = [held for held in self._mapped.values()
+                     if held[0] == path and held[1] < offset + nbytes and offset < held[2]]
+            if clash:
+                raise AlreadyMapped(f"stand-in device: the allocation at {offset:#x} of {path} overlaps a "
+                                    f"mapping this process holds ({clash[0][1]:#x}..{clash[0][2]:#x})")
+            self.counters["opened"] += 1
             if path not in self._peer_heaps:
                 fd = os.open(path, os.O_RDWR)
                 try:
@@ -519,10 +532,20 @@ class StandInDevice:
                                    f"{buffer_id} (at {offset:#x}), which that process has freed since")
 
         valid()
-        return StandInArray(self, memory[offset : offset + nbytes], valid=valid)
+        array = StandInArray(self, memory[offset : offset + nbytes], valid=valid)
+        with self._lock:
+            self._mapped[id(array)] = (path, offset, offset + nbytes)
+        return array
 
     def close_allocation(self, array):
-        """Unmap what :meth:`open_allocation` mapped (here: the heap stays mapped)."""
+        """Unmap what :meth:`open_allocation` mapped (the heap stays mapped here: only
+        the range is free to open again)."""
+        with self._lock:
+            self._mapped.pop(id(array), None)
+
+    def already_mapped(self, error):
+        """Whether ``error`` is :meth:`open_allocation`'s refusal of an overlapping mapping."""
+        return isinstance(error, AlreadyMapped)
 
     def prepare(self, dtype):
         """Get ``dtype``'s kernels ready (the stand-in's are NumPy: nothing to do)."""
@@ -707,47 +730,6 @@ class StandInDevice:
         """The memory a CUDA-aware MPI reads or writes for ``array``: the device memory
         itself, with whatever it holds at the moment MPI touches it."""
         return array._memory
-
-    def ipc_alloc(self, nbytes):
-        """Device memory other processes of the node can map: ``(array, handle)``."""
-        fd, path = tempfile.mkstemp(prefix="collectives-standin-mem-", dir=SHM_DIR)
-        try:
-            os.ftruncate(fd, max(nbytes, 1))
-            mapping = mmap.mmap(fd, max(nbytes, 1))
-        finally:
-            os.close(fd)
-        self._owned_files.append(path)
-        self._maps.append(mapping)
-        memory = np.frombuffer(mapping, np.uint8)[:nbytes]
-        memory[...] = GARBAGE
-        array = StandInArray(self, memory)
-        self._ipc_paths[id(array)] = path
-        return array, _handle(path)
-
-    def ipc_open(self, handle, nbytes):
-        """Map another process's :meth:`ipc_alloc` memory (its first ``nbytes``)."""
-        path = _path(handle)
-        fd = os.open(path, os.O_RDWR)
-        try:
-            size = os.fstat(fd).st_size
-            mapping = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self._maps.append(mapping)
-        return StandInArray(self, np.frombuffer(mapping, np.uint8)[:nbytes])
-
-    def ipc_free(self, array):
-        """Give back :meth:`ipc_alloc` memory: its file goes (mappings stay valid)."""
-        path = self._ipc_paths.pop(id(array), None)
-        if path is not None:
-            try:
-                os.unlink(path)
-                self._owned_files.remove(path)
-            except (OSError, ValueError):
-                pass
-
-    def ipc_close(self, array):
-        """Unmap another process's memory (here: once nothing refers to it)."""
 
     def ipc_close_event(self, event):
         """Forget another process's event (its mapping goes with the object)."""

@@ -95,9 +95,11 @@ class PeerRead(Route):
         device = device_context(ctx, x.backend, call.timeout)
         if not device.ipc_everywhere:
             if not call.auto:
+                why = "".join(f"; this rank could not open rank {peer}'s ({reason})"
+                              for peer, reason in sorted(device.ipc_refusals.items()))
                 raise ValueError(f"algorithm {call.algorithm!r} reads the other ranks' device buffers through CUDA "
                                  "IPC, which some ranks of this node cannot open (cuda_ipc=False, or no shared IPC "
-                                 "namespace or peer access); use 'ring' or 'auto'")
+                                 f"namespace or peer access{why}); use 'ring' or 'auto'")
             call.algorithm = _instead(ctx, spec.name, call.nbytes)
             return DEVICE.run(ctx, call)
         node = peer_node(ctx, device, call.timeout)

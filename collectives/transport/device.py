@@ -9,7 +9,7 @@ per peer once per communicator (:func:`negotiate`), every rank agreeing:
     cuda-aware  the device memory goes to MPI itself, once the work that produces
                 (or last reads) it has finished (COLLECTIVES_CUDA_AWARE, or detected).
     ipc         ranks of one node: the sender copies the segment into a slot of its own
-                IPC memory (stream p2p) and records an interprocess event; a 160-byte
+                IPC memory (stream p2p) and records an interprocess event; a 176-byte
                 control message tells the receiver the slot, its handles and the size;
                 the receiver's stream waits for that event, and the reduction that
                 alone reads the segment reads it straight from the sender's memory (or,
@@ -43,14 +43,16 @@ from mpi4py import MPI
 
 from ..errors import MessageSizeError, TransportError
 from ..schedule import Copy, Reduce, ReduceMany, Send
+from .device_node import peer_memory
 from .mpi import PlanHandle
 from .native import mismatch
 from .progress import Handle, at
 from .retired import retire
 
-_CONTROL_WORDS = 20  # int64s of an IPC control message: slot, bytes, capacity, -, 8 + 8 of handles
+_CONTROL_WORDS = 22  # int64s of an IPC control message: slot, bytes, capacity, -, 8 + 8 of handles, base, id
 _HANDLE_BYTES = 64  # a CUDA IPC memory or event handle
 _CONTROL_BYTES = 8 * _CONTROL_WORDS
+_PROBE_WORDS = 4 + 2 * _HANDLE_BYTES // 8  # negotiate's row per rank: pid, base, buffer id, bytes, handles
 _STAGED = 1  # control word 3: the segment comes staged on the bulk communicator, not in a slot
 
 
@@ -148,11 +150,15 @@ class _Pool:
 
 
 class _Slot:
-    """One IPC send buffer of this rank and the interprocess event that marks its data."""
+    """One IPC send buffer of this rank, an allocation of its own that the peers open as
+    any shared array (``device_node.PeerMemory``: one mapping per process, whatever
+    communicator asks), and the interprocess event that marks its data."""
 
     def __init__(self, backend, index, capacity):
         self.index, self.capacity = index, capacity
-        self.array, self.handle = backend.ipc_alloc(capacity)
+        self.array = backend.dedicated(capacity, np.uint8)
+        self.base, _, self.buffer_id = backend.allocation(self.array)
+        self.handle = peer_memory(backend).handle_of(self.base, self.buffer_id)
         self.event = backend.event(interprocess=True)
         self.event_handle = backend.ipc_event_handle(self.event)
 
@@ -162,11 +168,13 @@ class DeviceContext:
     every peer. Made by :func:`negotiate` (collectively) at the first device call."""
 
     def __init__(self, backend, paths, ack_comm, bulk_comm=None, cuda_aware=False, ipc_memory=None,
-                 ipc_everywhere=False):
+                 ipc_everywhere=False, pids=None):
         self.backend = backend
+        self.pids = pids  # rank -> its process id (whose memory this process opens, for IPC peers)
         # Every pair of ranks opened each other's IPC memory (so the peer-read algorithms
         # can run: transport.device_node); the same answer on every rank.
         self.ipc_everywhere = ipc_everywhere
+        self.ipc_refusals = {}  # peer -> why this rank could not open its IPC memory (negotiate's probe)
         self.peer = None  # the peer-read calls' state (device_node.PeerNode), made at the first such call
         self.cuda_aware = cuda_aware  # MPI takes device memory (for native, and the non-IPC peers)
         self.paths = paths  # rank -> "staged" | "cuda-aware" | "ipc" ("self" for this rank)
@@ -183,7 +191,7 @@ class DeviceContext:
         self.workspace = _Pool(backend, lambda n: backend.empty(n, np.uint8))
         self._slots = []  # this rank's IPC send slots
         self._free_slots = []
-        self._opened = {}  # (peer, slot index) -> (array, event) of a peer's slot
+        self._opened = {}  # (peer, slot index) -> (its base, array, event) of a peer's slot
         self.last_end = None  # the event after the latest finished call's work
 
     # -- calls --------------------------------------------------------------------------------
@@ -264,11 +272,13 @@ class DeviceContext:
     def slot(self, index):
         return self._slots[index]
 
-    def open_peer_slot(self, peer, index, capacity, handle, event_handle):
+    def open_peer_slot(self, peer, index, capacity, handle, event_handle, base, buffer_id):
+        """``(array, event)`` of rank ``peer``'s slot ``index`` (opened at its first use)."""
         key = (peer, index)
         if key not in self._opened:
-            self._opened[key] = (self.backend.ipc_open(handle, capacity), self.backend.ipc_open_event(event_handle))
-        return self._opened[key]
+            array = peer_memory(self.backend).view(self.pids[peer], base, buffer_id, handle, capacity, 0, capacity)
+            self._opened[key] = (base, array, self.backend.ipc_open_event(event_handle))
+        return self._opened[key][1:]
 
     def free(self, barrier, broken=False):
         """Give back the IPC memory (the peers' it opened, then, once every rank has
@@ -277,12 +287,11 @@ class DeviceContext:
         if self.peer is not None:
             self.peer.free(broken)  # its window: collective too
             self.peer = None
-        for array, event in self._opened.values():
-            self.backend.ipc_close(array)
+        memory = peer_memory(self.backend)
+        for (peer, _), (base, _, event) in self._opened.items():
+            memory.close(self.pids[peer], base)
             self.backend.ipc_close_event(event)
-        barrier()
-        for slot in self._slots:
-            self.backend.ipc_free(slot.array)
+        barrier()  # (each slot is freed with its array, below: no peer has it open now)
         self._opened, self._slots, self._free_slots, self._ipc_bytes = {}, [], [], 0
         if broken:  # messages of the failed call may still come (see .retired)
             retire(self.ack_comm, self.bulk_comm)
@@ -319,22 +328,26 @@ def negotiate(comm, node_comm, backend, request, cuda_ipc=None, cuda_aware=None,
     node = node_comm()
     same_node = set(node.Get_group().Translate_ranks(list(range(node.Get_size())), comm.Get_group()))
     probe, reach = None, np.zeros(size, np.uint8)
-    handles = np.zeros(2 * _HANDLE_BYTES, np.uint8)
+    # pid, then the probe's base, buffer id and size and its memory and event handles (none: zeros)
+    mine = np.zeros(_PROBE_WORDS, np.int64)
+    mine[0] = os.getpid()
     if wanted[0]:
         try:
             probe = _Slot(backend, -1, 64)
-            handles[:] = np.frombuffer(probe.handle + probe.event_handle, np.uint8)
+            mine[1:4] = probe.base, np.uint64(probe.buffer_id).view(np.int64), probe.capacity
+            mine[4:] = np.frombuffer(probe.handle + probe.event_handle, np.int64)
         except Exception:  # noqa: BLE001 - this GPU or process cannot export: no IPC from here
             probe, wanted[0] = None, 0
-    all_handles = np.empty((size, handles.size), np.uint8)
-    request(lambda: comm.Iallgather(handles, all_handles), all_handles.nbytes)
+    probes = np.empty((size, mine.size), np.int64)
+    request(lambda: comm.Iallgather(mine, probes), probes.nbytes)
+    refusals = {}  # peer -> why this rank could not open its probe
     for peer in same_node:
-        if peer != rank and probe is not None and all_handles[peer].any():
-            reach[peer] = _can_open(backend, all_handles[peer])
+        if peer != rank and probe is not None and probes[peer, 4:].any():
+            refusals[peer] = _can_open(backend, probes[peer])
+            reach[peer] = refusals[peer] is None
     reaches = np.empty((size, size), np.uint8)
     request(lambda: comm.Iallgather(reach, reaches), reaches.nbytes)  # every peer has closed ours
-    if probe is not None:
-        backend.ipc_free(probe.array)
+    probe = None  # (freed with its array: no peer has it open now)
     aware = cuda_aware_mpi() if cuda_aware is None else cuda_aware
     paths = {}
     for peer in range(size):
@@ -347,19 +360,28 @@ def negotiate(comm, node_comm, backend, request, cuda_ipc=None, cuda_aware=None,
     ack_comm = comm.Dup() if size > 1 else None  # blocking, but every rank is here
     bulk_comm = comm.Dup() if size > 1 else None
     everywhere = all(reaches[i, j] for i in range(size) for j in range(size) if i != j)
-    return DeviceContext(backend, paths, ack_comm, bulk_comm, aware, ipc_memory, everywhere)
+    context = DeviceContext(backend, paths, ack_comm, bulk_comm, aware, ipc_memory, everywhere,
+                            [int(pid) for pid in probes[:, 0]])
+    context.ipc_refusals = {peer: why for peer, why in refusals.items() if why is not None}
+    return context
 
 
-def _can_open(backend, handles):
-    """Whether this process can open another's IPC buffer and event (then closed)."""
+def _can_open(backend, words):
+    """None if this process can open another's IPC buffer and event, as ``words`` (its
+    row of the probes) describe them (both closed again), else what the driver said."""
+    pid, base, buffer_id, nbytes = int(words[0]), int(words[1]), int(words[2]) & (2 ** 64 - 1), int(words[3])
+    handles = words[4:].tobytes()
+    memory, event = peer_memory(backend), None
     try:
-        array = backend.ipc_open(handles[:_HANDLE_BYTES].tobytes(), 64)
-        event = backend.ipc_open_event(handles[_HANDLE_BYTES:].tobytes())
-    except Exception:  # noqa: BLE001 - whatever the driver says, the answer is no
-        return 0
-    backend.ipc_close(array)
-    backend.ipc_close_event(event)
-    return 1
+        memory.view(pid, base, buffer_id, handles[:_HANDLE_BYTES], nbytes, 0, nbytes)
+        event = backend.ipc_open_event(handles[_HANDLE_BYTES:])
+    except Exception as exc:  # noqa: BLE001 - whatever the driver says, the answer is no
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        memory.close(pid, base)
+        if event is not None:
+            backend.ipc_close_event(event)
+    return None
 
 
 # -- running a plan on device buffers ---------------------------------------------------------------
@@ -510,6 +532,7 @@ class DevicePlanHandle(PlanHandle):
         control[0], control[2] = slot.index, slot.capacity
         control[4:12] = np.frombuffer(slot.handle, np.int64)
         control[12:20] = np.frombuffer(slot.event_handle, np.int64)
+        control[20], control[21] = slot.base, np.uint64(slot.buffer_id).view(np.int64)
         # The send is done once its data is in the slot (its source may then be
         # overwritten) and the control message is out. The acknowledgement only frees the
         # slot: nothing in the plan waits for it, else a reduction that reads a peer's
@@ -543,7 +566,8 @@ class DevicePlanHandle(PlanHandle):
             return
         index, nbytes, capacity = (int(v) for v in control[:3])
         peer_array, peer_event = self._ctx.open_peer_slot(op.peer, index, capacity, control[4:12].tobytes(),
-                                                          control[12:20].tobytes())
+                                                          control[12:20].tobytes(), int(control[20]),
+                                                          int(control[21]) & (2 ** 64 - 1))
         self._aux += 1  # the acknowledgement, sent in order once the device has read the slot
         self._enlist("ack", op.peer, i)
         local = self._buffers.view(op.dst)

@@ -243,11 +243,33 @@ class PeerMemory:
         known = self.opened.get(key)
         if known is None or known[0] != buffer_id:
             if known is not None:  # freed and allocated again there: never read the old mapping
-                self.backend.close_allocation(known[1])
-                self.counters["closed"] += 1
-            known = self.opened[key] = (buffer_id, self.backend.open_allocation(handle, size))
+                self.close(pid, base)
+            known = self.opened[key] = (buffer_id, self._open(pid, base, size, handle))
             self.counters["opened"] += 1
         return known[1][offset : offset + nbytes]
+
+    def close(self, pid, base):
+        """Close the mapping of process ``pid``'s allocation at ``base``, if one is open."""
+        known = self.opened.pop((pid, base), None)
+        if known is not None:
+            self.backend.close_allocation(known[1])
+            self.counters["closed"] += 1
+
+    def _open(self, pid, base, size, handle):
+        """Map ``pid``'s allocation ``[base, base + size)``. CUDA maps another process's
+        memory once per process: it refuses (cudaErrorAlreadyMapped) while a mapping
+        of ours overlaps the range, and one that does can only be of memory that
+        process has freed since (its live allocations never overlap), which we never
+        read again. So those are closed, and the opening tried once more."""
+        try:
+            return self.backend.open_allocation(handle, size)
+        except Exception as exc:
+            if not self.backend.already_mapped(exc):
+                raise
+        for key, (_, array) in list(self.opened.items()):
+            if key[0] == pid and key[1] < base + size and base < key[1] + array.nbytes:
+                self.close(*key)
+        return self.backend.open_allocation(handle, size)
 
 
 _MEMORY: dict = {}  # backend -> its PeerMemory

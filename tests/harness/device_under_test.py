@@ -50,6 +50,10 @@ class StandIn:
         device.copy(x.reshape(-1), host.copy().reshape(-1), device.current_stream())
         return x
 
+    def allocation(self, x):
+        """``(base, bytes, buffer id)`` of the allocation ``x`` lies in."""
+        return self.si.device().allocation(x)
+
     def unshareable(self, host):
         """A device array holding ``host`` in memory no other process can open: outside
         the stand-in's pool (as CUDA's managed memory is outside what IPC exports)."""
@@ -104,6 +108,12 @@ class Cuda:
         x = self.cupy.ndarray(host.shape, host.dtype, self.cupy.cuda.MemoryPointer(memory, 0))
         x.set(host)
         return x
+
+    def allocation(self, x):
+        """``(base, bytes, buffer id)`` of the allocation ``x`` lies in (the driver's)."""
+        from collectives.device.cupy_backend import backend
+
+        return backend(self.id).allocation(x)
 
     def unshareable(self, host):
         """A device array holding ``host`` in managed memory, which CUDA IPC cannot export."""
