@@ -53,6 +53,7 @@ _CONTROL_WORDS = 22  # int64s of an IPC control message: slot, bytes, capacity, 
 _HANDLE_BYTES = 64  # a CUDA IPC memory or event handle
 _CONTROL_BYTES = 8 * _CONTROL_WORDS
 _PROBE_WORDS = 4 + 2 * _HANDLE_BYTES // 8  # negotiate's row per rank: pid, base, buffer id, bytes, handles
+_KEPT_MEMORY: list = []  # broken communicators' IPC slots and their mappings of the peers' (DeviceContext.free)
 _STAGED = 1  # control word 3: the segment comes staged on the bulk communicator, not in a slot
 
 
@@ -287,10 +288,17 @@ class DeviceContext:
         if self.peer is not None:
             self.peer.free(broken)  # its window: collective too
             self.peer = None
-        memory = peer_memory(self.backend)
-        for (peer, _), (base, _, event) in self._opened.items():
-            memory.close(self.pids[peer], base)
-            self.backend.ipc_close_event(event)
+        if broken:
+            # The failed call's device work may still be queued, reading the peers'
+            # slots (and theirs this rank's): a slot freed under it would be read freed
+            # (the stand-in raises StaleMapping). So a broken communicator's IPC memory
+            # is kept, mapped, for the life of the process, as its MPI communicators are.
+            _KEPT_MEMORY.append((self._slots, self._opened))
+        else:
+            memory = peer_memory(self.backend)
+            for (peer, _), (base, _, event) in self._opened.items():
+                memory.close(self.pids[peer], base)
+                self.backend.ipc_close_event(event)
         barrier()  # (each slot is freed with its array, below: no peer has it open now)
         self._opened, self._slots, self._free_slots, self._ipc_bytes = {}, [], [], 0
         if broken:  # messages of the failed call may still come (see .retired)
