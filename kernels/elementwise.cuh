@@ -461,10 +461,13 @@ COLLECTIVES_HD void reduce2_body(T* dst, const T* a, const T* b, i64 n, i64 star
     for (i64 i = done + start; i < n; i += stride) dst[i] = Op::apply(a[i], b[i]);
 }
 
-// dst = s[0] op s[1] op ... op s[k-1], folded left in index order (1 <= k <= 16).
+// d[j] = s[0] op s[1] op ... op s[k-1] for every j < m, folded left in index order
+// (1 <= k, m <= 16). Each element's inputs are all read before its outputs are written,
+// so an output may be an input's very elements (in place), though no other of its elements.
 template <class T, class Op>
-COLLECTIVES_HD void reduce_n_body(T* dst, const T* const* s, int k, i64 n, i64 start, i64 stride) {
-    bool vector = sizeof(T) < 16 && aligned16(dst);
+COLLECTIVES_HD void reduce_n_body(T* const* d, int m, const T* const* s, int k, i64 n, i64 start, i64 stride) {
+    bool vector = sizeof(T) < 16;
+    for (int o = 0; o < m; ++o) vector = vector && aligned16(d[o]);
     for (int q = 0; q < k; ++q) vector = vector && aligned16(s[q]);
     i64 done = 0;
     if (vector) {
@@ -477,14 +480,14 @@ COLLECTIVES_HD void reduce_n_body(T* dst, const T* const* s, int k, i64 n, i64 s
                 x.v = reinterpret_cast<const Vec16*>(s[q])[j];
                 for (int l = 0; l < lanes; ++l) acc.e[l] = Op::apply(acc.e[l], x.e[l]);
             }
-            reinterpret_cast<Vec16*>(dst)[j] = acc.v;
+            for (int o = 0; o < m; ++o) reinterpret_cast<Vec16*>(d[o])[j] = acc.v;
         }
         done = vectors * lanes;
     }
     for (i64 i = done + start; i < n; i += stride) {
         T acc = s[0][i];
         for (int q = 1; q < k; ++q) acc = Op::apply(acc, s[q][i]);
-        dst[i] = acc;
+        for (int o = 0; o < m; ++o) d[o][i] = acc;
     }
 }
 

@@ -48,7 +48,8 @@ def harness(tmp_path_factory):
     lib = ctypes.CDLL(str(library))
     p, i64, c = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_char_p
     lib.cc_reduce2.argtypes = [c, c, p, p, p, i64, ctypes.c_int]
-    lib.cc_reduce_n.argtypes = [c, c, p, ctypes.POINTER(p), ctypes.c_int, i64, ctypes.c_int]
+    lib.cc_reduce_n.argtypes = [c, c, ctypes.POINTER(p), ctypes.c_int, ctypes.POINTER(p), ctypes.c_int, i64,
+                                ctypes.c_int]
     lib.cc_divide.argtypes = [c, p, i64, ctypes.c_double]
     lib.cc_cast_divide.argtypes = [c, c, p, p, i64, ctypes.c_double]
     lib.cc_pack.argtypes = lib.cc_unpack.argtypes = [ctypes.c_int, p, p, i64, ctypes.c_int, p, p]
@@ -130,7 +131,7 @@ def numpy_reduce(op, a, b):
 def test_reduce2_equals_numpy(harness, dtype, op, offset):
     if op not in kernels.ops_for(dtype):  # complex max/min, bitwise ops on non-integers
         assert harness.cc_reduce2(name_of(dtype), op.encode(), None, None, None, 0, 1) == -2
-        assert harness.cc_reduce_n(name_of(dtype), op.encode(), None, (ctypes.c_void_p * 1)(), 1, 0, 1) == -2
+        assert harness.cc_reduce_n(name_of(dtype), op.encode(), pointers_to(), 1, pointers_to(), 1, 0, 1) == -2
         return
     rng = np.random.default_rng([dtype.num, len(op), offset])
     n = 4099  # not a multiple of any vector width: the tail runs too
@@ -179,15 +180,29 @@ def test_reduce_n_is_the_left_fold(harness, dtype):
             inputs = [values(dtype, n, rng, exact) for _ in range(k)]
             want = functools.reduce(lambda x, y: numpy_reduce(op, x, y), inputs)
             got = np.empty(n, dtype)
-            pointers = (ctypes.c_void_p * 16)(*[ptr(x) for x in inputs])
-            assert harness.cc_reduce_n(name_of(dtype), op.encode(), ptr(got), pointers, k, n, k + 2) == 0
+            sources = pointers_to(*inputs)
+            assert harness.cc_reduce_n(name_of(dtype), op.encode(), pointers_to(got), 1, sources, k, n, k + 2) == 0
             assert same_bits(got, want, zero_sign=op not in ("max", "min")), f"{dtype} {op} k={k}"
             if k >= 2:  # dst may be a later input (the deterministic direct in place): read before written
                 inputs[k // 2] = dst = inputs[k // 2].copy()
-                pointers = (ctypes.c_void_p * 16)(*[ptr(x) for x in inputs])
-                assert harness.cc_reduce_n(name_of(dtype), op.encode(), ptr(dst), pointers, k, n, 7) == 0
+                assert harness.cc_reduce_n(name_of(dtype), op.encode(), pointers_to(dst), 1, pointers_to(*inputs), k,
+                                           n, 7) == 0
                 assert same_bits(dst, want, zero_sign=op not in ("max", "min")), f"{dtype} {op} k={k} in place"
-    assert harness.cc_reduce_n(name_of(dtype), b"sum", None, None, 17, 0, 1) == -3
+            # several outputs (the leader's fold into every rank's), each an input's very elements or apart
+            inputs = [x.copy() for x in inputs]  # (one of them may hold the fold now: fold them anew)
+            want = functools.reduce(lambda x, y: numpy_reduce(op, x, y), inputs)
+            outputs = [np.empty(n, dtype), inputs[0], np.empty(n, dtype), inputs[-1]][: min(k + 2, 4)]
+            assert harness.cc_reduce_n(name_of(dtype), op.encode(), pointers_to(*outputs), len(outputs),
+                                       pointers_to(*inputs), k, n, 5) == 0
+            for j, out in enumerate(outputs):
+                assert same_bits(out, want, zero_sign=op not in ("max", "min")), f"{dtype} {op} k={k} output {j}"
+    assert harness.cc_reduce_n(name_of(dtype), b"sum", pointers_to(), 1, pointers_to(), 17, 0, 1) == -3
+    assert harness.cc_reduce_n(name_of(dtype), b"sum", pointers_to(), 17, pointers_to(), 1, 0, 1) == -3
+
+
+def pointers_to(*arrays):
+    """A C array of 16 pointers: ``arrays``' data, then nulls."""
+    return (ctypes.c_void_p * 16)(*[ptr(x) for x in arrays])
 
 
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if kernels.divides(d)], ids=lambda d: d.name)

@@ -272,15 +272,21 @@ class CupyDevice:
                          (dst, a, b, np.int64(n)))
 
     def reduce_n(self, stream, op, dtype, dst, sources):
-        n = int(dst.size)
+        """``dst`` = the left fold of ``sources`` (1 to 16), in one kernel; ``dst`` may be
+        a list of up to 16 arrays, each given the fold (one may be an input itself)."""
+        dsts = list(dst) if isinstance(dst, (list, tuple)) else [dst]
+        n = int(dsts[0].size)
         self.launches["reduce_n"] += 1
+        if not 1 <= len(sources) <= kernels.MAX_INPUTS or not 1 <= len(dsts) <= kernels.MAX_INPUTS:
+            raise ValueError(f"reduce_n takes 1 to {kernels.MAX_INPUTS} inputs and outputs; got {len(sources)} "
+                             f"and {len(dsts)}")
         if not n:
             return
-        if not 1 <= len(sources) <= kernels.MAX_INPUTS:
-            raise ValueError(f"reduce_n takes 1 to {kernels.MAX_INPUTS} inputs; got {len(sources)}")
-        pointers = list(sources) + [np.uint64(0)] * (kernels.MAX_INPUTS - len(sources))
+        null = np.uint64(0)
+        inputs = list(sources) + [null] * (kernels.MAX_INPUTS - len(sources))
+        outputs = dsts + [null] * (kernels.MAX_INPUTS - len(dsts))
         self._launch(dtype, kernels.reduce_n(dtype, op), kernels.vector_items(n, dtype.itemsize), stream,
-                     (dst, np.int64(n), np.int32(len(sources)), *pointers))
+                     (np.int64(n), np.int32(len(sources)), np.int32(len(dsts)), *inputs, *outputs))
 
     def divide(self, stream, dtype, x, divisor):
         n = int(x.size)

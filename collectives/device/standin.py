@@ -643,16 +643,20 @@ class StandInDevice:
         self._enqueue(stream, lambda: ops_layer.combine(op, x, y, d), dst, a, b)
 
     def reduce_n(self, stream, op, dtype, dst, sources):
-        d, inputs = self._typed(dst, dtype), [self._typed(s, dtype) for s in sources]
+        """``dst`` = the left fold of ``sources``; ``dst`` may be a list of arrays, each
+        given the fold (one kernel, as CUDA's)."""
+        dsts = list(dst) if isinstance(dst, (list, tuple)) else [dst]
+        outputs, inputs = [self._typed(d, dtype) for d in dsts], [self._typed(s, dtype) for s in sources]
         self.launches["reduce_n"] += 1
 
         def run():
             acc = inputs[0].copy()
             for x in inputs[1:]:
                 ops_layer.combine(op, acc, x, acc)
-            np.copyto(d, acc)
+            for d in outputs:
+                np.copyto(d, acc)
 
-        self._enqueue(stream, run, dst, *sources)
+        self._enqueue(stream, run, *dsts, *sources)
 
     def divide(self, stream, dtype, x, divisor):
         target = self._typed(x, dtype)

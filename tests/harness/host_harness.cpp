@@ -42,24 +42,25 @@ int reduce2_op(const char* op, void* dst, const void* a, const void* b, i64 n, i
 }
 
 template <class T, class Op>
-void reduce_n_grid(T* d, const T* const* s, int k, i64 n, int threads) {
-    for (int t = 0; t < threads; ++t) reduce_n_body<T, Op>(d, s, k, n, t, threads);
+void reduce_n_grid(T* const* d, int m, const T* const* s, int k, i64 n, int threads) {
+    for (int t = 0; t < threads; ++t) reduce_n_body<T, Op>(d, m, s, k, n, t, threads);
 }
 
 template <class T, Ops Has>
-int reduce_n_op(const char* op, void* dst, const void* const* srcs, int k, i64 n, int threads) {
+int reduce_n_op(const char* op, void* const* dsts, int m, const void* const* srcs, int k, i64 n, int threads) {
     const T* s[16];
+    T* d[16];
     for (int q = 0; q < k; ++q) s[q] = static_cast<const T*>(srcs[q]);
-    T* d = static_cast<T*>(dst);
-    if (is(op, "sum")) reduce_n_grid<T, Sum>(d, s, k, n, threads);
-    else if (is(op, "prod")) reduce_n_grid<T, Prod>(d, s, k, n, threads);
+    for (int o = 0; o < m; ++o) d[o] = static_cast<T*>(dsts[o]);
+    if (is(op, "sum")) reduce_n_grid<T, Sum>(d, m, s, k, n, threads);
+    else if (is(op, "prod")) reduce_n_grid<T, Prod>(d, m, s, k, n, threads);
     else if constexpr (Has == COMPLEX) return -2;
-    else if (is(op, "max")) reduce_n_grid<T, Max>(d, s, k, n, threads);
-    else if (is(op, "min")) reduce_n_grid<T, Min>(d, s, k, n, threads);
+    else if (is(op, "max")) reduce_n_grid<T, Max>(d, m, s, k, n, threads);
+    else if (is(op, "min")) reduce_n_grid<T, Min>(d, m, s, k, n, threads);
     else if constexpr (Has == FLOAT) return -2;
-    else if (is(op, "band")) reduce_n_grid<T, BAnd>(d, s, k, n, threads);
-    else if (is(op, "bor")) reduce_n_grid<T, BOr>(d, s, k, n, threads);
-    else if (is(op, "bxor")) reduce_n_grid<T, BXor>(d, s, k, n, threads);
+    else if (is(op, "band")) reduce_n_grid<T, BAnd>(d, m, s, k, n, threads);
+    else if (is(op, "bor")) reduce_n_grid<T, BOr>(d, m, s, k, n, threads);
+    else if (is(op, "bxor")) reduce_n_grid<T, BXor>(d, m, s, k, n, threads);
     else return -2;
     return 0;
 }
@@ -105,16 +106,17 @@ int cc_reduce2(const char* dtype, const char* op, void* dst, const void* a, cons
     return -1;
 }
 
-int cc_reduce_n(const char* dtype, const char* op, void* dst, const void* const* srcs, int k, i64 n, int threads) {
-    if (k < 1 || k > 16) return -3;
-#define X(name, T) if (is(dtype, #name)) return reduce_n_op<T, INTEGER>(op, dst, srcs, k, n, threads);
+int cc_reduce_n(const char* dtype, const char* op, void* const* dsts, int m, const void* const* srcs, int k, i64 n,
+                int threads) {
+    if (k < 1 || k > 16 || m < 1 || m > 16) return -3;
+#define X(name, T) if (is(dtype, #name)) return reduce_n_op<T, INTEGER>(op, dsts, m, srcs, k, n, threads);
     COLLECTIVES_INTEGER_TYPES(X)
 #undef X
-#define X(name, T) if (is(dtype, #name)) return reduce_n_op<T, FLOAT>(op, dst, srcs, k, n, threads);
+#define X(name, T) if (is(dtype, #name)) return reduce_n_op<T, FLOAT>(op, dsts, m, srcs, k, n, threads);
     COLLECTIVES_FLOAT_TYPES(X)
 #undef X
-    if (is(dtype, "complex64")) return reduce_n_op<c64, COMPLEX>(op, dst, srcs, k, n, threads);
-    if (is(dtype, "complex128")) return reduce_n_op<c128, COMPLEX>(op, dst, srcs, k, n, threads);
+    if (is(dtype, "complex64")) return reduce_n_op<c64, COMPLEX>(op, dsts, m, srcs, k, n, threads);
+    if (is(dtype, "complex128")) return reduce_n_op<c128, COMPLEX>(op, dsts, m, srcs, k, n, threads);
     return -1;
 }
 
