@@ -23,8 +23,10 @@ executors that have one run them (``collectives.transport.shm`` and the in-proce
 runner). ``("reg", lo, hi)`` is every rank's input at once, where the inputs are
 registered buffers (arrays in memory the node shares, ``Communicator.empty``): rank q's
 element i is element ``q·stride + offset + i`` of ``reg``, ``stride`` and ``offset``
-given to the algorithm; a plan reads it, and only between fences. Buffers are flat and
-contiguous.
+given to the algorithm; a plan reads it, and only between fences. ``("rout", lo, hi)``
+is every rank's output at once, laid out as ``reg``: a plan writes it, only between
+fences (the leader algorithm, whose one rank writes every output). Buffers are flat
+and contiguous.
 
 :func:`compile_plan` turns the list into a :class:`Plan`: each operation waits only for
 the earlier operations that touch the same elements (read after write, write after
@@ -49,7 +51,7 @@ Copy = namedtuple("Copy", "dst src")
 ReduceMany = namedtuple("ReduceMany", "dst srcs")
 Fence = namedtuple("Fence", "")
 
-BUFFERS = ("in", "out", "tmp", "shm", "reg")
+BUFFERS = ("in", "out", "tmp", "shm", "reg", "rout")
 _END = 1 << 62  # past the end of any buffer
 
 
@@ -67,6 +69,7 @@ class Schedule:
     tmp: int = 0
     shm: int = 0
     banks: int = 0  # shared-memory schedules: how many segments (banks used in turn, 0, 1, 0 …)
+    shared_out: bool = False  # another rank writes this rank's output (``rout``): every rank's says where it is
 
     def send(self, peer, src):
         self.ops.append(Send(peer, src))
@@ -88,6 +91,11 @@ class Schedule:
 
     def need_shm(self, elements):
         self.shm = max(self.shm, int(elements))
+
+    def share_output(self):
+        """Another rank writes this rank's output (its ``rout`` slices): the executor
+        says where it is, whether this rank's own plan writes any ``rout`` or not."""
+        self.shared_out = True
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,7 @@ class Plan:
     readers: tuple = ()
     shm: int = 0  # elements of the node's shared window the plan addresses (0: none)
     banks: int = 0  # how many segments it runs through the window's two banks in turn
+    shared_out: bool = False  # another rank writes this rank's output (Schedule.share_output)
 
     def initial_pending(self):
         return [w + (p >= 0) for w, p in zip(self.waits, self.fifo_prev)]
@@ -242,6 +251,7 @@ def compile_plan(schedule, inplace=False):
         readers=tuple(tuple(r) for r in readers),
         shm=schedule.shm,
         banks=schedule.banks,
+        shared_out=schedule.shared_out,
     )
 
 
@@ -254,7 +264,7 @@ def split_schedule(schedule, segment):
     pipeline (copy of segment k+1, message of segment k and reduction of segment k-1
     at once). Any algorithm, unchanged."""
     segment = max(1, int(segment))
-    out = Schedule([], schedule.tmp, schedule.shm, schedule.banks)
+    out = Schedule([], schedule.tmp, schedule.shm, schedule.banks, schedule.shared_out)
     for op in schedule.ops:
         if isinstance(op, Fence):
             out.ops.append(op)
@@ -289,13 +299,14 @@ def fuse_reductions(schedule, limit=16, inplace=False):
     ufunc, so it keeps the chain.
 
     A step may also move the fold to a new destination (``t = a op b; d = t op c``)
-    where no later operation touches ``t``, and a copy of the fold's result right after
-    it (``t = a op b op c; d = t``: an in-place reduce's root, which folds into ``tmp``
-    for the host's chain of steps) becomes the fold into ``d`` on the same terms: one
-    kernel, not a kernel and a copy. A run is fused only where each input either
-    is the destination's very elements or shares no memory with it (``inplace``: ``in``
-    and ``out`` are one buffer), as the one-pass kernel reads every input of an element
-    before it writes that element."""
+    where ``t`` is workspace (``tmp``) no later operation touches, and a copy of the
+    fold's result right after it (``t = a op b op c; d = t``: an in-place reduce's root,
+    which folds into ``tmp`` for the host's chain of steps) becomes the fold into ``d``
+    on the same terms: one kernel, not a kernel and a copy. (Not where ``t`` is the
+    output, or a window slot: those are read after the plan, or by other ranks.) A run
+    is fused only where each input either is the destination's very elements or shares
+    no memory with it (``inplace``: ``in`` and ``out`` are one buffer), as the one-pass
+    kernel reads every input of an element before it writes that element."""
 
     def memory(x):
         return "out" if inplace and x.buf == "in" else x.buf
@@ -309,11 +320,14 @@ def fuse_reductions(schedule, limit=16, inplace=False):
     def untouched_after(index, x):
         return not any(overlap(x, y) for later in schedule.ops[index + 1:] for y in sum(_reads_writes(later), ()))
 
+    def scratch(x):  # the result and a window slot are read after the plan, or by the others
+        return x.buf == "tmp"
+
     def unread_after(index, x):  # (a fence orders memory but reads none of it)
         return not any(overlap(x, y) for later in schedule.ops[index + 1:] if not isinstance(later, Fence)
                        for y in sum(_reads_writes(later), ()))
 
-    out = Schedule([], schedule.tmp, schedule.shm, schedule.banks)
+    out = Schedule([], schedule.tmp, schedule.shm, schedule.banks, schedule.shared_out)
     for index, op in enumerate(schedule.ops):
         last = out.ops[-1] if out.ops else None
         if isinstance(op, Reduce) and isinstance(last, (Reduce, ReduceMany)) and op.a == last.dst:
@@ -321,12 +335,12 @@ def fuse_reductions(schedule, limit=16, inplace=False):
             inputs += (op.b,)
             if (len(inputs) <= limit and not overlap(op.b, last.dst)
                     and all(safe_input(x, op.dst) for x in inputs)
-                    and (op.dst == last.dst or untouched_after(index, last.dst))):
+                    and (op.dst == last.dst or (scratch(last.dst) and untouched_after(index, last.dst)))):
                 out.ops[-1] = ReduceMany(op.dst, inputs)
                 continue
         if isinstance(op, Copy) and isinstance(last, (Reduce, ReduceMany)) and op.src == last.dst:
             inputs = last.srcs if isinstance(last, ReduceMany) else (last.a, last.b)
-            if all(safe_input(x, op.dst) for x in inputs) and unread_after(index, last.dst):
+            if all(safe_input(x, op.dst) for x in inputs) and scratch(last.dst) and unread_after(index, last.dst):
                 out.ops[-1] = ReduceMany(op.dst, inputs)
                 continue
         out.ops.append(op)

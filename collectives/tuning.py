@@ -36,7 +36,8 @@ In order, the first that answers:
 
 Device arrays have tables of their own (``device_tables``, same fingerprint rule);
 without one they take the device cost model (:func:`device_choice`): on one node the
-fastest predicted of the peer-read algorithms (``one_shot``, ``two_shot``), the ring
+fastest predicted of the peer-read algorithms (``one_shot``, ``two_shot``, ``leader``: the
+last only where the ranks share a GPU), the ring
 over CUDA IPC and ``native`` staged (MPI's own collective on host copies), from the
 parameters of :class:`DeviceCostModel`; across nodes the cost-model rule (the
 conservative rule's model is calibrated for host buffers, and ``native`` there means
@@ -681,8 +682,10 @@ def _kernels(inputs):
 # message-based contender over CUDA IPC, its rounds of p - 1 handshakes and the bytes of
 # one step.
 DEVICE_COSTS = {
+    # leader: rank 0 reads p·n and writes p·n, 2n a rank on average; one kernel to 16 ranks
     "allreduce": ({"one_shot": (lambda p, n: (p + 1) * n, lambda p: _kernels(p), lambda p: p, 1),
-                   "two_shot": (lambda p, n: (3 + 1 / p) * n, lambda p: 2 * _kernels(p), lambda p: p, 2)},
+                   "two_shot": (lambda p, n: (3 + 1 / p) * n, lambda p: 2 * _kernels(p), lambda p: p, 2),
+                   "leader": (lambda p, n: 2 * n, lambda p: _kernels(p) * (1 if p <= 16 else 2), lambda p: 1, 1)},
                   "ring", 2, lambda p, n: n / p),
     "reduce_scatter": ({"one_shot": (lambda p, n: (1 + 1 / p) * n, lambda p: _kernels(p), lambda p: p, 1)}, "ring",
                        1, lambda p, n: n / p),
@@ -740,6 +743,8 @@ def predict_device(collective, nbytes, size, model=SHIPPED_DEVICE_MODEL):
     times = {algorithm: peer(traffic(p, n), launches(p), working(p), kernel_rounds)
              for algorithm, (traffic, launches, working, kernel_rounds) in reads.items()}
     times[other] = m.call + rounds * (p - 1) * (m.ipc_step + step(p, n) / m.ipc_rate)
+    if not m.shared:  # the leader's GPU would carry every rank's traffic alone: for ranks sharing one
+        times.pop("leader", None)
     times = {a: t for a, t in times.items() if a in BUILDERS[collective]}
     # native is no builder: MPI's own collective, which every collective has; its copy in
     # and its copy back are a round each on every rank's device

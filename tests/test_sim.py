@@ -191,6 +191,8 @@ def expected_counters(collective, algorithm, p, count, root=0, segments=1):
             row = (0, 0, 0, (p - 1) * n)  # each rank folds every input whole
         elif key == ("reduce", "one_shot"):
             row = (0, 0, 0, (p - 1) * n if r == root else 0)
+        elif key == ("allreduce", "leader"):  # rank 0 folds every input, and writes every output
+            row = (0, 0, 0, (p - 1) * n if r == 0 else 0)
         elif key in (("allgather", "one_shot"), ("broadcast", "one_shot")):
             row = (0, 0, 0, 0)
         elif key == ("reduce", "direct"):  # reduce_scatter, then every block to the root
@@ -307,6 +309,8 @@ def closed_form(collective, algorithm, p, n, gamma=G, segments=1):
     # Reduce's operands cost nothing), a copy from another rank's input or slot m·β.
     if key in (("allreduce", "one_shot"), ("reduce", "one_shot")):
         return 2 * A + g((p - 1) * n, gamma)
+    if key == ("allreduce", "leader"):  # rank 0 folds every input, then writes every other output
+        return 2 * A + g((p - 1) * n, gamma) + (p - 1) * n * B
     if key == ("allreduce", "two_shot"):  # fold share r into slot r, fence, every slot out
         return 2 * A + g((p - 1) * b, gamma) + n * B
     if key == ("reduce_scatter", "one_shot"):
@@ -434,6 +438,8 @@ def _peer_reads_need(collective, algorithm, rank, p, count, root):
     whole = range(count)
     if collective == "allreduce" and algorithm == "one_shot" or collective == "allgather":
         return {(q, i) for q in range(p) if q != rank for i in whole}
+    if algorithm == "leader":  # rank 0 folds for everyone
+        return {(q, i) for q in range(p) if q != rank for i in whole} if rank == 0 else set()
     if collective in ("allreduce", "reduce_scatter"):  # its block of every other input
         bounds = block_bounds(count, p)
         return {(q, i) for q in range(p) if q != rank for i in range(bounds[rank], bounds[rank + 1])}
@@ -796,8 +802,8 @@ def test_a_wrong_schedule_is_caught(monkeypatch):
 
     real = local.run
 
-    def off_by_one(plans, inputs, outputs, op, dtype, registered=None):
-        real(plans, inputs, outputs, op, dtype, registered)
+    def off_by_one(plans, inputs, outputs, op, dtype, registered=None, routed=None):
+        real(plans, inputs, outputs, op, dtype, registered, routed)
         outputs[1][0] += 1
 
     monkeypatch.setattr(local, "run", off_by_one)

@@ -48,6 +48,7 @@ BUILDERS: dict[str, dict[str, Any]] = {
         "shm": shm.allreduce,
         "one_shot": peer.allreduce_one_shot,
         "two_shot": peer.allreduce_two_shot,
+        "leader": peer.allreduce_leader,
     },
     "reduce_scatter": {
         "ring": ring.reduce_scatter,
@@ -100,8 +101,8 @@ BUILDERS: dict[str, dict[str, Any]] = {
 # ``ordered=True``, every reduction is the left fold x0 op x1 op … op x(p-1)).
 # The collectives not listed reduce nothing: every algorithm of theirs, native
 # included, moves the same bits whatever the order.
-ORDERED = {"allreduce": ("direct", "shm", "one_shot", "two_shot"), "reduce_scatter": ("direct", "shm", "one_shot"),
-           "reduce": ("direct", "shm", "one_shot")}
+ORDERED = {"allreduce": ("direct", "shm", "one_shot", "two_shot", "leader"),
+           "reduce_scatter": ("direct", "shm", "one_shot"), "reduce": ("direct", "shm", "one_shot")}
 
 # Shared-memory algorithms: their plans address the node's shared window (``shm``) and
 # synchronise with fences, so only ranks that share memory run them, on host arrays; the

@@ -1,5 +1,5 @@
-"""Peer-read algorithms (``one_shot``, ``two_shot``): the ranks of one node read each
-other's inputs where they are, between two fences.
+"""Peer-read algorithms (``one_shot``, ``two_shot``, ``leader``): the ranks of one node
+read each other's inputs where they are, between two fences.
 
     one_shot allreduce                      two_shot allreduce
 
@@ -9,6 +9,13 @@ other's inputs where they are, between two fences.
     rank r: out = x0 op x1 op x2 op x3      s0  s1  s2  s3        slot r of the window
     ──── fence ────                         ──── fence ────
     (nobody reads x_r any more)             rank r: out = s0 | s1 | s2 | s3
+
+    leader allreduce (for ranks that share one GPU)
+
+    x0  x1  x2  x3   every input, in place
+    ──── fence ────
+    rank 0: v = x0 op x1 op x2 op x3, written into out0, out1, out2, out3 (one pass)
+    ──── fence ────  (the others did nothing on the device: their outputs are written)
 
 No messages: every rank's input is memory the node's ranks can all read (device
 memory opened through CUDA IPC, by :mod:`collectives.transport.device_node`), a *fence*
@@ -25,6 +32,9 @@ any size, and nothing is cut into segments.
                          after the second fence); fence
     allreduce two_shot   fence; slot r = share r of x0 op … op x(p-1); fence; out =
                          slot 0 | slot 1 | … | slot p-1
+    allreduce leader     fence; rank 0: out = x0 op … op x(p-1), copied into every
+                         other rank's out (``rout``: every output, laid out as
+                         ``reg``); fence
     reduce_scatter       fence; out = block r of x0 op … op x(p-1); fence
     allgather            out[r] = x_r; fence; out[q] = x_q for every other q; fence
     broadcast            fence; the others copy the root's array; fence
@@ -38,24 +48,35 @@ rank q alone: the device executor places slot q in rank q's memory.
 
 Every fold is the left fold x0 op x1 op … op x(p-1) in rank order, so these are
 deterministic-mode algorithms and every rank's result has the same bits; on the
-device the fold of p ≤ 16 inputs is one kernel (``schedule.fuse_reductions``).
+device the fold of p ≤ 16 inputs is one kernel (``schedule.fuse_reductions``), and
+the leader's fold and its copies into the p ≤ 16 outputs one kernel too
+(``device_node``: each element's inputs read before its outputs are written).
+
+Why a leader: a GPU the ranks share runs one process's work at a time and switches
+between them (measured on an H200: a small kernel and its wait took 20 us on one
+rank alone, 275 us with 2 ranks each running one, 550 us with 4). With the leader one
+process runs the call's device work; the others only pass the fences on the host.
+With a GPU each, the leader's would carry everyone's traffic alone: it is for ranks
+that share one.
 
 Cost per rank for n bytes of input (memory traffic; a fence costs the
 synchronisation floor F): one_shot allreduce reads p·n and writes n, 2F (in place: n
 more each way, through tmp); two_shot reads n and writes n/p, then reads and writes n,
 2F; reduce_scatter reads n and writes n/p; allgather (n: the gathered size) reads and
 writes n; broadcast: the others read and write n, the root nothing; reduce: the root
-reads p·n and writes n. One GPU shared by the p ranks carries the sum of their traffic
-at its copy rate B: one_shot allreduce p(p + 1)·n/B, two_shot (3p + 1)·n/B, each
-after 2F. In the simulator a fence costs α after the last rank arrives, a copy from
-``reg`` or ``shm`` m·β, a fold step m·γ. Any p works; only ranks of one node run them.
+reads p·n and writes n; leader allreduce: rank 0 reads p·n and writes p·n, the others
+nothing, 2F. One GPU shared by the p ranks carries the sum of their traffic at its copy
+rate B: one_shot allreduce p(p + 1)·n/B, two_shot (3p + 1)·n/B, leader 2p·n/B (the
+same-GPU bound's own count), each after 2F. In the simulator a fence costs α after
+the last rank arrives, a copy from ``reg`` or ``shm`` (or into ``rout``) m·β, a fold
+step m·γ. Any p works; only ranks of one node run them.
 """
 
 from ..schedule import Schedule, sl
 from ._layout import block_bounds
 
-ALGORITHMS = {"allreduce": ("one_shot", "two_shot"), "reduce_scatter": ("one_shot",), "allgather": ("one_shot",),
-              "broadcast": ("one_shot",), "reduce": ("one_shot",)}
+ALGORITHMS = {"allreduce": ("one_shot", "two_shot", "leader"), "reduce_scatter": ("one_shot",),
+              "allgather": ("one_shot",), "broadcast": ("one_shot",), "reduce": ("one_shot",)}
 
 
 def _input(q, rank, registered, lo, hi):
@@ -65,6 +86,14 @@ def _input(q, rank, registered, lo, hi):
     stride, offset = registered
     base = q * stride + offset
     return sl("reg", base + lo, base + hi)
+
+
+def _output(q, registered, lo, hi):
+    """Elements ``[lo, hi)`` of rank ``q``'s output, another rank's (in ``rout``, laid
+    out as the inputs are in ``reg``)."""
+    stride, offset = registered
+    base = q * stride + offset
+    return sl("rout", base + lo, base + hi)
 
 
 def _fold(s, dst, srcs):
@@ -127,6 +156,26 @@ def allreduce_two_shot(rank, size, count, *, registered=None, **_):
     s.fence()
     for q in range(size):  # in place too: nobody reads the inputs after the second fence
         s.copy(sl("out", bounds[q], bounds[q + 1]), sl("shm", q * slot, q * slot + bounds[q + 1] - bounds[q]))
+    return s
+
+
+def allreduce_leader(rank, size, count, *, registered=None, **_):
+    """Rank 0 folds every input into its output and copies it into every other rank's;
+    the others only pass the fences: on a GPU the ranks share, one process runs the
+    call's device work (each further one costs a switch of the GPU between processes)."""
+    if size == 1:
+        return _trivial(count)
+    s = Schedule([])
+    if count == 0:
+        return s
+    where = _layout(count, registered)
+    s.share_output()
+    s.fence()
+    if rank == 0:  # in place too: its input is the fold's first, read before it writes; no other reads it
+        _fold(s, sl("out", 0, count), [_input(q, rank, where, 0, count) for q in range(size)])
+        for q in range(1, size):  # their inputs, in place, were read by the fold before
+            s.copy(_output(q, where, 0, count), sl("out", 0, count))
+    s.fence()
     return s
 
 
@@ -198,6 +247,7 @@ def reduce(rank, size, count, *, root=0, registered=None, inplace=False, **_):
 BUILDERS = {
     ("allreduce", "one_shot"): allreduce_one_shot,
     ("allreduce", "two_shot"): allreduce_two_shot,
+    ("allreduce", "leader"): allreduce_leader,
     ("reduce_scatter", "one_shot"): reduce_scatter,
     ("allgather", "one_shot"): allgather,
     ("broadcast", "one_shot"): broadcast,

@@ -1,6 +1,6 @@
 """The routes a call can take, in the one ordered list the call path tries.
 
-    device peer reads   one_shot/two_shot on device arrays of one node: each rank reads the others' buffers (IPC)
+    device peer reads   one_shot/two_shot/leader on device arrays of one node: the ranks read each other's (IPC)
     device              arrays on a device: the device executor (every route below is for host arrays)
     native blocking     native, running alone: MPI's blocking collective
     native non-blocking native otherwise: MPI's non-blocking collective, on the progress engine

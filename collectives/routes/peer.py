@@ -1,4 +1,4 @@
-"""Calls of the peer-read algorithms (``one_shot``, ``two_shot``) on device arrays of
+"""Calls of the peer-read algorithms (``one_shot``, ``two_shot``, ``leader``) on device arrays of
 ranks that share a node: the device executor of :mod:`collectives.transport.device_node`
 runs their plans, reading the other ranks' buffers through CUDA IPC, two fences per
 call. Where the node's ranks cannot open each other's memory (``cuda_ipc=False``, no

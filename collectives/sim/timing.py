@@ -101,7 +101,7 @@ class Graph:
                     kinds.append(_FENCE), nbytes.append(0), peers.append(-1)
                 else:
                     assert isinstance(op, Copy)
-                    shared = op.dst.buf in ("shm", "reg") or op.src.buf in ("shm", "reg")
+                    shared = op.dst.buf in ("shm", "reg", "rout") or op.src.buf in ("shm", "reg", "rout")
                     kinds.append(_COPY), nbytes.append((op.dst.hi - op.dst.lo) * itemsize * shared), peers.append(-1)
             self.kinds.append(kinds)
             self.nbytes.append(nbytes)

@@ -7,11 +7,12 @@ from ..schedule import Copy, ReduceMany
 
 
 class Buffers:
-    """The arrays behind ``in``, ``out``, ``tmp``, ``shm`` and ``reg`` for one call (flat,
-    contiguous; ``shm`` and ``reg`` only for the shared-memory algorithms)."""
+    """The arrays behind ``in``, ``out``, ``tmp``, ``shm``, ``reg`` and ``rout`` for one
+    call (flat, contiguous; ``shm``, ``reg`` and ``rout`` only for the shared-memory and
+    peer-read algorithms)."""
 
-    def __init__(self, inp, out, tmp, shm=None, reg=None):
-        self.arrays = {"in": inp, "out": out, "tmp": tmp, "shm": shm, "reg": reg}
+    def __init__(self, inp, out, tmp, shm=None, reg=None, rout=None):
+        self.arrays = {"in": inp, "out": out, "tmp": tmp, "shm": shm, "reg": reg, "rout": rout}
 
     def view(self, s):
         return self.arrays[s.buf][s.lo : s.hi]

@@ -1,4 +1,4 @@
-"""The device executor of the peer-read plans (``one_shot``, ``two_shot``:
+"""The device executor of the peer-read plans (``one_shot``, ``two_shot``, ``leader``:
 :mod:`collectives.algorithms.peer`): the ranks of one node read each other's device
 buffers where they are, through CUDA IPC, and meet at the plans' fences: two per
 call, at any size, and no message: those two fences are the call's only
@@ -14,7 +14,8 @@ synchronisations between the ranks, whatever the fence mechanism.
              pass once every rank has arrived; open what this process has not opened
     phase 1: read the other ranks' buffers: a fold is one kernel over the p inputs,
              allgather's copies one copy kernel (at most 16 inputs or copies a
-             kernel); broadcast one copy
+             kernel); broadcast one copy; the leader's fold, written into every
+             rank's output (published at fence 1 too), one kernel on rank 0 alone
     fence 2: nobody reads this rank's input any more
     phase 2: two_shot's copies out of the window slots: one copy kernel
     the call finishes once its last kernel has run (an event the host polls)
@@ -92,8 +93,9 @@ from .progress import Handle
 
 MECHANISMS = ("host", "stream", "kernel")
 DEFAULT_KERNEL_LIMIT = 300.0  # seconds an in-kernel wait lasts at most where the call has no timeout
-_LINE = 80  # int64 words of one rank's line in the window (640 bytes: the rows after stay 128-byte aligned)
-_EPOCH, _ANNOUNCED, _SIGNATURE, _DESCRIPTORS, _PID, _DIGEST = 0, 1, 2, 10, 63, 64  # word offsets in a line
+_LINE = 96  # int64 words of one rank's line in the window (768 bytes: the rows after stay 128-byte aligned)
+# word offsets in a line; the descriptors: 3 buffers (input, window slot, output) for each parity of calls
+_EPOCH, _ANNOUNCED, _SIGNATURE, _DESCRIPTORS, _PID, _DIGEST = 0, 1, 2, 10, 88, 89
 _DESCRIPTOR = 13  # words of a buffer's descriptor: IPC handle (8), base, buffer id, offset, bytes, allocation size
 _HANDLE_WORDS = 8
 _UNSHAREABLE = -1  # a descriptor's byte count where the rank's buffer cannot be exported
@@ -168,11 +170,11 @@ class PeerWindow:
         return tuple(self.words[start : start + 4])
 
     def publish(self, parity, which, descriptor):
-        start = _DESCRIPTORS + (2 * parity + which) * _DESCRIPTOR
+        start = _DESCRIPTORS + (3 * parity + which) * _DESCRIPTOR
         self.lines[self.rank, start : start + _DESCRIPTOR] = descriptor
 
     def descriptor_of(self, rank, parity, which):
-        start = _DESCRIPTORS + (2 * parity + which) * _DESCRIPTOR
+        start = _DESCRIPTORS + (3 * parity + which) * _DESCRIPTOR
         return self.lines[rank, start : start + _DESCRIPTOR].copy()
 
     def publish_digest(self, parity, digest):
@@ -184,7 +186,7 @@ class PeerWindow:
 
     def descriptors(self, parity, which):
         """Every rank's descriptor of buffer ``which`` (a view: one row per rank)."""
-        start = _DESCRIPTORS + (2 * parity + which) * _DESCRIPTOR
+        start = _DESCRIPTORS + (3 * parity + which) * _DESCRIPTOR
         return self.lines[:, start : start + _DESCRIPTOR]
 
     # -- stream fences -------------------------------------------------------------------------
@@ -516,15 +518,17 @@ def choose_mechanism(backend, exchange):
 
 
 # -- one call's plan, as phases between fences --------------------------------------------------
-_COPY, _REDUCE, _REDUCE_MANY, _COPY_MANY = 0, 1, 2, 3
+_COPY, _REDUCE, _REDUCE_MANY, _COPY_MANY, _FOLD_TO_ALL = 0, 1, 2, 3, 4
 _MAX_COPIES = 16  # copies a copy kernel makes (kernels/collectives.cu's copy_n)
 
 
 def _overlap(a, b):
     """Whether slice specs ``a`` and ``b`` may share memory: this rank's ``in`` and
-    ``out`` may (in place, or a row of the result as the input), a peer's input or
-    window slot only itself."""
+    ``out`` may (in place, or a row of the result as the input), and so may a peer's
+    (``reg``, ``rout``); a peer's window slot only itself."""
     if a[0] != b[0] or a[1] != b[1]:
+        if a[1] == b[1] and {a[0], b[0]} == {"reg", "rout"}:
+            return True
         return a[0] in ("in", "out") and b[0] in ("in", "out")
     return a[2] < b[3] and b[2] < a[3]
 
@@ -560,11 +564,34 @@ def _gathered(entries):
     return made
 
 
+def _folded_to_all(entries):
+    """``entries`` (a phase, gathered) with a fold followed by copies of its result (the
+    leader's into every rank's output) made one ``_FOLD_TO_ALL`` entry ``(outputs,
+    inputs)``: one kernel writes the fold into every output. Only where no copy's
+    destination shares memory with the fold's inputs other than their very elements (in
+    place: a peer's output is its input), which the kernel reads before it writes."""
+    made = []
+    for kind, specs in entries:
+        last = made[-1] if made else None
+        if last is not None and last[0] in (_REDUCE, _REDUCE_MANY, _FOLD_TO_ALL) and kind in (_COPY, _COPY_MANY):
+            outputs, inputs = last[1] if last[0] == _FOLD_TO_ALL else ((last[1][0],), last[1][1:])
+            pairs = (specs,) if kind == _COPY else specs
+            apart = all(not _overlap(dst, x) or (dst[1] == x[1] and dst[2:] == x[2:]) for dst, _ in pairs
+                        for x in inputs)
+            if all(src == outputs[0] for _, src in pairs) and apart and len(outputs) + len(pairs) <= _MAX_COPIES \
+                    and not any(_overlap(dst, out) for dst, _ in pairs for out in outputs):
+                made[-1] = (_FOLD_TO_ALL, (outputs + tuple(dst for dst, _ in pairs), inputs))
+                continue
+        made.append((kind, specs))
+    return made
+
+
 def phases(plan, rank, stride, slot):
     """``plan``'s operations in phases between its fences (kept beside the plan): each
-    an ``(kind, slices)`` list, a slice ``(buffer, peer, lo, hi)`` with ``reg`` and
-    ``shm`` slices made into a peer's input (``peer`` >= 0; ``stride`` elements per
-    rank) or window slot (``slot`` elements per rank), ``lo``/``hi`` within it."""
+    an ``(kind, slices)`` list, a slice ``(buffer, peer, lo, hi)`` with ``reg``,
+    ``rout`` and ``shm`` slices made into a peer's input or output (``peer`` >= 0;
+    ``stride`` elements per rank) or window slot (``slot`` elements per rank),
+    ``lo``/``hi`` within it."""
     key = ("_peer_phases", rank, stride, slot)
     found = plan.__dict__.get(key[0])
     if found is not None and found[0] == key:
@@ -578,6 +605,10 @@ def phases(plan, rank, stride, slot):
         if s.buf == "shm":
             q = s.lo // slot
             return ("shm", q, s.lo - q * slot, s.hi - q * slot)
+        if s.buf == "rout":
+            q = s.lo // stride
+            return ("out", -1, s.lo - q * stride, s.hi - q * stride) if q == rank else \
+                ("rout", q, s.lo - q * stride, s.hi - q * stride)
         return (s.buf, -1, s.lo, s.hi)
 
     made = [[]]
@@ -592,7 +623,7 @@ def phases(plan, rank, stride, slot):
             made[-1].append((_REDUCE_MANY, (spec(op.dst),) + tuple(spec(x) for x in op.srcs)))
         else:
             raise ValueError(f"the peer-read executor cannot run {op!r}")
-    made = [_gathered(phase) for phase in made]
+    made = [_folded_to_all(_gathered(phase)) for phase in made]
     object.__setattr__(plan, key[0], (key, made))  # the plan is frozen; a cache beside it
     return made
 
@@ -620,6 +651,8 @@ class PeerCall:
         self.limit = DEFAULT_KERNEL_LIMIT if limit is None else limit  # seconds an in-kernel wait lasts at most
         size = self.window.size
         self.slot = plan.shm // size if plan.shm else 0  # elements of each rank's window slot
+        self.shared_out = plan.shared_out  # another rank writes this rank's output: published too
+        self.writes_peers = any(getattr(op, "dst", None) is not None and op.dst.buf == "rout" for op in plan.ops)
         self.phases = phases(plan, self.window.rank, stride, self.slot)
         self.fences = len(self.phases) - 1
         window = self.window
@@ -633,7 +666,7 @@ class PeerCall:
         self.arrived = False  # arrived at the next fence (host), or signalled the first (stream, kernel)
         self.ended = False
         self.done = False
-        self.peers = None  # rank -> (its input, its window slot), each a _Sliced typed device array
+        self.peers = None  # rank -> (its input, its window slot, its output), each a _Sliced typed device array
         self.mine = None  # this rank's input's descriptor, as published
         self.assumed = False  # kernel: the peers' inputs taken as registered counterparts (no host wait)
         self.digest = 0  # kernel: the call's digest, which the first fence kernels compare
@@ -772,9 +805,17 @@ class PeerCall:
         if len(window.announced(self.number)) < window.size:
             return
         compare_signatures(window, self.parity, self.signature, self.describe)
+        self._check_shareable()
+
+    def _check_shareable(self):
+        """Every rank's buffers that the call shares (this rank's too) can be opened:
+        else raise, alike on every rank (:func:`check_shareable`)."""
+        window = self.window
         check_shareable(window.descriptors(self.parity, 0), "input x", self.describe)
         if self.slot:
             check_shareable(window.descriptors(self.parity, 1), "window slot", self.describe)
+        if self.shared_out:
+            check_shareable(window.descriptors(self.parity, 2), "output out", self.describe)
 
     def _signal(self, k, epoch):
         """stream and kernel (the first fence): once the work before it has run, the
@@ -858,14 +899,14 @@ class PeerCall:
         need not wait to see where they are: the devices then meet alone). The digest
         the fence kernels compare names where every rank's input is, so a rank that
         passed another array makes every rank raise."""
-        if self.slot or not self.arrays["in"].nbytes:
+        if self.slot or self.shared_out or not self.arrays["in"].nbytes:
             return
         found = self.node.counterparts(self.mine)
         if found is None:
             return
         rows, placement = found
         node, storage = self.node, self.arrays["in"].dtype
-        self.peers = {q: (node.peer_buffer(q, rows[q], "input", storage), None)
+        self.peers = {q: (node.peer_buffer(q, rows[q], "input", storage), None, None)
                       for q in range(self.window.size) if q != self.window.rank}
         self.digest = call_digest(self.signature, placement)
         self.assumed = True
@@ -897,14 +938,17 @@ class PeerCall:
                 self.backend.wait_value(node.stream, node.inbox, window.word(window.rank, q), value)
 
     def _publish(self):
-        """Sign the call and say where this rank's input and window slot are."""
+        """Sign the call and say where this rank's input, window slot and (where
+        another rank writes it) output are."""
         window, node = self.window, self.node
         window.sign(self.parity, self.signature)
-        inp = self.arrays["in"]
+        inp, out = self.arrays["in"], self.arrays["out"]
         self.mine = node.descriptor(inp, inp.nbytes)
         window.publish(self.parity, 0, self.mine)
         slot = node.slot_of(self.slot * self.dtype.itemsize) if self.slot else None
         window.publish(self.parity, 1, node.descriptor(slot, slot.nbytes) if slot is not None
+                       else np.zeros(_DESCRIPTOR, np.int64))
+        window.publish(self.parity, 2, node.descriptor(out, out.nbytes) if self.shared_out
                        else np.zeros(_DESCRIPTOR, np.int64))
 
     def _meet(self):
@@ -913,9 +957,7 @@ class PeerCall:
         alike, none waiting at the second fence for ranks that raised; open the peers'."""
         compare_signatures(self.window, self.parity, self.signature, self.describe)
         node, window, storage = self.node, self.window, self.arrays["in"].dtype
-        check_shareable(window.descriptors(self.parity, 0), "input x", self.describe)
-        if self.slot:
-            check_shareable(window.descriptors(self.parity, 1), "window slot", self.describe)
+        self._check_shareable()
         self.peers = {}
         for q in range(window.size):
             if q == window.rank:
@@ -923,10 +965,13 @@ class PeerCall:
             inp = node.peer_buffer(q, window.descriptor_of(q, self.parity, 0), "input", storage)
             slot = node.peer_buffer(q, window.descriptor_of(q, self.parity, 1), "window slot",
                                     storage) if self.slot else None
-            if (inp is None and self.arrays["in"].size) or (slot is None and self.slot):
+            out = node.peer_buffer(q, window.descriptor_of(q, self.parity, 2), "output",
+                                   storage) if self.writes_peers else None
+            if (inp is None and self.arrays["in"].size) or (slot is None and self.slot) or \
+                    (out is None and self.writes_peers and self.arrays["in"].size):
                 raise CollectiveMismatchError(f"{self.describe}: rank {q} published no buffer for this call where "
                                               "this rank needs one (a different call there, or a broken exchange)")
-            self.peers[q] = (inp, slot)
+            self.peers[q] = (inp, slot, out)
         if self.slot:
             self.own_slot = _Sliced(node.slot[: self.slot * storage.itemsize].view(storage))
 
@@ -936,6 +981,8 @@ class PeerCall:
             return self.peers[q][0].part(lo, hi)
         if buf == "shm":
             return (self.own_slot if q == self.window.rank else self.peers[q][1]).part(lo, hi)
+        if buf == "rout":
+            return self.peers[q][2].part(lo, hi)
         array = self.arrays[buf]
         return array if lo == 0 and hi == array.size else array[lo:hi]
 
@@ -950,6 +997,8 @@ class PeerCall:
                     backend.copy_n(stream, [view(d) for d, _ in pairs], [view(s) for _, s in pairs])
             elif kind == _REDUCE_MANY:
                 backend.reduce_n(stream, self.op, self.dtype, view(specs[0]), [view(s) for s in specs[1:]])
+            elif kind == _FOLD_TO_ALL:
+                backend.reduce_n(stream, self.op, self.dtype, [view(d) for d in specs[0]], [view(s) for s in specs[1]])
             else:
                 backend.reduce2(stream, self.op, self.dtype, view(specs[0]), view(specs[1]), view(specs[2]))
 

@@ -16,17 +16,18 @@ from .buffers import Buffers
 from .scheduler import Scheduler, program_of
 
 
-def run(plans, inputs, outputs, op, dtype, registered=None):
+def run(plans, inputs, outputs, op, dtype, registered=None, routed=None):
     """Run ``plans[r]`` with ``inputs[r]`` / ``outputs[r]`` (flat arrays) for every rank.
     ``registered``: the array the plans' ``reg`` slices address (every rank's input,
-    where the inputs are registered buffers: views of it).
+    where the inputs are registered buffers: views of it); ``routed`` likewise the one
+    their ``rout`` slices address (every rank's output, the outputs views of it).
 
     Raises :class:`CollectiveError` if the ranks' messages do not fit together
     (a length mismatch, or a deadlock).
     """
     size = len(plans)
     shared = np.empty(max(plan.shm for plan in plans), dtype)  # one window, every rank's view of it
-    buffers = [Buffers(inputs[r], outputs[r], np.empty(plans[r].tmp, dtype), shared, registered)
+    buffers = [Buffers(inputs[r], outputs[r], np.empty(plans[r].tmp, dtype), shared, registered, routed)
                for r in range(size)]
     sends, recvs = {}, {}
     fences = [deque() for _ in range(size)]  # each rank's fences reached, not yet passed
@@ -91,7 +92,8 @@ def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, i
     ``registered``: the inputs are registered buffers (copied into one array, rank r's
     from ``r * count``, as ``Communicator.empty`` places them; the plans address it as
     ``reg`` with stride ``count``, offset 0); a collective that can run in place then does.
-    The peer-read algorithms (``PEER_READS``) always read their inputs so, in place or not.
+    The peer-read algorithms (``PEER_READS``) always read their inputs so, in place or not,
+    and where every rank's result has ``count`` elements the outputs lie so too (``rout``).
     """
     # Imported here: the algorithm registry imports nothing from the transports.
     from .. import ops as ops_layer
@@ -122,6 +124,11 @@ def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, i
         outputs = [x if not spec.root_result or r == root else x[:0] for r, x in enumerate(inputs)]
     else:
         outputs = [np.empty(spec.result_count(count, size, r, root, counts), dtype) for r in range(size)]
+    routed = None
+    if peers and all(out.size == count for out in outputs):
+        routed = shared if inplace else np.empty(size * count, dtype)
+        if not inplace:
+            outputs = [routed[r * count : (r + 1) * count] for r in range(size)]
     if plans is None:
         plans = [
             compile_plan(build(collective, algorithm, r, size, count, root=root, segment=segment,
@@ -131,7 +138,7 @@ def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, i
                          inplace=inplace)
             for r in range(size)
         ]
-    run(plans, inputs, outputs, op, dtype, shared)
+    run(plans, inputs, outputs, op, dtype, shared, routed)
     if spec.reduces:
         for r, out in enumerate(outputs):
             if not spec.root_result or r == root:

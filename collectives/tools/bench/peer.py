@@ -21,7 +21,7 @@ What it measures, at the world size it runs at (``make bench-gpu`` runs 2 and 4 
   time slice).
 - **the copy**: the device's own device-to-device copy of 256 MiB by rank 0 alone; B,
   its traffic rate, counts the bytes read plus written (2n per copy).
-- **allreduce** from 8 B to 256 MiB: ``one_shot``, ``two_shot``, ``ring`` (CUDA IPC),
+- **allreduce** from 8 B to 256 MiB: ``one_shot``, ``two_shot``, ``leader``, ``ring`` (CUDA IPC),
   ``staged`` (the ring through host memory: ``cuda_ipc=False``), ``native`` (MPI on host
   copies) and ``auto``, interleaved per size; each call ends with the device synchronized.
 - **allgather, broadcast, reduce_scatter** at 64 MiB: ``one_shot``, the ring (broadcast:
@@ -157,7 +157,7 @@ def _call(comm, collective, algorithm, x, out):
 # tree), the peer reads besides one_shot, and whether auto is timed (allreduce: the
 # targets ask for auto there); then the same-GPU bound of busbw from B (the module's
 # docstring). busbw's factor is collectives-bench's (cases.bus_factor).
-CONTENDERS = {"allreduce": ("ring", ("two_shot",), True), "reduce_scatter": ("ring", (), False),
+CONTENDERS = {"allreduce": ("ring", ("two_shot", "leader"), True), "reduce_scatter": ("ring", (), False),
               "allgather": ("ring", (), False), "broadcast": ("binomial", (), False)}
 BOUNDS = {"allreduce": lambda p, B: B * (p - 1) / p ** 2, "allgather": lambda p, B: B * (p - 1) / (2 * p ** 2),
           "broadcast": lambda p, B: B / (2 * (p - 1)), "reduce_scatter": lambda p, B: B * (p - 1) / (p * (p + 1))}
@@ -363,7 +363,7 @@ def target_rows(runs, folder, chosen):
         floor = next((r["p50_us"] for r in found if r["measure"] == "floor" and r["mechanism"] == chosen.get(p)),
                      None)
         coll = [r for r in found if r["measure"] == "collective"]
-        peers = ("one_shot", "two_shot", "auto")
+        peers = ("one_shot", "two_shot", "leader", "auto")
         measured = {}
         big = [r for r in coll if r["collective"] == "allreduce" and 64 * MiB <= r["bytes"] <= 256 * MiB
                and r["contender"] in peers]
