@@ -9,6 +9,7 @@ marked ``serial`` send no messages; the others run under every world size and ag
 on their findings (``agree``) so that no rank is left waiting.
 """
 
+import dataclasses
 import functools
 import json
 import math
@@ -206,7 +207,7 @@ def test_the_ranks_agree_on_the_table(tmp_path, clean_environment):
     choice, why = outvoted.explain("allreduce", 1 << 20, device=True)
     model_choice, model_why = tuning.device_choice("allreduce", 1 << 20, 4)
     assert (choice, why) == (model_choice, model_why + " (no measured table for device arrays)")
-    assert choice in ("one_shot", "two_shot") and why.startswith("device cost model on one node (predicted: ")
+    assert choice in ("one_shot", "two_shot", "leader") and why.startswith("device cost model on one node (predicted: ")
 
 
 @serial
@@ -403,7 +404,7 @@ def test_choose_says_which_rule_decided_and_the_predicted_gain(clean_environment
 STAGED_IN_AND_BACK = {"allreduce": lambda p, n: (n, n), "reduce_scatter": lambda p, n: (n, n / p),
                       "allgather": lambda p, n: (n / p, n), "broadcast": lambda p, n: (n, n),
                       "reduce": lambda p, n: (n, n)}
-PEER_READ_NAMES = ("one_shot", "two_shot")
+PEER_READ_NAMES = ("one_shot", "two_shot", "leader")
 STAGED_SAID = "native (staged: MPI's own on host copies)"
 
 
@@ -430,6 +431,9 @@ def test_the_device_model_predicts_staged_native_for_every_collective(p):
             assert f"{STAGED_SAID} {times['native'] * 1e6:.0f} us" in why, why
             if collective == "allreduce":
                 assert choice in PEER_READ_NAMES, (p, n, times)
+    # the leader only where the ranks share a GPU (with a GPU each, its would carry every rank's traffic)
+    assert "leader" in tuning.predict_device("allreduce", 8, p)
+    assert "leader" not in tuning.predict_device("allreduce", 8, p, dataclasses.replace(model, shared=False))
     # the measured staged allreduce (bench/results/NVIDIA-H200, peer-n2/n4.json): 470 us
     # at 8 B at 2 ranks, 1142 at 4; 7.1 ms at 16 MiB at 2 ranks, 13.7 at 4
     small, large = {2: 470e-6, 4: 1142e-6}[p], {2: 7.09e-3, 4: 13.7e-3}[p]
