@@ -118,7 +118,7 @@ def test_errors_derive_from_collective_error():
 def test_algorithms_lists_native_and_auto():
     assert cc.algorithms("allreduce") == (
         "ring", "tree", "recursive_halving", "recursive_doubling", "direct", "hierarchical", "hierarchical_leader",
-        "shm", "one_shot", "two_shot", "native", "auto")
+        "shm", "one_shot", "two_shot", "leader", "native", "auto")
     assert cc.algorithms("reduce_scatter") == ("ring", "recursive_halving", "direct", "hierarchical", "shm",
                                                "one_shot", "native", "auto")
     assert cc.algorithms("allgather") == ("ring", "recursive_doubling", "bruck", "direct", "hierarchical", "shm",
