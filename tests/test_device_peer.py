@@ -950,6 +950,34 @@ def test_check_mode_runs_them_and_names_a_different_algorithm(mpi_comm):
     agree(mpi_comm, problems)
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("one_gpu", [True, False], ids=["one-gpu", "a-gpu-each"])
+def test_auto_runs_the_leader_only_where_the_ranks_share_one_gpu(mpi_comm, one_gpu):
+    """The device cost model picks the leader for an allreduce where the node's ranks
+    share one GPU; where each has its own (``PeerNode.one_gpu`` False: made so here),
+    auto runs one_shot instead, on the general and the lean path alike: every rank
+    launches its fold, not rank 0 alone."""
+    comm = communicator("host")
+    comm.allreduce(D.asarray(np.ones(3, np.float32)), algorithm="one_shot")  # the peer-read state
+    node, backend = _peer_state(comm)[0], next(iter(comm._ctx.devices.values())).backend
+    node.one_gpu = one_gpu
+    problems = []
+    x = D.asarray(rank_input(comm.rank, 64, "float32"))
+    want = sum(rank_input(r, 64, "float32") for r in range(comm.size))
+    if comm.choose("allreduce", x.nbytes, device=True)[0] != "leader":
+        problems.append(f"the model did not pick the leader: {tuple(comm.choose('allreduce', x.nbytes, device=True))}")
+    for round_ in range(3):  # the general path, then the lean one
+        before = backend.launches.copy()
+        if differs(want, D.asnumpy(comm.allreduce(x))):
+            problems.append(f"round {round_}: wrong result")
+        launched = sum((backend.launches - before).values())
+        expected = int(comm.rank == 0) if one_gpu else 1
+        if launched != expected:
+            problems.append(f"round {round_}: {launched} launches, want {expected}")
+    comm.free()
+    agree(mpi_comm, problems)
+
+
 def test_auto_picks_a_peer_read_and_says_why(pcomm, mpi_comm):
     comm, problems = pcomm, []
     for nbytes in (8, 64 << 10, 1 << 20, 64 << 20):

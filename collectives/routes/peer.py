@@ -71,6 +71,14 @@ def register(ctx: Any, device: Any, array: Any, nbytes: int, timeout: float | No
     node.remember(array, everyone)
 
 
+def _leader_only_on_one_gpu(call: Any, node: Any) -> None:
+    """The device cost model takes the node's ranks to share one GPU: where they do not
+    (``node.one_gpu``, the same answer on every rank), auto's leader becomes one_shot,
+    as rank 0's GPU would carry every rank's traffic alone. A named leader runs."""
+    if call.auto and call.algorithm == "leader" and not node.one_gpu:
+        call.algorithm = "one_shot"
+
+
 @lru_cache(maxsize=1024)
 def call_code(spec: Any, algorithm: str, dtype: Any, op: str) -> int:
     """A number naming a call's kind, which the ranks compare at its first fence."""
@@ -103,6 +111,7 @@ class PeerRead(Route):
             call.algorithm = _instead(ctx, spec.name, call.nbytes)
             return DEVICE.run(ctx, call)
         node = peer_node(ctx, device, call.timeout)
+        _leader_only_on_one_gpu(call, node)
         backend = x.backend
         backend.prepare(x.dtype)  # compiles its kernels at the first call on a dtype
         describe = f"{spec.name}(algorithm={call.algorithm!r}, {x.where}) call #{ctx.sequence}"
@@ -163,6 +172,7 @@ class PeerRead(Route):
         if not device.ipc_everywhere:
             return None  # auto runs a message-based algorithm there, a named one raises: the general path
         x.backend.prepare(x.dtype)  # (compiled already: the general path ran a call on the device)
+        _leader_only_on_one_gpu(call, device.peer)
         spec, algorithm = call.spec, call.algorithm
         entry = LeanEntry(self, spec, algorithm, call.count, call.op, call.root)
         entry.plan = base.compiled_plan(spec.name, algorithm, ctx.rank, ctx.size, call.count, call.root, 1,

@@ -295,8 +295,11 @@ class PeerNode:
         """``exchange(words)``: every node rank's int64 ``words`` (a timed allgather over
         the node), for what the ranks settle at the start."""
         self.device, self.backend = device, device.backend
+        uuids = gpus_of_the_node(self.backend, exchange)
+        # every rank of the node on one GPU: auto's leader runs there (else one_shot: routes.peer)
+        self.one_gpu = len(uuids) == 1
         if mechanism == "auto":
-            mechanism = choose_mechanism(self.backend, exchange)
+            mechanism = choose_mechanism(uuids, node_comm.Get_size())
         if mechanism not in MECHANISMS:
             raise ValueError(f"device_fence must be auto or one of {', '.join(MECHANISMS)}; got {mechanism!r}")
         self.mechanism = mechanism
@@ -506,15 +509,19 @@ class _Sliced:
         return found
 
 
-def choose_mechanism(backend, exchange):
-    """``device_fence="auto"``: in-kernel flags where every rank of the node has a GPU of
-    its own (whose kernels can spin on a flag without holding the others' off the
-    device), else the host's epochs (on a shared GPU a spinning kernel would hold the
-    others off for its whole time slice). The same answer on every rank."""
+def gpus_of_the_node(backend, exchange):
+    """The set of the node's ranks' GPUs (their uuids, as bytes): collective, the same
+    on every rank."""
     mine = np.frombuffer(backend.uuid.encode().ljust(64, b"\0")[:64], np.int64)
-    everyone = exchange(mine)
-    distinct = len({row.tobytes() for row in everyone}) == len(everyone)
-    return "kernel" if distinct and len(everyone) > 1 else "host"
+    return {row.tobytes() for row in exchange(mine)}
+
+
+def choose_mechanism(uuids, ranks):
+    """``device_fence="auto"``: in-kernel flags where every one of the node's ``ranks``
+    has a GPU of its own (``uuids``: the node's GPUs; whose kernels can spin on a flag
+    without holding the others' off the device), else the host's epochs (on a shared
+    GPU a spinning kernel would hold the others off for its whole time slice)."""
+    return "kernel" if len(uuids) == ranks and ranks > 1 else "host"
 
 
 # -- one call's plan, as phases between fences --------------------------------------------------
@@ -1054,7 +1061,7 @@ def unshareable_message(what, which):
     return (f"the {what} of {ranks(which)} {'is' if len(which) == 1 else 'are'} in device memory this library "
             "cannot share through CUDA IPC (an allocation the driver cannot export: managed memory, a "
             "stream-ordered pool such as cudaMallocAsync's, torch's expandable segments). The peer reads "
-            "('one_shot', 'two_shot') cannot read it, and 'auto' chooses them for device arrays of one node: "
+            "('one_shot', 'two_shot', 'leader') cannot read it, and 'auto' chooses them for device arrays of one node: "
             "name a message-based algorithm (algorithm='ring') for such arrays, or allocate them where they can "
             "be shared (Communicator.empty(device=...), CuPy's default pool, torch's caching allocator)")
 
