@@ -50,7 +50,7 @@ class Communicator:
     ``ipc_memory`` bounds the IPC send slots (``COLLECTIVES_IPC_MEMORY``, 256 MiB). Every
     rank passes device arrays to a call, or every rank host arrays. On one node whose
     ranks can open each other's device memory, the peer-read algorithms (``one_shot``,
-    ``two_shot``) read the others' buffers in place, two fences a call; ``device_fence``
+    ``two_shot``, ``leader``) read the others' buffers in place, two fences a call; ``device_fence``
     (``COLLECTIVES_DEVICE_FENCE``: ``auto``, ``host``, ``stream`` or ``kernel``) says how
     a fence meets (see :mod:`collectives.transport.device_node`).
 
@@ -196,7 +196,7 @@ class Communicator:
         ``device="cuda"`` (``"cuda:N"``; ``"standin"`` in the tests) makes a device array
         instead (a CuPy array; bfloat16 comes marked, as :func:`collectives.device.bfloat16`),
         which every rank of the node opens in every other's process at once (CUDA IPC),
-        so that the peer-read algorithms (``one_shot``, ``two_shot``) read it in place
+        so that the peer-read algorithms (``one_shot``, ``two_shot``, ``leader``) read it in place
         from their first call. Any other device array is registered the same way at
         its first such call; this only does it ahead of time. Its lifetime is the
         array's own. With in-kernel fences (ranks on distinct GPUs) a peer read (all but

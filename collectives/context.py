@@ -213,7 +213,7 @@ class Context:
                 program.free()
         self.persistent.clear()
         for device in self.devices.values():
-            device.free(self.comm.Barrier, self.progress.broken is not None)
+            device.free(self.comm, self.progress.broken is not None)
         self.devices = {}
         if self.window is not None and self.progress.broken is None:  # (collective: a broken job may hang in it)
             self.window.free()

@@ -158,7 +158,8 @@ class _Slot:
     def __init__(self, backend, index, capacity):
         self.index, self.capacity = index, capacity
         self.array = backend.dedicated(capacity, np.uint8)
-        self.base, _, self.buffer_id = backend.allocation(self.array)
+        # size: the whole allocation (a GPU's is whole 2 MiB pages), which the peers open
+        self.base, self.size, self.buffer_id = backend.allocation(self.array)
         self.handle = peer_memory(backend).handle_of(self.base, self.buffer_id)
         self.event = backend.event(interprocess=True)
         self.event_handle = backend.ipc_event_handle(self.event)
@@ -264,7 +265,7 @@ class DeviceContext:
             return None
         slot = _Slot(self.backend, len(self._slots), capacity)
         self._slots.append(slot)
-        self._ipc_bytes += capacity
+        self._ipc_bytes += slot.size  # (at most one slot's rounding past the limit)
         return slot
 
     def give_slot(self, slot):
@@ -281,13 +282,15 @@ class DeviceContext:
             self._opened[key] = (base, array, self.backend.ipc_open_event(event_handle))
         return self._opened[key][1:]
 
-    def free(self, barrier, broken=False):
-        """Give back the IPC memory (the peers' it opened, then, once every rank has
-        (``barrier()``), its own slots) and the acknowledgement communicator.
-        Collective, as Communicator.free (``broken``: the communicator is)."""
+    def free(self, comm, broken=False):
+        """Give back the IPC memory (the peers' it opened, then, once every rank of
+        ``comm`` has, its own slots) and the acknowledgement communicator. Collective,
+        as Communicator.free (``broken``: the communicator is, on this rank; the ranks
+        agree: broken on one is broken on all)."""
         if self.peer is not None:
             self.peer.free(broken)  # its window: collective too
             self.peer = None
+        broken = not comm.allreduce(not broken, op=MPI.LAND)
         if broken:
             # The failed call's device work may still be queued, reading the peers'
             # slots (and theirs this rank's): a slot freed under it would be read freed
@@ -299,7 +302,7 @@ class DeviceContext:
             for (peer, _), (base, _, event) in self._opened.items():
                 memory.close(self.pids[peer], base)
                 self.backend.ipc_close_event(event)
-        barrier()  # (each slot is freed with its array, below: no peer has it open now)
+        comm.Barrier()  # (each slot goes with its array, below: no peer has it open now, or it is kept)
         self._opened, self._slots, self._free_slots, self._ipc_bytes = {}, [], [], 0
         if broken:  # messages of the failed call may still come (see .retired)
             retire(self.ack_comm, self.bulk_comm)
@@ -342,7 +345,7 @@ def negotiate(comm, node_comm, backend, request, cuda_ipc=None, cuda_aware=None,
     if wanted[0]:
         try:
             probe = _Slot(backend, -1, 64)
-            mine[1:4] = probe.base, np.uint64(probe.buffer_id).view(np.int64), probe.capacity
+            mine[1:4] = probe.base, np.uint64(probe.buffer_id).view(np.int64), probe.size
             mine[4:] = np.frombuffer(probe.handle + probe.event_handle, np.int64)
         except Exception:  # noqa: BLE001 - this GPU or process cannot export: no IPC from here
             probe, wanted[0] = None, 0
@@ -537,7 +540,7 @@ class DevicePlanHandle(PlanHandle):
         self._after_predecessors(i, stream)
         self._backend.copy(slot.array[: view.nbytes], view, stream)
         self._backend.record(slot.event, stream)  # before the control message: the receiver waits for it
-        control[0], control[2] = slot.index, slot.capacity
+        control[0], control[2] = slot.index, slot.size  # (the peer opens the whole allocation)
         control[4:12] = np.frombuffer(slot.handle, np.int64)
         control[12:20] = np.frombuffer(slot.event_handle, np.int64)
         control[20], control[21] = slot.base, np.uint64(slot.buffer_id).view(np.int64)
