@@ -49,7 +49,7 @@ from .native import mismatch
 from .progress import Handle, at
 from .retired import retire
 
-_CONTROL_WORDS = 22  # int64s of an IPC control message: slot, bytes, capacity, -, 8 + 8 of handles, base, id
+_CONTROL_WORDS = 22  # int64s of an IPC control message: slot, bytes, its allocation's size, -, handles, base, id
 _HANDLE_BYTES = 64  # a CUDA IPC memory or event handle
 _CONTROL_BYTES = 8 * _CONTROL_WORDS
 _PROBE_WORDS = 4 + 2 * _HANDLE_BYTES // 8  # negotiate's row per rank: pid, base, buffer id, bytes, handles
