@@ -659,7 +659,9 @@ class PeerCall:
         size = self.window.size
         self.slot = plan.shm // size if plan.shm else 0  # elements of each rank's window slot
         self.shared_out = plan.shared_out  # another rank writes this rank's output: published too
-        self.writes_peers = any(getattr(op, "dst", None) is not None and op.dst.buf == "rout" for op in plan.ops)
+        # (only a plan whose outputs are shared can write them: no scan of the others' plans, per call)
+        self.writes_peers = self.shared_out and any(getattr(op, "dst", None) is not None and op.dst.buf == "rout"
+                                                    for op in plan.ops)
         self.phases = phases(plan, self.window.rank, stride, self.slot)
         self.fences = len(self.phases) - 1
         window = self.window
