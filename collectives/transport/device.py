@@ -274,11 +274,12 @@ class DeviceContext:
     def slot(self, index):
         return self._slots[index]
 
-    def open_peer_slot(self, peer, index, capacity, handle, event_handle, base, buffer_id):
-        """``(array, event)`` of rank ``peer``'s slot ``index`` (opened at its first use)."""
+    def open_peer_slot(self, peer, index, size, handle, event_handle, base, buffer_id):
+        """``(array, event)`` of rank ``peer``'s slot ``index``, its whole allocation of
+        ``size`` bytes (opened at its first use)."""
         key = (peer, index)
         if key not in self._opened:
-            array = peer_memory(self.backend).view(self.pids[peer], base, buffer_id, handle, capacity, 0, capacity)
+            array = peer_memory(self.backend).view(self.pids[peer], base, buffer_id, handle, size, 0, size)
             self._opened[key] = (base, array, self.backend.ipc_open_event(event_handle))
         return self._opened[key][1:]
 
@@ -575,8 +576,8 @@ class DevicePlanHandle(PlanHandle):
             pinned = self._pinned[i] = self._ctx.pinned.take(expected)
             self._message(self._ctx.bulk_comm, False, pinned[:expected], op.peer, ("recv", i))
             return
-        index, nbytes, capacity = (int(v) for v in control[:3])
-        peer_array, peer_event = self._ctx.open_peer_slot(op.peer, index, capacity, control[4:12].tobytes(),
+        index, nbytes, size = (int(v) for v in control[:3])
+        peer_array, peer_event = self._ctx.open_peer_slot(op.peer, index, size, control[4:12].tobytes(),
                                                           control[12:20].tobytes(), int(control[20]),
                                                           int(control[21]) & (2 ** 64 - 1))
         self._aux += 1  # the acknowledgement, sent in order once the device has read the slot
