@@ -21,16 +21,17 @@ __global__ void reduce2(T* dst, const T* a, const T* b, i64 n) {
 
 // d_j = s0 op s1 op ... op s(k-1), left to right, for every j < m (a fold written to
 // several outputs at once: the leader algorithm's, into every rank's); the unused
-// pointers are null.
-template <class T, class Op>
-__global__ void reduce_n(i64 n, int k, int m, const T* s0, const T* s1, const T* s2, const T* s3, const T* s4,
+// pointers are null. Last = Divide (avg's fold that is the call's result) divides it by
+// ``divisor`` before writing; Keep ignores it.
+template <class T, class Op, class Last>
+__global__ void reduce_n(i64 n, int k, int m, double divisor, const T* s0, const T* s1, const T* s2, const T* s3, const T* s4,
                          const T* s5, const T* s6, const T* s7, const T* s8, const T* s9, const T* s10,
                          const T* s11, const T* s12, const T* s13, const T* s14, const T* s15, T* d0, T* d1, T* d2,
                          T* d3, T* d4, T* d5, T* d6, T* d7, T* d8, T* d9, T* d10, T* d11, T* d12, T* d13, T* d14,
                          T* d15) {
     const T* s[16] = {s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15};
     T* const d[16] = {d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15};
-    reduce_n_body<T, Op>(d, m, s, k, n, thread_start(), thread_stride());
+    reduce_n_body<T, Op, Last>(d, m, s, k, n, thread_start(), thread_stride(), divisor);
 }
 
 // x = x / divisor, in place (avg: the sum divided by the world size).

@@ -461,11 +461,18 @@ COLLECTIVES_HD void reduce2_body(T* dst, const T* a, const T* b, i64 n, i64 star
     for (i64 i = done + start; i < n; i += stride) dst[i] = Op::apply(a[i], b[i]);
 }
 
-// d[j] = s[0] op s[1] op ... op s[k-1] for every j < m, folded left in index order
-// (1 <= k, m <= 16). Each element's inputs are all read before its outputs are written,
-// so an output may be an input's very elements (in place), though no other of its elements.
-template <class T, class Op>
-COLLECTIVES_HD void reduce_n_body(T* const* d, int m, const T* const* s, int k, i64 n, i64 start, i64 stride) {
+// What reduce_n does to the fold before it writes it: nothing, or avg's division by the
+// world size (the leader's fold of avg is the call's result: no rank divides after it).
+struct Keep { template <class T> static COLLECTIVES_HD T apply(T x, double) { return x; } };
+struct Divide { template <class T> static COLLECTIVES_HD T apply(T x, double d) { return divide(x, d); } };
+
+// d[j] = Last(s[0] op s[1] op ... op s[k-1], divisor) for every j < m, folded left in
+// index order (1 <= k, m <= 16). Each element's inputs are all read before its outputs
+// are written, so an output may be an input's very elements (in place), though no other
+// of its elements.
+template <class T, class Op, class Last = Keep>
+COLLECTIVES_HD void reduce_n_body(T* const* d, int m, const T* const* s, int k, i64 n, i64 start, i64 stride,
+                                  double divisor = 1.0) {
     bool vector = sizeof(T) < 16;
     for (int o = 0; o < m; ++o) vector = vector && aligned16(d[o]);
     for (int q = 0; q < k; ++q) vector = vector && aligned16(s[q]);
@@ -480,6 +487,7 @@ COLLECTIVES_HD void reduce_n_body(T* const* d, int m, const T* const* s, int k, 
                 x.v = reinterpret_cast<const Vec16*>(s[q])[j];
                 for (int l = 0; l < lanes; ++l) acc.e[l] = Op::apply(acc.e[l], x.e[l]);
             }
+            for (int l = 0; l < lanes; ++l) acc.e[l] = Last::apply(acc.e[l], divisor);
             for (int o = 0; o < m; ++o) reinterpret_cast<Vec16*>(d[o])[j] = acc.v;
         }
         done = vectors * lanes;
@@ -487,6 +495,7 @@ COLLECTIVES_HD void reduce_n_body(T* const* d, int m, const T* const* s, int k, 
     for (i64 i = done + start; i < n; i += stride) {
         T acc = s[0][i];
         for (int q = 1; q < k; ++q) acc = Op::apply(acc, s[q][i]);
+        acc = Last::apply(acc, divisor);
         for (int o = 0; o < m; ++o) d[o][i] = acc;
     }
 }

@@ -978,6 +978,48 @@ def test_auto_runs_the_leader_only_where_the_ranks_share_one_gpu(mpi_comm, one_g
     agree(mpi_comm, problems)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_the_leaders_fold_divides_for_avg(mpi_comm):
+    """avg on the leader: rank 0's fold divides by the world size as it writes every
+    rank's output (one kernel), so the other ranks launch nothing, no division either;
+    the results are the host path's bits (its sum, then its division), on the general
+    and the lean path, into new, ``out=`` and strided arrays, in every floating dtype."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    comm = communicator("host")
+    backend = next(iter(comm._ctx.devices.values())).backend
+    problems = []
+    for dtype in (np.float32, np.float64, np.float16, np.complex64, ml_dtypes.bfloat16):
+        name, marked = np.dtype(dtype).name, np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16)
+        xs = [rank_input(r, 45, dtype, "avg") * (r + 1) for r in range(comm.size)]  # sums not divisible by p
+        # (MPI has no bfloat16: the host path's own algorithm; the sums are exact, so any fold's)
+        want = comm.allreduce(xs[comm.rank], op="avg", algorithm="direct" if marked else "native")
+        if marked and not D.native_bfloat16:
+            x, want = bfloat16(D.asarray(xs[comm.rank].view(np.uint16))), want.view(np.uint16)
+        else:
+            x = D.asarray(xs[comm.rank])
+        for round_ in range(3):  # the general path, then the lean one
+            before = backend.launches.copy()
+            got = host_of(comm.allreduce(x, op="avg", algorithm="leader"))
+            launched = backend.launches - before
+            expected = {"reduce_n": 1} if comm.rank == 0 else {}
+            if dict(launched) != expected:
+                problems.append(f"{name} round {round_}: launched {dict(launched)}, want {expected}")
+            problem = differs(want, got)
+            if problem:
+                problems.append(f"{name} round {round_}: {problem}")
+        if marked:
+            continue
+        canvas = D.asarray(np.zeros((2, 45), xs[0].dtype))
+        comm.allreduce(x, op="avg", algorithm="leader", out=canvas[1])
+        comm.allreduce(D.asarray(np.stack([xs[comm.rank]] * 2, axis=-1))[:, 1], op="avg", algorithm="leader",
+                       out=canvas[0, ::-1])
+        host = D.asnumpy(canvas)
+        if differs(want, host[1]) or differs(want, np.ascontiguousarray(host[0, ::-1])):
+            problems.append(f"{name}: out= or strided")
+    comm.free()
+    agree(mpi_comm, problems)
+
+
 def test_auto_picks_a_peer_read_and_says_why(pcomm, mpi_comm):
     comm, problems = pcomm, []
     for nbytes in (8, 64 << 10, 1 << 20, 64 << 20):

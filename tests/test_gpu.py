@@ -81,6 +81,13 @@ def test_multi_input_divide_cast_and_pack_kernels_on_the_device(cupy, backend):
         backend.reduce_n(stream, "sum", dtype, dst, [cupy.asarray(x) for x in inputs])
         stream.synchronize()
         assert same_bits(cupy.asnumpy(dst), functools.reduce(lambda x, y: numpy_reduce("sum", x, y), inputs))
+        if dtype.kind == "f":  # avg's fold that is the call's result (the leader's): divided as it is written
+            outputs = [cupy.empty(10_001, dtype), cupy.empty(10_001, dtype)]
+            backend.reduce_n(stream, "avg", dtype, outputs, [cupy.asarray(x) for x in inputs[:5]], divisor=3)
+            stream.synchronize()
+            with np.errstate(all="ignore"):
+                want = np.divide(functools.reduce(lambda x, y: numpy_reduce("sum", x, y), inputs[:5]), 3)
+            assert all(same_bits(cupy.asnumpy(out), want) for out in outputs), f"{dtype}: the dividing fold"
     x = values(np.dtype("float32"), 100_003, rng)
     device_x = cupy.asarray(x)
     backend.divide(stream, np.dtype("float32"), device_x, 3)

@@ -50,6 +50,8 @@ def harness(tmp_path_factory):
     lib.cc_reduce2.argtypes = [c, c, p, p, p, i64, ctypes.c_int]
     lib.cc_reduce_n.argtypes = [c, c, ctypes.POINTER(p), ctypes.c_int, ctypes.POINTER(p), ctypes.c_int, i64,
                                 ctypes.c_int]
+    lib.cc_reduce_n_divide.argtypes = [c, ctypes.POINTER(p), ctypes.c_int, ctypes.POINTER(p), ctypes.c_int, i64,
+                                       ctypes.c_int, ctypes.c_double]
     lib.cc_divide.argtypes = [c, p, i64, ctypes.c_double]
     lib.cc_cast_divide.argtypes = [c, c, p, p, i64, ctypes.c_double]
     lib.cc_pack.argtypes = lib.cc_unpack.argtypes = [ctypes.c_int, p, p, i64, ctypes.c_int, p, p]
@@ -217,6 +219,27 @@ def test_divide_equals_numpy(harness, dtype):
         got = x.copy()
         assert harness.cc_divide(name_of(dtype), ptr(got), got.size, p) == 0
         assert same_bits(got, want), f"{dtype} / {p}: {got[:4]} != {want[:4]}"
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if kernels.divides(d)], ids=lambda d: d.name)
+def test_reduce_n_dividing_is_the_sum_then_numpys_division(harness, dtype):
+    """avg's fold that is the call's result (the leader's, into several outputs, one of
+    them an input): the left-fold sum, then ``numpy.divide(sum, p)``, bit for bit: what
+    the other paths give, which sum and then divide in two steps."""
+    rng = np.random.default_rng(dtype.num + 7)
+    n = 1031
+    for k in (1, 2, 3, 5, 16):
+        for p in (k, 3, 7):
+            inputs = [values(dtype, n, rng) for _ in range(k)]
+            with np.errstate(all="ignore"):
+                want = np.divide(functools.reduce(lambda x, y: numpy_reduce("sum", x, y), inputs), p)
+            outputs = [np.empty(n, dtype), inputs[0]] if k > 1 else [np.empty(n, dtype)]
+            assert harness.cc_reduce_n_divide(name_of(dtype), pointers_to(*outputs), len(outputs),
+                                              pointers_to(*inputs), k, n, k + 2, p) == 0
+            for j, out in enumerate(outputs):
+                assert same_bits(out, want), f"{dtype} k={k} /{p} output {j}: {out[:4]} != {want[:4]}"
+    assert harness.cc_reduce_n_divide(b"int32", pointers_to(), 1, pointers_to(), 1, 0, 1, 2.0) == -1
+    assert harness.cc_reduce_n_divide(name_of(dtype), pointers_to(), 1, pointers_to(), 17, 0, 1, 2.0) == -3
 
 
 @pytest.mark.parametrize("src,dst", kernels.CASTS)

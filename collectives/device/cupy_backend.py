@@ -271,9 +271,10 @@ class CupyDevice:
             self._launch(dtype, kernels.reduce2(dtype, op), kernels.vector_items(n, dtype.itemsize), stream,
                          (dst, a, b, np.int64(n)))
 
-    def reduce_n(self, stream, op, dtype, dst, sources):
+    def reduce_n(self, stream, op, dtype, dst, sources, divisor=None):
         """``dst`` = the left fold of ``sources`` (1 to 16), in one kernel; ``dst`` may be
-        a list of up to 16 arrays, each given the fold (one may be an input itself)."""
+        a list of up to 16 arrays, each given the fold (one may be an input itself).
+        ``divisor`` (avg's fold that is the call's result): the fold divided by it."""
         dsts = list(dst) if isinstance(dst, (list, tuple)) else [dst]
         n = int(dsts[0].size)
         self.launches["reduce_n"] += 1
@@ -285,11 +286,14 @@ class CupyDevice:
         null = np.uint64(0)
         inputs = list(sources) + [null] * (kernels.MAX_INPUTS - len(sources))
         outputs = dsts + [null] * (kernels.MAX_INPUTS - len(dsts))
-        self._launch(dtype, kernels.reduce_n(dtype, op), kernels.vector_items(n, dtype.itemsize), stream,
-                     (np.int64(n), np.int32(len(sources)), np.int32(len(dsts)), *inputs, *outputs))
+        name = kernels.reduce_n(dtype, op, divide=divisor is not None)
+        self._launch(dtype, name, kernels.vector_items(n, dtype.itemsize), stream,
+                     (np.int64(n), np.int32(len(sources)), np.int32(len(dsts)),
+                      np.float64(1.0 if divisor is None else divisor), *inputs, *outputs))
 
     def divide(self, stream, dtype, x, divisor):
         n = int(x.size)
+        self.launches["divide"] += 1
         if n:
             self._launch(dtype, kernels.divide_by(dtype), n, stream, (x, np.int64(n), np.float64(divisor)))
 

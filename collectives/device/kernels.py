@@ -61,9 +61,12 @@ def reduce2(dtype, op):
     return f"{_q('reduce2')}<{_q(t)}, {_q(OP_TAGS[op])}>"
 
 
-def reduce_n(dtype, op):
+def reduce_n(dtype, op, divide=False):
+    """The fold of up to 16 inputs into up to 16 outputs; ``divide``: avg's fold that is
+    the call's result, divided by the world size before it is written (floating and
+    complex dtypes, op sum or avg)."""
     t = CXX_TYPES[np.dtype(dtype).name]
-    return f"{_q('reduce_n')}<{_q(t)}, {_q(OP_TAGS[op])}>"
+    return f"{_q('reduce_n')}<{_q(t)}, {_q(OP_TAGS[op])}, {_q('Divide' if divide else 'Keep')}>"
 
 
 def divide_by(dtype):
@@ -96,7 +99,7 @@ def for_dtype(dtype):
     dtype = np.dtype(dtype)
     names = [reduce2(dtype, op) for op in ops_for(dtype)] + [reduce_n(dtype, op) for op in ops_for(dtype)]
     if divides(dtype):
-        names.append(divide_by(dtype))
+        names += [divide_by(dtype), reduce_n(dtype, "avg", divide=True)]
     names += [pack(dtype.itemsize), unpack(dtype.itemsize), copy_n(dtype.itemsize)]
     names += [cast_divide(_dtype(s), _dtype(d)) for s, d in CASTS if s == dtype.name]  # compression from dtype
     names.append(FENCE)

@@ -62,6 +62,7 @@ import numpy as np
 
 from .. import ops as ops_layer
 from ..dtypes import EXTRA_DTYPES
+from . import kernels
 
 GARBAGE = 0xA5
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -642,9 +643,12 @@ class StandInDevice:
         self.launches["reduce2"] += 1
         self._enqueue(stream, lambda: ops_layer.combine(op, x, y, d), dst, a, b)
 
-    def reduce_n(self, stream, op, dtype, dst, sources):
+    def reduce_n(self, stream, op, dtype, dst, sources, divisor=None):
         """``dst`` = the left fold of ``sources``; ``dst`` may be a list of arrays, each
-        given the fold (one kernel, as CUDA's)."""
+        given the fold (one kernel, as CUDA's); ``divisor``: the fold divided by it first."""
+        if divisor is not None and (op not in ("sum", "avg") or not kernels.divides(dtype)):
+            raise ValueError(f"reduce_n divides the fold of op 'avg' on floating or complex dtypes only; got "
+                             f"{op!r} on {np.dtype(dtype).name}")
         dsts = list(dst) if isinstance(dst, (list, tuple)) else [dst]
         outputs, inputs = [self._typed(d, dtype) for d in dsts], [self._typed(s, dtype) for s in sources]
         self.launches["reduce_n"] += 1
@@ -653,6 +657,8 @@ class StandInDevice:
             acc = inputs[0].copy()
             for x in inputs[1:]:
                 ops_layer.combine(op, acc, x, acc)
+            if divisor is not None and acc.size:
+                np.divide(acc, divisor, out=acc)
             for d in outputs:
                 np.copyto(d, acc)
 
@@ -660,6 +666,7 @@ class StandInDevice:
 
     def divide(self, stream, dtype, x, divisor):
         target = self._typed(x, dtype)
+        self.launches["divide"] += 1
         self._enqueue(stream, lambda: np.divide(target, divisor, out=target) if target.size else None, x)
 
     def cast_divide(self, stream, src_dtype, dst_dtype, dst, src, divisor):

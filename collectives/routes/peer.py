@@ -135,17 +135,21 @@ class PeerRead(Route):
                 inp = work.copy_of(x.data)
             else:
                 inp = work.flat(x.data)
-        if spec.reduces and call.op == "avg" and result is not None:
-            work.divide_at_end(result, ctx.size)
         plan = base.compiled_plan(spec.name, call.algorithm, rank, ctx.size, call.count, call.root, 1, inplace,
                                   ctx.options.deterministic, 0)
+        divisor = None  # avg: the leader's fold divides as it writes every rank's output; else each rank after
+        if spec.reduces and call.op == "avg" and result is not None:
+            if plan.shared_out:
+                divisor = ctx.size
+            else:
+                work.divide_at_end(result, ctx.size)
         raw, tmp = device.take_workspace(plan.tmp, inp.dtype) if plan.tmp else (None, inp[:0])
         arrays = {"in": inp, "out": result if result is not None else inp[:0], "tmp": tmp}
         signature = (ctx.sequence, call_code(spec, call.algorithm, x.dtype, call.op), inp.nbytes, call.root)
         run = PeerCall(node, plan, arrays, call.count, call.op, x.dtype, signature, describe, started,
                        before=work.prologue, after=work.epilogue,
                        # an in-kernel wait gives up first, so that the host can still name who did not come
-                       limit=None if call.timeout is None else 0.8 * call.timeout)
+                       limit=None if call.timeout is None else 0.8 * call.timeout, divisor=divisor)
 
         def finish():
             if raw is not None:
@@ -223,6 +227,7 @@ def _lean_run(ctx: Any, entry: LeanEntry, device: Any, x: Any, inplace: bool) ->
     in_place = spec.one_buffer or inplace  # broadcast, or out=x: the input is the result
     leaf = spec.root_result and ctx.rank != root  # no result here
     average = spec.reduces and op == "avg" and size > 1
+    divisor = size if average and plan.shared_out else None  # the leader's fold divides (every rank's output)
     prefix = f"{spec.name}(algorithm={entry.algorithm!r}, {x.where}) call #"
     tmp_bytes = plan.tmp * storage.itemsize
 
@@ -246,7 +251,7 @@ def _lean_run(ctx: Any, entry: LeanEntry, device: Any, x: Any, inplace: bool) ->
             raw = device.workspace.take(tmp_bytes)
             tmp = raw[:tmp_bytes].view(storage)
         after = None
-        if average and result is not None and result.size:
+        if average and divisor is None and result is not None and result.size:
             def after(stream):
                 backend.divide(stream, dtype, result, size)
         sequence = ctx.sequence
@@ -254,7 +259,7 @@ def _lean_run(ctx: Any, entry: LeanEntry, device: Any, x: Any, inplace: bool) ->
         try:
             call = PeerCall(node, plan, {"in": inp, "out": inp[:0] if result is None else result, "tmp": tmp}, count,
                             op, dtype, (sequence, code, nbytes, root), describe, started, after=after,
-                            limit=None if timeout is None else 0.8 * timeout)
+                            limit=None if timeout is None else 0.8 * timeout, divisor=divisor)
             _wait(ctx, call, backend, timeout, describe)
         except BaseException as exc:  # the engine breaks as on the general path
             if ctx.progress.broken is None:

@@ -16,6 +16,7 @@ synchronisations between the ranks, whatever the fence mechanism.
              allgather's copies one copy kernel (at most 16 inputs or copies a
              kernel); broadcast one copy; the leader's fold, written into every
              rank's output (published at fence 1 too), one kernel on rank 0 alone
+             (avg: divided as it is written; no rank divides after it)
     fence 2: nobody reads this rank's input any more
     phase 2: two_shot's copies out of the window slots: one copy kernel
     the call finishes once its last kernel has run (an event the host polls)
@@ -593,6 +594,18 @@ def _folded_to_all(entries):
     return made
 
 
+def _last_fold_into_out(made):
+    """``(phase, entry)`` of the last fold in ``made`` (:func:`phases`) that writes this
+    rank's output, or None: where avg's division goes when the fold divides."""
+    found = None
+    for k, phase in enumerate(made):
+        for i, (kind, specs) in enumerate(phase):
+            first = specs[0][0] if kind == _FOLD_TO_ALL else specs[0]
+            if kind in (_REDUCE, _REDUCE_MANY, _FOLD_TO_ALL) and first[0] == "out":
+                found = (k, i)
+    return found
+
+
 def phases(plan, rank, stride, slot):
     """``plan``'s operations in phases between its fences (kept beside the plan): each
     an ``(kind, slices)`` list, a slice ``(buffer, peer, lo, hi)`` with ``reg``,
@@ -643,10 +656,12 @@ class PeerCall:
     integers every rank must give alike (call number, a code of collective, algorithm,
     dtype and op, the size in bytes, the root); ``started``: an event recorded on the
     user's stream at the call; ``before(stream)`` and ``after(stream)``: work of the call
-    beside the plan (packing a strided input; the average's division, unpacking)."""
+    beside the plan (packing a strided input; the average's division, unpacking);
+    ``divisor``: avg on a plan whose outputs are shared (the leader): the fold that
+    writes them divides by it as it writes, so the other ranks launch no division."""
 
     def __init__(self, node, plan, arrays, stride, op, dtype, signature, describe, started, before=None, after=None,
-                 limit=None):
+                 limit=None, divisor=None):
         self.node, self.backend, self.window = node, node.backend, node.window
         self.arrays, self.op, self.dtype, self.describe = arrays, op, dtype, describe
         self.signature = tuple(int(v) for v in signature)
@@ -664,6 +679,8 @@ class PeerCall:
                                                     for op in plan.ops)
         self.phases = phases(plan, self.window.rank, stride, self.slot)
         self.fences = len(self.phases) - 1
+        self.divisor = divisor
+        self.dividing = _last_fold_into_out(self.phases) if divisor is not None else None  # (phase, entry)
         window = self.window
         self.base = window.fences  # this call's fences are base + 1 … base + fences
         window.fences += self.fences
@@ -997,8 +1014,12 @@ class PeerCall:
 
     def _enqueue(self, k):
         backend, stream, view = self.backend, self.node.stream, self._view
-        for kind, specs in self.phases[k]:
-            if kind == _COPY:
+        for i, (kind, specs) in enumerate(self.phases[k]):
+            if self.dividing == (k, i):  # avg's result: divided as the fold writes it (into every output)
+                outputs, inputs = (specs[0], specs[1]) if kind == _FOLD_TO_ALL else ((specs[0],), specs[1:])
+                backend.reduce_n(stream, self.op, self.dtype, [view(d) for d in outputs], [view(s) for s in inputs],
+                                 divisor=self.divisor)
+            elif kind == _COPY:
                 backend.copy(view(specs[0]), view(specs[1]), stream)
             elif kind == _COPY_MANY:
                 for at in range(0, len(specs), _MAX_COPIES):

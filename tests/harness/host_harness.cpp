@@ -46,6 +46,16 @@ void reduce_n_grid(T* const* d, int m, const T* const* s, int k, i64 n, int thre
     for (int t = 0; t < threads; ++t) reduce_n_body<T, Op>(d, m, s, k, n, t, threads);
 }
 
+// avg's fold that is the call's result (the leader's): the sum divided as it is written.
+template <class T>
+void reduce_n_divide(void* const* dsts, int m, const void* const* srcs, int k, i64 n, int threads, double divisor) {
+    const T* s[16];
+    T* d[16];
+    for (int q = 0; q < k; ++q) s[q] = static_cast<const T*>(srcs[q]);
+    for (int o = 0; o < m; ++o) d[o] = static_cast<T*>(dsts[o]);
+    for (int t = 0; t < threads; ++t) reduce_n_body<T, Sum, Divide>(d, m, s, k, n, t, threads, divisor);
+}
+
 template <class T, Ops Has>
 int reduce_n_op(const char* op, void* const* dsts, int m, const void* const* srcs, int k, i64 n, int threads) {
     const T* s[16];
@@ -117,6 +127,17 @@ int cc_reduce_n(const char* dtype, const char* op, void* const* dsts, int m, con
 #undef X
     if (is(dtype, "complex64")) return reduce_n_op<c64, COMPLEX>(op, dsts, m, srcs, k, n, threads);
     if (is(dtype, "complex128")) return reduce_n_op<c128, COMPLEX>(op, dsts, m, srcs, k, n, threads);
+    return -1;
+}
+
+// 0: done; -1: a dtype avg does not take; -3: k or m out of range.
+int cc_reduce_n_divide(const char* dtype, void* const* dsts, int m, const void* const* srcs, int k, i64 n,
+                       int threads, double divisor) {
+    if (k < 1 || k > 16 || m < 1 || m > 16) return -3;
+#define X(name, T) if (is(dtype, #name)) return reduce_n_divide<T>(dsts, m, srcs, k, n, threads, divisor), 0;
+    COLLECTIVES_FLOAT_TYPES(X)
+    X(complex64, c64) X(complex128, c128)
+#undef X
     return -1;
 }
 
