@@ -37,7 +37,8 @@ In order, the first that answers:
 Device arrays have tables of their own (``device_tables``, same fingerprint rule);
 without one they take the device cost model (:func:`device_choice`): on one node the
 fastest predicted of the peer-read algorithms (``one_shot``, ``two_shot``, ``leader``: the
-last only where the ranks share a GPU), the ring
+last only where the ranks share a GPU, which the first peer-read call learns and tells
+the selector, :meth:`Selector.learn_gpus`; until then they are taken to share one), the ring
 over CUDA IPC and ``native`` staged (MPI's own collective on host copies), from the
 parameters of :class:`DeviceCostModel`; across nodes the cost-model rule (the
 conservative rule's model is calibrated for host buffers, and ``native`` there means
@@ -79,7 +80,7 @@ import os
 import platform
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import calibration as calibration_module
@@ -637,7 +638,8 @@ class DeviceCostModel:
     the result back, two switches a process) ``staged_fixed`` its cost beyond ``call``
     and ``staged_rate`` the bytes per second of what crosses the host
     (``STAGED_BYTES``: copied in plus copied back), MPI's own work on the host copies
-    included.
+    included. ``own_fence``: a fence where each rank has a GPU of its own (not
+    ``shared``: in-kernel flags, no host and no switch in it).
 
     The defaults come from the one GPU measured with peer reads
     (bench/results/NVIDIA-H200: 2 and 4 ranks sharing one H200, MPICH 5.0.2 not
@@ -651,12 +653,16 @@ class DeviceCostModel:
     8 B, 470 us at 2 ranks (1142 at 4: the model says 1230); ``staged_rate`` the
     least-squares fit (in relative error) of native allreduce from 1 to 256 MiB at 2 and
     4 ranks, within -60% to +62% of them (42% rms: MPI's reduction on the host slows past
-    16 MiB). A device table
-    (``collectives-bench --device cuda --tune``, or ``make bench-gpu``'s tuning.json)
-    replaces the whole rule."""
+    16 MiB). ``own_fence`` has not been measured (no machine with a GPU per rank was
+    lent): 10 us, the order of the whole small allreduces that flag-based
+    implementations report on 8 H100s over NVLink (4-25 us); ``fence``, measured with
+    host fences on a shared GPU, would make the staged ``native`` win every small call
+    there. A device table (``collectives-bench --device cuda --tune``, or ``make
+    bench-gpu``'s tuning.json) replaces the whole rule."""
 
     call: float = 40e-6
     fence: float = 100e-6
+    own_fence: float = 10e-6
     launch: float = 6e-6
     bandwidth: float = 4.0e12
     shared: bool = True
@@ -720,7 +726,8 @@ def predict_device(collective, nbytes, size, model=SHIPPED_DEVICE_MODEL):
     """``{algorithm: seconds}`` of the peer-read algorithms of ``collective``, its ring
     (over CUDA IPC) and ``native`` (staged: the MPI library's own collective on host
     copies) on one node of ``size`` ranks, ``nbytes`` as a tuning table counts them
-    (allgather: the gathered size). The peer reads cost ``call`` + two fences + their
+    (allgather: the gathered size). The peer reads cost ``call`` + two fences (``fence``;
+    ``own_fence`` where each rank has a GPU of its own) + their
     launches + their memory traffic (:mod:`collectives.algorithms.peer`'s docstring;
     all ranks' where they share a GPU, one rank's where each has its own) + where they
     share one, a ``switch`` per further rank with device work, per round of it; the ring
@@ -733,8 +740,10 @@ def predict_device(collective, nbytes, size, model=SHIPPED_DEVICE_MODEL):
     def switches(working, rounds):  # a GPU the ranks share runs one process's work at a time
         return m.switch * rounds * max(working - 1, 0) if m.shared else 0.0
 
+    fence = m.fence if m.shared else m.own_fence
+
     def peer(traffic, launches, working, rounds):
-        return (m.call + 2 * m.fence + launches * m.launch + ranks * traffic / m.bandwidth
+        return (m.call + 2 * fence + launches * m.launch + ranks * traffic / m.bandwidth
                 + switches(working, rounds))
 
     if collective not in DEVICE_COSTS:
@@ -858,6 +867,19 @@ class Selector:
         if agreed & 16 and not self.in_use[0] and world_size > 1 and set(BUILDERS) - set(self.overrides):
             self.calibration = calibrate(self.fingerprint, self.key, self.link)
         self._cache = BoundedCache(4096)  # (collective, nbytes, device) -> choice
+        # Whether the node's ranks share one GPU: None until a device call learns it (the
+        # device model meanwhile takes them to, as on the GPU it was measured on).
+        self.gpus_shared = None
+        self.device_model = SHIPPED_DEVICE_MODEL  # the device rule's parameters
+
+    def learn_gpus(self, shared):
+        """The node's ranks share one GPU (``shared``) or each has its own, as the first
+        peer-read call learnt (the same on every rank): the device cost model predicts
+        for that from now on (the leader only where they share one)."""
+        if shared != self.gpus_shared:
+            self.gpus_shared = bool(shared)
+            self.device_model = replace(self.device_model, shared=self.gpus_shared)
+            self._cache.clear()
 
     def _usable(self, table, suffix):
         """``(usable, why not)`` for ``table`` on this rank alone."""
@@ -970,8 +992,10 @@ class Selector:
             if choice is not None:
                 return choice, f"measured table {table.source}" + (f" (layout {self.key})" if self.several else "")
         if device:
-            choice, why = device_choice(collective, nbytes, self.world_size, self.topology)
-            why += " (no measured table for device arrays)"
+            choice, why = device_choice(collective, nbytes, self.world_size, self.topology, self.device_model)
+            gpus = {None: "the node's ranks taken to share one GPU until a device call learns it",
+                    True: "the node's ranks share one GPU", False: "each of the node's ranks has a GPU of its own"}
+            why += f" (no measured table for device arrays; {gpus[self.gpus_shared]})"
             if self.several:
                 why += f" for {self.topology.describe()}"
             return choice, why

@@ -954,26 +954,44 @@ def test_check_mode_runs_them_and_names_a_different_algorithm(mpi_comm):
 @pytest.mark.parametrize("one_gpu", [True, False], ids=["one-gpu", "a-gpu-each"])
 def test_auto_runs_the_leader_only_where_the_ranks_share_one_gpu(mpi_comm, one_gpu):
     """The device cost model picks the leader for an allreduce where the node's ranks
-    share one GPU; where each has its own (``PeerNode.one_gpu`` False: made so here),
-    auto runs one_shot instead, on the general and the lean path alike: every rank
-    launches its fold, not rank 0 alone."""
-    comm = communicator("host")
-    comm.allreduce(D.asarray(np.ones(3, np.float32)), algorithm="one_shot")  # the peer-read state
-    node, backend = _peer_state(comm)[0], next(iter(comm._ctx.devices.values())).backend
-    node.one_gpu = one_gpu
+    share one GPU, as it takes them to until a peer-read call has learnt it; where each
+    has its own (the stand-in made to say so), the first call, chosen before, runs
+    one_shot instead (every rank launches its fold, not rank 0 alone), and from then on
+    the model predicts for a GPU each: ``comm.choose`` says so, never names the leader,
+    and the calls run what it names."""
+    comm = communicator("host")  # the device negotiated; no peer-read call yet
+    backend = next(iter(comm._ctx.devices.values())).backend
     problems = []
     x = D.asarray(rank_input(comm.rank, 64, "float32"))
     want = sum(rank_input(r, 64, "float32") for r in range(comm.size))
-    if comm.choose("allreduce", x.nbytes, device=True)[0] != "leader":
-        problems.append(f"the model did not pick the leader: {tuple(comm.choose('allreduce', x.nbytes, device=True))}")
-    for round_ in range(3):  # the general path, then the lean one
-        before = backend.launches.copy()
-        if differs(want, D.asnumpy(comm.allreduce(x))):
-            problems.append(f"round {round_}: wrong result")
-        launched = sum((backend.launches - before).values())
-        expected = int(comm.rank == 0) if one_gpu else 1
-        if launched != expected:
-            problems.append(f"round {round_}: {launched} launches, want {expected}")
+    before_learning = comm.choose("allreduce", x.nbytes, device=True)
+    if before_learning[0] != "leader" or "taken to share one GPU" not in before_learning[1]:
+        problems.append(f"before the first peer-read call: {tuple(before_learning)}")
+    uuid = backend.uuid
+    if not one_gpu:
+        backend.uuid = f"{uuid}-rank-{comm.rank}"  # a GPU each
+    try:
+        for round_ in range(3):  # the general path, then the lean one
+            before = backend.launches.copy()
+            if differs(want, D.asnumpy(comm.allreduce(x))):
+                problems.append(f"round {round_}: wrong result")
+            launched = sum((backend.launches - before).values())
+            expected = int(comm.rank == 0) if one_gpu else 1
+            if (one_gpu or round_ == 0) and launched != expected:
+                problems.append(f"round {round_}: {launched} launches, want {expected}")
+    finally:
+        backend.uuid = uuid
+    choice = comm.choose("allreduce", x.nbytes, device=True)
+    model = tuning.DeviceCostModel(shared=one_gpu)
+    times = tuning.predict_device("allreduce", x.nbytes, comm.size, model)
+    said = "the node's ranks share one GPU" if one_gpu else "each of the node's ranks has a GPU of its own"
+    if choice[0] != min(times, key=times.get) or said not in choice[1] or (choice[0] == "leader") != one_gpu:
+        problems.append(f"once learnt: {tuple(choice)}, predicted {times}")
+    ctx = comm._ctx  # what the calls after the first ran: the general path's kinds, the lean path's entries
+    ran = {known[0] for kind, known in ctx.call_kinds.items() if kind[0].name == "allreduce" and kind[5]}
+    ran |= {entry.algorithm for key, entry in ctx.lean_entries.items() if entry and key[0] is backend}
+    if ran != {choice[0]}:
+        problems.append(f"once learnt, the calls ran {ran}, not {choice[0]}")
     comm.free()
     agree(mpi_comm, problems)
 

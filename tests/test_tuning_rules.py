@@ -10,7 +10,6 @@ on their findings (``agree``) so that no rank is left waiting.
 """
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -206,7 +205,8 @@ def test_the_ranks_agree_on_the_table(tmp_path, clean_environment):
     outvoted = Selector.from_environment(4, environ, agree=lambda bits: bits & 1)
     choice, why = outvoted.explain("allreduce", 1 << 20, device=True)
     model_choice, model_why = tuning.device_choice("allreduce", 1 << 20, 4)
-    assert (choice, why) == (model_choice, model_why + " (no measured table for device arrays)")
+    assert (choice, why) == (model_choice, model_why + " (no measured table for device arrays; the node's ranks "
+                             "taken to share one GPU until a device call learns it)")
     assert choice in ("one_shot", "two_shot", "leader") and why.startswith("device cost model on one node (predicted: ")
 
 
@@ -465,10 +465,14 @@ def test_the_device_model_fits_the_h200s_peer_reads(p):
         own = tuning.DeviceCostModel(shared=False, bandwidth=2e11)
         times = tuning.predict_device("allreduce", 256 << 20, p, own)
         assert times["two_shot"] < times["one_shot"], times
+    # and their fences have no host and no switch in them: a small call does not go
+    # staged (own_fence, unmeasured, against the shared GPU's host fence)
+    times = tuning.predict_device("allreduce", 8, p, tuning.DeviceCostModel(shared=False))
+    assert min(times, key=times.get) == "one_shot" and "leader" not in times, times
 
 
 @serial
-def test_a_slow_fence_makes_auto_stage_small_buffers(clean_environment, monkeypatch):
+def test_a_slow_fence_makes_auto_stage_small_buffers(clean_environment):
     """Where the ranks' synchronisation is slow (their fences and the ring's handshakes),
     small buffers go to MPI's own on host copies (one host round trip, no fences) and
     large ones still to a peer read."""
@@ -480,11 +484,11 @@ def test_a_slow_fence_makes_auto_stage_small_buffers(clean_environment, monkeypa
             assert why.startswith(f"device cost model on one node (predicted: {STAGED_SAID} "), why
             assert tuning.device_choice(collective, 256 << 20, p, model=slow)[0] in PEER_READ_NAMES, (collective, p)
     # auto without a device table: the selector says so, naming the staged path
-    monkeypatch.setattr(tuning, "device_choice", functools.partial(tuning.device_choice, model=slow))
     selector = Selector.from_environment(4, {})
+    selector.device_model = slow
     choice, why = selector.explain("allreduce", 4096, device=True)
     times = tuning.predict_device("allreduce", 4096, 4, slow)
-    assert choice == "native" and why.endswith(" (no measured table for device arrays)")
+    assert choice == "native" and " (no measured table for device arrays; " in why
     assert f"predicted: {STAGED_SAID} {times['native'] * 1e6:.0f} us, " in why
     assert selector.explain("allreduce", 256 << 20, device=True)[0] in PEER_READ_NAMES
     assert selector.explain("allreduce", 4096)[0] == "native"  # host arrays: the conservative rule, as before

@@ -45,6 +45,10 @@ def peer_node(ctx: Any, device: Any, timeout: float | None) -> Any:
         # every rank of the node is here (a timed barrier) before the blocking window set-up
         ctx.request("the peer-read window's set-up", ctx.node_comm.Ibarrier, timeout)
         device.peer = PeerNode(device, ctx.node_comm, ctx.options.device_fence, exchange)
+        # auto's device choices from now on know whether the ranks share one GPU (the
+        # kinds of call resolved before did not: made anew)
+        ctx.selector.learn_gpus(device.peer.one_gpu)
+        ctx.call_kinds.clear()
     return device.peer
 
 
@@ -72,9 +76,11 @@ def register(ctx: Any, device: Any, array: Any, nbytes: int, timeout: float | No
 
 
 def _leader_only_on_one_gpu(call: Any, node: Any) -> None:
-    """The device cost model takes the node's ranks to share one GPU: where they do not
-    (``node.one_gpu``, the same answer on every rank), auto's leader becomes one_shot,
-    as rank 0's GPU would carry every rank's traffic alone. A named leader runs."""
+    """Until the first peer-read call has learnt whether the node's ranks share one GPU
+    (``peer_node``), the device cost model takes them to: where they do not
+    (``node.one_gpu``, the same answer on every rank), auto's leader, chosen before
+    that, becomes one_shot, as rank 0's GPU would carry every rank's traffic alone. A
+    named leader runs."""
     if call.auto and call.algorithm == "leader" and not node.one_gpu:
         call.algorithm = "one_shot"
 
