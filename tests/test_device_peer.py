@@ -997,6 +997,38 @@ def test_auto_runs_the_leader_only_where_the_ranks_share_one_gpu(mpi_comm, one_g
 
 
 @pytest.mark.mpi(min_size=2)
+def test_host_fences_record_no_event_where_nothing_was_queued_since_the_last(mpi_comm, monkeypatch):
+    """With host fences a fence's event covers everything queued before it: a later
+    fence, or the call's end, with nothing queued since records none and waits for
+    none. So on the leader the other ranks touch the device twice a call (the event
+    on the user's stream, and their first fence's after their stream waits for it),
+    rank 0 once more after its kernel; a device barrier records two events."""
+    comm = communicator("host")
+    backend = next(iter(comm._ctx.devices.values())).backend
+    x = D.asarray(rank_input(comm.rank, 64, "float32"))
+    comm.allreduce(x, algorithm="leader")  # warm: the peer state, the lean entry
+    comm.barrier(device=x)
+    recorded = []
+    record = backend.record
+    monkeypatch.setattr(backend, "record", lambda event, stream: (recorded.append(event), record(event, stream)))
+    problems = []
+    leader = 3 if comm.rank == 0 else 2
+    for what, run, want in (("leader, lean path", lambda: comm.allreduce(x, algorithm="leader"), leader),
+                            ("leader, general path", lambda: comm.allreduce_async(x, algorithm="leader").wait(),
+                             leader),
+                            ("barrier", lambda: comm.barrier(device=x), 2)):
+        recorded.clear()
+        run()
+        if len(recorded) != want:
+            problems.append(f"{what}: {len(recorded)} events recorded, want {want}")
+    monkeypatch.undo()
+    if differs(sum(rank_input(r, 64, "float32") for r in range(comm.size)), D.asnumpy(comm.allreduce(x))):
+        problems.append("wrong result")
+    comm.free()
+    agree(mpi_comm, problems)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_the_leaders_fold_divides_for_avg(mpi_comm):
     """avg on the leader: rank 0's fold divides by the world size as it writes every
     rank's output (one kernel), so the other ranks launch nothing, no division either;

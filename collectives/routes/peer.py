@@ -153,7 +153,7 @@ class PeerRead(Route):
         arrays = {"in": inp, "out": result if result is not None else inp[:0], "tmp": tmp}
         signature = (ctx.sequence, call_code(spec, call.algorithm, x.dtype, call.op), inp.nbytes, call.root)
         run = PeerCall(node, plan, arrays, call.count, call.op, x.dtype, signature, describe, started,
-                       before=work.prologue, after=work.epilogue,
+                       before=work.prologue, after=work.epilogue if work.has_epilogue() else None,
                        # an in-kernel wait gives up first, so that the host can still name who did not come
                        limit=None if call.timeout is None else 0.8 * call.timeout, divisor=divisor)
 

@@ -123,6 +123,10 @@ class DeviceCall:
         self.ctx.end(self.user_stream)
         self.release()
 
+    def has_epilogue(self):
+        """Whether :meth:`epilogue` has anything to queue."""
+        return bool(self._after)
+
     def epilogue(self, stream):
         """The call's last kernels on ``stream``: avg's division, then the unpacking of a
         strided result (which copies the final values)."""

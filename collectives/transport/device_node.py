@@ -19,7 +19,9 @@ synchronisations between the ranks, whatever the fence mechanism.
              (avg: divided as it is written; no rank divides after it)
     fence 2: nobody reads this rank's input any more
     phase 2: two_shot's copies out of the window slots: one copy kernel
-    the call finishes once its last kernel has run (an event the host polls)
+    the call finishes once its last kernel has run (an event the host polls; with
+    host fences an event is recorded only where work was queued since the last one,
+    so the leader's other ranks record one a call, at the first fence)
 
 A fence is one of three mechanisms, chosen per communicator (``device_fence``,
 ``COLLECTIVES_DEVICE_FENCE``; ``make bench-gpu`` measures them):
@@ -692,6 +694,11 @@ class PeerCall:
         self.arrived = False  # arrived at the next fence (host), or signalled the first (stream, kernel)
         self.ended = False
         self.done = False
+        # host fences: device work queued on the stream since the last fence's event was
+        # recorded; where none was, that event (completed) covers it: no record, no wait
+        # (the leader's other ranks touch the device once a call, not three times)
+        self.unrecorded = True
+        self.end_covered = False  # the last fence's event covers the call's end: end_event not recorded
         self.peers = None  # rank -> (its input, its window slot, its output), each a _Sliced typed device array
         self.mine = None  # this rank's input's descriptor, as published
         self.assumed = False  # kernel: the peers' inputs taken as registered counterparts (no host wait)
@@ -713,7 +720,7 @@ class PeerCall:
         if not self.ended:
             self._end()
             moved = True
-        if self.backend.query(self.node.end_event):
+        if self.end_covered or self.backend.query(self.node.end_event):
             if self.node.mechanism == "kernel":
                 self._check_late()
             self.done = True
@@ -801,13 +808,16 @@ class PeerCall:
 
     def _work_done(self):
         """host: whether this rank's device work before the fence has run (recording
-        the event that says so the first time)."""
+        the event that says so the first time, unless nothing was queued since the last
+        fence's, which has run)."""
         if not self.waiting:
+            if not self.unrecorded:
+                return True
             self.backend.record(self.node.fence_event, self.node.stream)
             self.waiting = True
         if not self.backend.query(self.node.fence_event):
             return False
-        self.waiting = False
+        self.waiting = self.unrecorded = False
         return True
 
     def _others_arrived(self, k, epoch):
@@ -1014,6 +1024,8 @@ class PeerCall:
 
     def _enqueue(self, k):
         backend, stream, view = self.backend, self.node.stream, self._view
+        if self.phases[k]:
+            self.unrecorded = True
         for i, (kind, specs) in enumerate(self.phases[k]):
             if self.dividing == (k, i):  # avg's result: divided as the fold writes it (into every output)
                 outputs, inputs = (specs[0], specs[1]) if kind == _FOLD_TO_ALL else ((specs[0],), specs[1:])
@@ -1036,7 +1048,11 @@ class PeerCall:
         node, stream = self.node, self.node.stream
         if self.after is not None:
             self.after(stream)
-        self.backend.record(node.end_event, stream)
+            self.unrecorded = True
+        if node.mechanism == "host" and not self.unrecorded:
+            self.end_covered = True  # the last fence's event ran after all of this call's work
+        else:
+            self.backend.record(node.end_event, stream)
         # (not device.last_end: the other routes' calls need not wait for this one, whose
         # workspace goes back once its work has run; waiting would tie their streams, which
         # earlier calls of theirs still use, to this call's waits for the other ranks)
