@@ -24,9 +24,10 @@ runner). ``("reg", lo, hi)`` is every rank's input at once, where the inputs are
 registered buffers (arrays in memory the node shares, ``Communicator.empty``): rank q's
 element i is element ``q·stride + offset + i`` of ``reg``, ``stride`` and ``offset``
 given to the algorithm; a plan reads it, and only between fences. ``("rout", lo, hi)``
-is every rank's output at once, laid out as ``reg``: a plan writes it, only between
-fences (the leader algorithm, whose one rank writes every output). Buffers are flat
-and contiguous.
+is every rank's output at once, rank q's element i at ``q·stride + i``, ``stride`` the
+schedule's ``rout_stride`` (its largest output): a plan writes it, only between fences
+(the leader algorithms, whose one rank writes every output). Buffers are flat and
+contiguous.
 
 :func:`compile_plan` turns the list into a :class:`Plan`: each operation waits only for
 the earlier operations that touch the same elements (read after write, write after
@@ -70,6 +71,8 @@ class Schedule:
     shm: int = 0
     banks: int = 0  # shared-memory schedules: how many segments (banks used in turn, 0, 1, 0 …)
     shared_out: bool = False  # another rank writes this rank's output (``rout``): every rank's says where it is
+    rout_stride: int = 0  # elements from one rank's output to the next in ``rout`` (share_output)
+    outputs_apart: bool = False  # no rank's output shares memory with its input (share_output)
 
     def send(self, peer, src):
         self.ops.append(Send(peer, src))
@@ -92,10 +95,16 @@ class Schedule:
     def need_shm(self, elements):
         self.shm = max(self.shm, int(elements))
 
-    def share_output(self):
-        """Another rank writes this rank's output (its ``rout`` slices): the executor
-        says where it is, whether this rank's own plan writes any ``rout`` or not."""
+    def share_output(self, stride, apart=False):
+        """Another rank writes this rank's output (its ``rout`` slices, rank q's output
+        from element ``q·stride``: at least its size): the executor says where it is,
+        whether this rank's own plan writes any ``rout`` or not. ``apart``: no rank's
+        output shares memory with its input (the collective has no in-place form, and
+        its callers copy an input that overlaps the output), so the executor may write
+        outputs while it reads inputs in one kernel."""
         self.shared_out = True
+        self.rout_stride = int(stride)
+        self.outputs_apart = bool(apart)
 
 
 @dataclass(frozen=True)
@@ -123,6 +132,8 @@ class Plan:
     shm: int = 0  # elements of the node's shared window the plan addresses (0: none)
     banks: int = 0  # how many segments it runs through the window's two banks in turn
     shared_out: bool = False  # another rank writes this rank's output (Schedule.share_output)
+    rout_stride: int = 0  # and where in ``rout`` (Schedule.rout_stride)
+    outputs_apart: bool = False  # no rank's output shares memory with its input (Schedule.share_output)
 
     def initial_pending(self):
         return [w + (p >= 0) for w, p in zip(self.waits, self.fifo_prev)]
@@ -252,6 +263,8 @@ def compile_plan(schedule, inplace=False):
         shm=schedule.shm,
         banks=schedule.banks,
         shared_out=schedule.shared_out,
+        rout_stride=schedule.rout_stride,
+        outputs_apart=schedule.outputs_apart,
     )
 
 
@@ -264,7 +277,8 @@ def split_schedule(schedule, segment):
     pipeline (copy of segment k+1, message of segment k and reduction of segment k-1
     at once). Any algorithm, unchanged."""
     segment = max(1, int(segment))
-    out = Schedule([], schedule.tmp, schedule.shm, schedule.banks, schedule.shared_out)
+    out = Schedule([], schedule.tmp, schedule.shm, schedule.banks, schedule.shared_out, schedule.rout_stride,
+                   schedule.outputs_apart)
     for op in schedule.ops:
         if isinstance(op, Fence):
             out.ops.append(op)
@@ -327,7 +341,8 @@ def fuse_reductions(schedule, limit=16, inplace=False):
         return not any(overlap(x, y) for later in schedule.ops[index + 1:] if not isinstance(later, Fence)
                        for y in sum(_reads_writes(later), ()))
 
-    out = Schedule([], schedule.tmp, schedule.shm, schedule.banks, schedule.shared_out)
+    out = Schedule([], schedule.tmp, schedule.shm, schedule.banks, schedule.shared_out, schedule.rout_stride,
+                   schedule.outputs_apart)
     for index, op in enumerate(schedule.ops):
         last = out.ops[-1] if out.ops else None
         if isinstance(op, Reduce) and isinstance(last, (Reduce, ReduceMany)) and op.a == last.dst:

@@ -693,14 +693,20 @@ DEVICE_COSTS = {
                    "two_shot": (lambda p, n: (3 + 1 / p) * n, lambda p: 2 * _kernels(p), lambda p: p, 2),
                    "leader": (lambda p, n: 2 * n, lambda p: _kernels(p) * (1 if p <= 16 else 2), lambda p: 1, 1)},
                   "ring", 2, lambda p, n: n / p),
-    "reduce_scatter": ({"one_shot": (lambda p, n: (1 + 1 / p) * n, lambda p: _kernels(p), lambda p: p, 1)}, "ring",
-                       1, lambda p, n: n / p),
-    # its own row before the first fence, the others' after it
-    "allgather": ({"one_shot": (lambda p, n: 2 * n, lambda p: 1 + _kernels(p - 1), lambda p: p, 2)}, "ring", 1,
+    # the leaders (rank 0, broadcast's root) move what every rank of one_shot does, alone
+    "reduce_scatter": ({"one_shot": (lambda p, n: (1 + 1 / p) * n, lambda p: _kernels(p), lambda p: p, 1),
+                        "leader": (lambda p, n: (1 + 1 / p) * n, lambda p: 1 if p <= 16 else p * _kernels(p),
+                                   lambda p: 1, 1)},
+                       "ring", 1, lambda p, n: n / p),
+    # its own row before the first fence, the others' after it; the leader's p² copies, 16 a kernel
+    "allgather": ({"one_shot": (lambda p, n: 2 * n, lambda p: 1 + _kernels(p - 1), lambda p: p, 2),
+                   "leader": (lambda p, n: 2 * n, lambda p: _kernels(p * p), lambda p: 1, 1)}, "ring", 1,
                   lambda p, n: n / p),
-    # the root reads nothing: p - 1 ranks copy; broadcast has no ring, its tree moves as much here
-    "broadcast": ({"one_shot": (lambda p, n: 2 * n * (p - 1) / p, lambda p: 1, lambda p: p - 1, 1)}, "binomial", 1,
-                  lambda p, n: n),
+    # the root reads nothing: p - 1 ranks copy (the leader: the root copies p - 1 times);
+    # broadcast has no ring, its tree moves as much here
+    "broadcast": ({"one_shot": (lambda p, n: 2 * n * (p - 1) / p, lambda p: 1, lambda p: p - 1, 1),
+                   "leader": (lambda p, n: 2 * n * (p - 1) / p, lambda p: _kernels(p - 1), lambda p: 1, 1)},
+                  "binomial", 1, lambda p, n: n),
     # the root folds every input
     "reduce": ({"one_shot": (lambda p, n: (p + 1) * n / p, lambda p: _kernels(p), lambda p: 1, 1)}, "direct", 2,
                lambda p, n: n / p),

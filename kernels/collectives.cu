@@ -34,6 +34,28 @@ __global__ void reduce_n(i64 n, int k, int m, double divisor, const T* s0, const
     reduce_n_body<T, Op, Last>(d, m, s, k, n, thread_start(), thread_stride(), divisor);
 }
 
+// Up to 16 folds of the same k inputs, each over a block of its own, in one launch (a
+// leader's reduce_scatter: every rank's block of the fold, into its output): block row
+// j = blockIdx.y writes d_j = s_0[o_j + i] op ... op s_(k-1)[o_j + i] for i < n_j, as
+// reduce_n does (Last: Divide for avg's fold that is the call's result, else Keep).
+template <class T, class Op, class Last>
+__global__ void reduce_blocks(int k, int m, double divisor, const T* s0, const T* s1, const T* s2, const T* s3,
+                              const T* s4, const T* s5, const T* s6, const T* s7, const T* s8, const T* s9,
+                              const T* s10, const T* s11, const T* s12, const T* s13, const T* s14, const T* s15,
+                              T* d0, T* d1, T* d2, T* d3, T* d4, T* d5, T* d6, T* d7, T* d8, T* d9, T* d10, T* d11,
+                              T* d12, T* d13, T* d14, T* d15, i64 o0, i64 o1, i64 o2, i64 o3, i64 o4, i64 o5,
+                              i64 o6, i64 o7, i64 o8, i64 o9, i64 o10, i64 o11, i64 o12, i64 o13, i64 o14, i64 o15,
+                              i64 n0, i64 n1, i64 n2, i64 n3, i64 n4, i64 n5, i64 n6, i64 n7, i64 n8, i64 n9,
+                              i64 n10, i64 n11, i64 n12, i64 n13, i64 n14, i64 n15) {
+    const int j = blockIdx.y;
+    if (j >= m) return;
+    const T* const base[16] = {s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15};
+    T* const d[16] = {d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15};
+    const i64 o[16] = {o0, o1, o2, o3, o4, o5, o6, o7, o8, o9, o10, o11, o12, o13, o14, o15};
+    const i64 n[16] = {n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13, n14, n15};
+    reduce_blocks_row<T, Op, Last>(d[j], base, k, o[j], n[j], thread_start(), thread_stride(), divisor);
+}
+
 // x = x / divisor, in place (avg: the sum divided by the world size).
 template <class T>
 __global__ void divide_by(T* x, i64 n, double divisor) {

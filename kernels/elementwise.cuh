@@ -500,6 +500,17 @@ COLLECTIVES_HD void reduce_n_body(T* const* d, int m, const T* const* s, int k, 
     }
 }
 
+// One row of reduce_blocks: dst = s[0][offset + i] op ... op s[k-1][offset + i] for i < n
+// (reduce_n_body's fold into one output, of the inputs shifted by ``offset`` elements).
+template <class T, class Op, class Last>
+COLLECTIVES_HD void reduce_blocks_row(T* dst, const T* const* s, int k, i64 offset, i64 n, i64 start, i64 stride,
+                                      double divisor) {
+    const T* shifted[16];
+    for (int q = 0; q < k; ++q) shifted[q] = s[q] + offset;
+    T* const d[1] = {dst};
+    reduce_n_body<T, Op, Last>(d, 1, shifted, k, n, start, stride, divisor);
+}
+
 template <class T>
 COLLECTIVES_HD void divide_body(T* x, i64 n, double divisor, i64 start, i64 stride) {
     for (i64 i = start; i < n; i += stride) x[i] = divide(x[i], divisor);

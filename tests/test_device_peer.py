@@ -654,13 +654,24 @@ def test_every_phase_is_one_kernel_for_up_to_16_ranks():
     """As the device executor runs the plans (device_node.phases): every phase between
     fences launches one kernel or copy, for every rank of up to 16 (a fold of up to 16
     inputs, a copy of up to 16 peers' buffers, the leader's fold written into up to 16
-    outputs); beyond, one per 16 (the leader: one per 16 inputs, and per 16 outputs)."""
+    outputs, its reduce_scatter's p folds one kernel); beyond, one per 16 (the
+    allreduce leader: one per 16 inputs, and per 16 outputs; its reduce_scatter: one
+    per block per 16 inputs). The allgather leader's p² copies take one kernel per 16:
+    one up to 4 ranks."""
     from collectives.routes.base import compiled_plan
 
     launches_of = {device_node._COPY: lambda specs: 1, device_node._REDUCE: lambda specs: 1,
                    device_node._REDUCE_MANY: lambda specs: -(-(len(specs) - 1) // 16),
                    device_node._COPY_MANY: lambda specs: -(-len(specs) // 16),
-                   device_node._FOLD_TO_ALL: lambda specs: 1}
+                   device_node._FOLD_TO_ALL: lambda specs: 1, device_node._FOLD_BLOCKS: lambda specs: 1}
+
+    def allowed(collective, algorithm, size):
+        sixteens = -(-size // 16)
+        if algorithm != "leader":
+            return sixteens
+        return {"allreduce": sixteens * (2 if size > 16 else 1), "allgather": -(-size * size // 16),
+                "reduce_scatter": 1 if size <= 16 else size * sixteens}.get(collective, sixteens)
+
     for collective, algorithm in PEERS:
         for size in (2, 3, 4, 8, 16, 17, 40):
             for inplace in (False, True) if collective in ("allreduce", "reduce") else (False,):
@@ -670,8 +681,8 @@ def test_every_phase_is_one_kernel_for_up_to_16_ranks():
                     slot = plan.shm // size if plan.shm else 0
                     for k, phase in enumerate(device_node.phases(plan, rank, count, slot)):
                         launches = sum(launches_of[kind](specs) for kind, specs in phase)
-                        allowed = -(-size // 16) * (2 if algorithm == "leader" and size > 16 else 1)
-                        assert launches <= allowed, (collective, algorithm, size, inplace, rank, k, phase)
+                        assert launches <= allowed(collective, algorithm, size), \
+                            (collective, algorithm, size, inplace, rank, k, phase)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -693,13 +704,18 @@ def test_a_call_launches_one_kernel_a_phase(mpi_comm):
         want = {("allreduce", "one_shot"): 1, ("allreduce", "two_shot"): 2,
                 ("allreduce", "leader"): int(comm.rank == 0), ("reduce_scatter", "one_shot"): 1,
                 ("allgather", "one_shot"): 2, ("broadcast", "one_shot"): int(comm.rank != 0),
-                ("reduce", "one_shot"): int(comm.rank == 0)}[(collective, algorithm)]
+                ("reduce", "one_shot"): int(comm.rank == 0),
+                # the leaders: rank 0 (broadcast's root) alone; allgather's p² copies, 16 a kernel
+                ("reduce_scatter", "leader"): int(comm.rank == 0), ("broadcast", "leader"): int(comm.rank == 0),
+                ("allgather", "leader"): -(-comm.size ** 2 // 16) if comm.rank == 0 else 0}[(collective, algorithm)]
         if comm.size <= 16 and sum(launched.values()) != want:
             problems.append(f"{collective} {algorithm}: {dict(launched)}, want {want} launches")
         # (allgather at 2 ranks reads one peer: one copy)
-        gathers = algorithm == "two_shot" or (collective == "allgather" and comm.size > 2)
-        if gathers and launched["copy_n"] != 1:
-            problems.append(f"{collective} {algorithm}: its copy phase was not one kernel: {dict(launched)}")
+        gathers = algorithm == "two_shot" or (collective == "allgather" and comm.size > 2 and
+                                              (algorithm == "one_shot" or comm.rank == 0))
+        copies = -(-comm.size ** 2 // 16) if algorithm == "leader" else 1  # the leader's p² copies, 16 a kernel
+        if gathers and launched["copy_n"] != copies:
+            problems.append(f"{collective} {algorithm}: its copy phase was not {copies} kernel(s): {dict(launched)}")
     comm.free()
     agree(mpi_comm, problems)
 
@@ -1031,9 +1047,10 @@ def test_host_fences_record_no_event_where_nothing_was_queued_since_the_last(mpi
 @pytest.mark.mpi(min_size=2)
 def test_the_leaders_fold_divides_for_avg(mpi_comm):
     """avg on the leader: rank 0's fold divides by the world size as it writes every
-    rank's output (one kernel), so the other ranks launch nothing, no division either;
-    the results are the host path's bits (its sum, then its division), on the general
-    and the lean path, into new, ``out=`` and strided arrays, in every floating dtype."""
+    rank's output (one kernel; reduce_scatter's: every rank's block), so the other ranks
+    launch nothing, no division either; the results are the host path's bits (its sum,
+    then its division), on the general and the lean path, into new, ``out=`` and
+    strided arrays, in every floating dtype."""
     ml_dtypes = pytest.importorskip("ml_dtypes")
     comm = communicator("host")
     backend = next(iter(comm._ctx.devices.values())).backend
@@ -1057,6 +1074,18 @@ def test_the_leaders_fold_divides_for_avg(mpi_comm):
             problem = differs(want, got)
             if problem:
                 problems.append(f"{name} round {round_}: {problem}")
+        # reduce_scatter's leader: every rank's block, divided, in one kernel
+        want_block = comm.reduce_scatter(xs[comm.rank], op="avg", algorithm="direct" if marked else "native")
+        for round_ in range(2):
+            before = backend.launches.copy()
+            got = host_of(comm.reduce_scatter(x, op="avg", algorithm="leader"))
+            launched = backend.launches - before
+            expected = {"reduce_blocks": 1} if comm.rank == 0 else {}
+            if dict(launched) != expected:
+                problems.append(f"{name} reduce_scatter round {round_}: launched {dict(launched)}, want {expected}")
+            problem = differs(want_block.view(np.uint16) if marked and not D.native_bfloat16 else want_block, got)
+            if problem:
+                problems.append(f"{name} reduce_scatter round {round_}: {problem}")
         if marked:
             continue
         canvas = D.asarray(np.zeros((2, 45), xs[0].dtype))
@@ -1079,14 +1108,14 @@ def test_auto_picks_a_peer_read_and_says_why(pcomm, mpi_comm):
                               or "device cost model on one node" not in choice[1]):
             problems.append(f"{nbytes} B: {tuple(choice)} by {choice.route}")
     for collective in ("reduce_scatter", "allgather", "broadcast", "reduce"):
-        # the fastest the device model predicts, saying so: one_shot, but for allgather on
-        # a GPU the ranks share native staged (its own row is copied before the first
-        # fence: a round of device work of its own, a switch per rank)
+        # the fastest the device model predicts, saying so: on a GPU the ranks share, the
+        # leader (one process with device work) where there is one, else one_shot (at 2
+        # ranks broadcast's one_shot ties with it: one rank copies either way)
         choice = comm.choose(collective, 4096, device=True)
         times = tuning.predict_device(collective, 4096, comm.size)
         if comm.size > 1 and (choice[0] != min(times, key=times.get) or "device cost model" not in choice[1]):
             problems.append(f"{collective}: {tuple(choice)}, predicted {times}")
-        if comm.size > 1 and collective != "allgather" and choice[0] != "one_shot":
+        if comm.size > 1 and choice[0] not in ("leader", "one_shot"):
             problems.append(f"{collective}: {tuple(choice)}")
     xs = [rank_input(r, 5000, "float32") for r in range(comm.size)]
     if differs(sum(xs), D.asnumpy(comm.allreduce(D.asarray(xs[comm.rank])))):

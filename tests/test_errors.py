@@ -120,11 +120,11 @@ def test_algorithms_lists_native_and_auto():
         "ring", "tree", "recursive_halving", "recursive_doubling", "direct", "hierarchical", "hierarchical_leader",
         "shm", "one_shot", "two_shot", "leader", "native", "auto")
     assert cc.algorithms("reduce_scatter") == ("ring", "recursive_halving", "direct", "hierarchical", "shm",
-                                               "one_shot", "native", "auto")
+                                               "one_shot", "leader", "native", "auto")
     assert cc.algorithms("allgather") == ("ring", "recursive_doubling", "bruck", "direct", "hierarchical", "shm",
-                                          "one_shot", "native", "auto")
+                                          "one_shot", "leader", "native", "auto")
     assert cc.algorithms("broadcast") == ("binomial", "pipeline", "scatter_allgather", "direct", "hierarchical",
-                                          "shm", "one_shot", "native", "auto")
+                                          "shm", "one_shot", "leader", "native", "auto")
     assert cc.algorithms("reduce") == ("binomial", "direct", "shm", "one_shot", "native", "auto")
     assert cc.algorithms("gather") == cc.algorithms("scatter") == ("binomial", "native", "auto")
     assert cc.algorithms("alltoall") == ("pairwise", "bruck", "native", "auto")

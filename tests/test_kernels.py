@@ -52,6 +52,8 @@ def harness(tmp_path_factory):
                                 ctypes.c_int]
     lib.cc_reduce_n_divide.argtypes = [c, ctypes.POINTER(p), ctypes.c_int, ctypes.POINTER(p), ctypes.c_int, i64,
                                        ctypes.c_int, ctypes.c_double]
+    lib.cc_reduce_blocks.argtypes = [c, ctypes.POINTER(p), ctypes.c_int, ctypes.POINTER(p), ctypes.c_int,
+                                     ctypes.POINTER(i64), ctypes.POINTER(i64), ctypes.c_int, ctypes.c_double]
     lib.cc_divide.argtypes = [c, p, i64, ctypes.c_double]
     lib.cc_cast_divide.argtypes = [c, c, p, p, i64, ctypes.c_double]
     lib.cc_pack.argtypes = lib.cc_unpack.argtypes = [ctypes.c_int, p, p, i64, ctypes.c_int, p, p]
@@ -240,6 +242,33 @@ def test_reduce_n_dividing_is_the_sum_then_numpys_division(harness, dtype):
                 assert same_bits(out, want), f"{dtype} k={k} /{p} output {j}: {out[:4]} != {want[:4]}"
     assert harness.cc_reduce_n_divide(b"int32", pointers_to(), 1, pointers_to(), 1, 0, 1, 2.0) == -1
     assert harness.cc_reduce_n_divide(name_of(dtype), pointers_to(), 1, pointers_to(), 17, 0, 1, 2.0) == -3
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_reduce_blocks_folds_each_block_of_the_inputs(harness, dtype):
+    """A leader's reduce_scatter in one kernel: output j is the left fold of block j of
+    every input (blocks as ``numpy.array_split`` cuts them: some of one element more,
+    some empty), summed, or for avg summed and divided, bit for bit."""
+    rng = np.random.default_rng(dtype.num + 11)
+    n = 1031
+    i64s = ctypes.c_longlong * 16
+    for k in (1, 2, 3, 16):
+        inputs = [values(dtype, n, rng) for _ in range(k)]
+        for m in (1, 2, 5, 16):
+            bounds = np.linspace(0, n if m < 16 else 12, m + 1).astype(np.int64)  # (16 outputs: blocks of 0 and 1)
+            outputs = [np.full(hi - lo, 7, dtype) for lo, hi in zip(bounds[:-1], bounds[1:])]
+            for p in ((0, 3) if kernels.divides(dtype) else (0,)):
+                with np.errstate(all="ignore"):
+                    wants = [functools.reduce(lambda x, y: numpy_reduce("sum", x, y), [x[lo:hi] for x in inputs])
+                             for lo, hi in zip(bounds[:-1], bounds[1:])]
+                    wants = [np.divide(w, p) if p else w for w in wants]
+                assert harness.cc_reduce_blocks(name_of(dtype), pointers_to(*outputs), m, pointers_to(*inputs), k,
+                                                i64s(*bounds[:-1]), i64s(*(len(o) for o in outputs)), 5, p) == 0
+                for j, (got, want) in enumerate(zip(outputs, wants)):
+                    assert same_bits(got, want), f"{dtype} k={k} m={m} /{p} block {j}: {got[:4]} != {want[:4]}"
+    if not kernels.divides(dtype):
+        assert harness.cc_reduce_blocks(name_of(dtype), pointers_to(), 1, pointers_to(), 1, i64s(), i64s(), 1, 2) == -1
+    assert harness.cc_reduce_blocks(name_of(dtype), pointers_to(), 17, pointers_to(), 1, i64s(), i64s(), 1, 0) == -3
 
 
 @pytest.mark.parametrize("src,dst", kernels.CASTS)

@@ -191,9 +191,10 @@ def expected_counters(collective, algorithm, p, count, root=0, segments=1):
             row = (0, 0, 0, (p - 1) * n)  # each rank folds every input whole
         elif key == ("reduce", "one_shot"):
             row = (0, 0, 0, (p - 1) * n if r == root else 0)
-        elif key == ("allreduce", "leader"):  # rank 0 folds every input, and writes every output
+        elif key in (("allreduce", "leader"), ("reduce_scatter", "leader")):  # rank 0 folds every input
             row = (0, 0, 0, (p - 1) * n if r == 0 else 0)
-        elif key in (("allgather", "one_shot"), ("broadcast", "one_shot")):
+        elif key in (("allgather", "one_shot"), ("broadcast", "one_shot"), ("allgather", "leader"),
+                     ("broadcast", "leader")):
             row = (0, 0, 0, 0)
         elif key == ("reduce", "direct"):  # reduce_scatter, then every block to the root
             row = (p - 1, (p - 1) * b, 2 * (p - 1) * b, (p - 1) * b) if r == root else \
@@ -311,6 +312,12 @@ def closed_form(collective, algorithm, p, n, gamma=G, segments=1):
         return 2 * A + g((p - 1) * n, gamma)
     if key == ("allreduce", "leader"):  # rank 0 folds every input, then writes every other output
         return 2 * A + g((p - 1) * n, gamma) + (p - 1) * n * B
+    if key == ("reduce_scatter", "leader"):  # rank 0 folds every block into its rank's output
+        return 2 * A + g((p - 1) * n, gamma)
+    if key == ("allgather", "leader"):  # rank 0 copies every input into every output: all but in -> out shared
+        return 2 * A + (p * p - 1) * b * B
+    if key == ("broadcast", "leader"):  # the root copies its array into the p - 1 others'
+        return 2 * A + (p - 1) * n * B
     if key == ("allreduce", "two_shot"):  # fold share r into slot r, fence, every slot out
         return 2 * A + g((p - 1) * b, gamma) + n * B
     if key == ("reduce_scatter", "one_shot"):
@@ -436,10 +443,13 @@ def _peer_reads_need(collective, algorithm, rank, p, count, root):
     """The (rank, element) pairs of the other ranks' inputs that ``rank``'s part of a
     peer read needs: what its result is made of."""
     whole = range(count)
-    if collective == "allreduce" and algorithm == "one_shot" or collective == "allgather":
+    if collective == "allreduce" and algorithm == "one_shot" or (collective, algorithm) == ("allgather", "one_shot"):
         return {(q, i) for q in range(p) if q != rank for i in whole}
-    if algorithm == "leader":  # rank 0 folds for everyone
-        return {(q, i) for q in range(p) if q != rank for i in whole} if rank == 0 else set()
+    if algorithm == "leader":  # rank 0 reads for everyone (the root of broadcast its own array)
+        if rank != 0 or collective == "broadcast":
+            return set()
+        others = [(q, i) for q in range(p) if q != rank for i in whole]
+        return others * p if collective == "allgather" else set(others)  # allgather: once for every output
     if collective in ("allreduce", "reduce_scatter"):  # its block of every other input
         bounds = block_bounds(count, p)
         return {(q, i) for q in range(p) if q != rank for i in range(bounds[rank], bounds[rank + 1])}
@@ -455,7 +465,8 @@ def test_peer_reads_read_what_they_need_once_where_it_lies_between_the_fences(co
     input at q·count), exactly the elements its result needs, each once, and only between
     its two fences; it never writes another rank's input, and stages nothing into the
     window (``shm``) before the first fence, as the shm algorithms' unregistered forms do
-    (uneven blocks, both ends for the root, in place too)."""
+    (uneven blocks, both ends for the root, in place too). The allgather leader reads
+    each once for every output it copies it into."""
     copy, reduce, many, fence = sim_schedule.Copy, sim_schedule.Reduce, sim_schedule.ReduceMany, sim_schedule.Fence
     for p in (2, 3, 8):
         count = 6 * p + 1

@@ -57,6 +57,7 @@ BUILDERS: dict[str, dict[str, Any]] = {
         "hierarchical": hierarchical.reduce_scatter,
         "shm": shm.reduce_scatter,
         "one_shot": peer.reduce_scatter,
+        "leader": peer.reduce_scatter_leader,
     },
     "allgather": {
         "ring": ring.allgather,
@@ -66,6 +67,7 @@ BUILDERS: dict[str, dict[str, Any]] = {
         "hierarchical": hierarchical.allgather,
         "shm": shm.allgather,
         "one_shot": peer.allgather,
+        "leader": peer.allgather_leader,
     },
     "broadcast": {
         "binomial": binomial.broadcast,
@@ -75,6 +77,7 @@ BUILDERS: dict[str, dict[str, Any]] = {
         "hierarchical": hierarchical.broadcast,
         "shm": shm.broadcast,
         "one_shot": peer.broadcast,
+        "leader": peer.broadcast_leader,
     },
     "reduce": {
         "binomial": binomial.reduce,
@@ -102,7 +105,7 @@ BUILDERS: dict[str, dict[str, Any]] = {
 # The collectives not listed reduce nothing: every algorithm of theirs, native
 # included, moves the same bits whatever the order.
 ORDERED = {"allreduce": ("direct", "shm", "one_shot", "two_shot", "leader"),
-           "reduce_scatter": ("direct", "shm", "one_shot"), "reduce": ("direct", "shm", "one_shot")}
+           "reduce_scatter": ("direct", "shm", "one_shot", "leader"), "reduce": ("direct", "shm", "one_shot")}
 
 # Shared-memory algorithms: their plans address the node's shared window (``shm``) and
 # synchronise with fences, so only ranks that share memory run them, on host arrays; the

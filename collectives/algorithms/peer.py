@@ -33,11 +33,16 @@ any size, and nothing is cut into segments.
     allreduce two_shot   fence; slot r = share r of x0 op … op x(p-1); fence; out =
                          slot 0 | slot 1 | … | slot p-1
     allreduce leader     fence; rank 0: out = x0 op … op x(p-1), copied into every
-                         other rank's out (``rout``: every output, laid out as
-                         ``reg``); fence
+                         other rank's out (``rout``: every output, rank q's from
+                         q·count); fence
     reduce_scatter       fence; out = block r of x0 op … op x(p-1); fence
+    reduce_scatter       fence; rank 0: block q of x0 op … op x(p-1) into rank q's out,
+      leader             for every q (``rout``, rank q's from q·the largest block); fence
     allgather            out[r] = x_r; fence; out[q] = x_q for every other q; fence
+    allgather leader     fence; rank 0: x_q into row q of every rank's out, for every q
+                         (``rout``, rank q's from q·p·count); fence
     broadcast            fence; the others copy the root's array; fence
+    broadcast leader     fence; the root copies its array into every other rank's; fence
     reduce               fence; the root folds every input; fence
 
 ``registered=(stride, offset)``: rank q's input element i is element ``q·stride +
@@ -50,14 +55,17 @@ Every fold is the left fold x0 op x1 op … op x(p-1) in rank order, so these ar
 deterministic-mode algorithms and every rank's result has the same bits; on the
 device the fold of p ≤ 16 inputs is one kernel (``schedule.fuse_reductions``), and
 the leader's fold and its copies into the p ≤ 16 outputs one kernel too
-(``device_node``: each element's inputs read before its outputs are written).
+(``device_node``: each element's inputs read before its outputs are written), its
+reduce_scatter's p ≤ 16 folds, a block each, one kernel, and its allgather's p²
+copies one kernel per 16 (one up to 4 ranks).
 
 Why a leader: a GPU the ranks share runs one process's work at a time and switches
 between them (measured on an H200: a small kernel and its wait took 20 us on one
 rank alone, 275 us with 2 ranks each running one, 550 us with 4). With the leader one
 process runs the call's device work; the others only pass the fences on the host.
 With a GPU each, the leader's would carry everyone's traffic alone: it is for ranks
-that share one.
+that share one. Each leader moves what all ranks of its one_shot move together: on a
+GPU they share, the same traffic, from one process.
 
 Cost per rank for n bytes of input (memory traffic; a fence costs the
 synchronisation floor F): one_shot allreduce reads p·n and writes n, 2F (in place: n
@@ -65,7 +73,9 @@ more each way, through tmp); two_shot reads n and writes n/p, then reads and wri
 2F; reduce_scatter reads n and writes n/p; allgather (n: the gathered size) reads and
 writes n; broadcast: the others read and write n, the root nothing; reduce: the root
 reads p·n and writes n; leader allreduce: rank 0 reads p·n and writes p·n, the others
-nothing, 2F. One GPU shared by the p ranks carries the sum of their traffic at its copy
+nothing, 2F; the other leaders, rank 0 (broadcast's root) alone: reduce_scatter reads
+p·n and writes n, allgather reads and writes p·n, broadcast reads and writes (p-1)·n.
+One GPU shared by the p ranks carries the sum of their traffic at its copy
 rate B: one_shot allreduce p(p + 1)·n/B, two_shot (3p + 1)·n/B, leader 2p·n/B (the
 same-GPU bound's own count), each after 2F. In the simulator a fence costs α after
 the last rank arrives, a copy from ``reg`` or ``shm`` (or into ``rout``) m·β, a fold
@@ -75,8 +85,8 @@ step m·γ. Any p works; only ranks of one node run them.
 from ..schedule import Schedule, sl
 from ._layout import block_bounds
 
-ALGORITHMS = {"allreduce": ("one_shot", "two_shot", "leader"), "reduce_scatter": ("one_shot",),
-              "allgather": ("one_shot",), "broadcast": ("one_shot",), "reduce": ("one_shot",)}
+ALGORITHMS = {"allreduce": ("one_shot", "two_shot", "leader"), "reduce_scatter": ("one_shot", "leader"),
+              "allgather": ("one_shot", "leader"), "broadcast": ("one_shot", "leader"), "reduce": ("one_shot",)}
 
 
 def _input(q, rank, registered, lo, hi):
@@ -88,12 +98,10 @@ def _input(q, rank, registered, lo, hi):
     return sl("reg", base + lo, base + hi)
 
 
-def _output(q, registered, lo, hi):
-    """Elements ``[lo, hi)`` of rank ``q``'s output, another rank's (in ``rout``, laid
-    out as the inputs are in ``reg``)."""
-    stride, offset = registered
-    base = q * stride + offset
-    return sl("rout", base + lo, base + hi)
+def _output(q, stride, lo, hi):
+    """Elements ``[lo, hi)`` of rank ``q``'s output, another rank's (in ``rout``, rank
+    q's output from ``q·stride``: the schedule's ``share_output(stride)``)."""
+    return sl("rout", q * stride + lo, q * stride + hi)
 
 
 def _fold(s, dst, srcs):
@@ -169,12 +177,12 @@ def allreduce_leader(rank, size, count, *, registered=None, **_):
     if count == 0:
         return s
     where = _layout(count, registered)
-    s.share_output()
+    s.share_output(count)
     s.fence()
     if rank == 0:  # in place too: its input is the fold's first, read before it writes; no other reads it
         _fold(s, sl("out", 0, count), [_input(q, rank, where, 0, count) for q in range(size)])
         for q in range(1, size):  # their inputs, in place, were read by the fold before
-            s.copy(_output(q, where, 0, count), sl("out", 0, count))
+            s.copy(_output(q, count, 0, count), sl("out", 0, count))
     s.fence()
     return s
 
@@ -191,6 +199,64 @@ def reduce_scatter(rank, size, count, *, registered=None, **_):
     s.fence()
     if last > first:
         _fold(s, sl("out", 0, last - first), [_input(q, rank, where, first, last) for q in range(size)])
+    s.fence()
+    return s
+
+
+def reduce_scatter_leader(rank, size, count, *, registered=None, **_):
+    """Rank 0 folds every block of every input into its rank's output (its own
+    included); the others only pass the fences."""
+    if size == 1:
+        return _trivial(count)
+    s = Schedule([])
+    bounds = block_bounds(count, size)
+    if bounds[1] == 0:  # every block empty
+        return s
+    where = _layout(count, registered)
+    s.share_output(bounds[1] - bounds[0], apart=True)  # the largest block; an output is never the input
+    s.fence()
+    if rank == 0:
+        for q in range(size):
+            lo, hi = bounds[q], bounds[q + 1]
+            if hi > lo:
+                dst = sl("out", 0, hi - lo) if q == 0 else _output(q, bounds[1], 0, hi - lo)
+                _fold(s, dst, [_input(r, rank, where, lo, hi) for r in range(size)])
+    s.fence()
+    return s
+
+
+def allgather_leader(rank, size, count, *, registered=None, **_):
+    """Rank 0 copies every rank's input into every rank's output (its own included);
+    the others only pass the fences. ``count``: the per-rank element count."""
+    s = Schedule([])
+    if size == 1 or count == 0:
+        s.copy(sl("out", rank * count, (rank + 1) * count), sl("in", 0, count))
+        return s
+    where = _layout(count, registered)
+    s.share_output(size * count, apart=True)  # an output is never the input
+    s.fence()
+    if rank == 0:
+        for r in range(size):
+            for q in range(size):
+                lo, hi = q * count, (q + 1) * count
+                s.copy(sl("out", lo, hi) if r == 0 else _output(r, size * count, lo, hi),
+                       _input(q, rank, where, 0, count))
+    s.fence()
+    return s
+
+
+def broadcast_leader(rank, size, count, *, root=0, registered=None, **_):
+    """The root copies its array into every other rank's; the others only pass the
+    fences."""
+    s = Schedule([])
+    if size == 1 or count == 0:
+        return s
+    s.share_output(count)
+    s.fence()
+    if rank == root:
+        for q in range(size):
+            if q != root:
+                s.copy(_output(q, count, 0, count), sl("in", 0, count))
     s.fence()
     return s
 
@@ -249,7 +315,10 @@ BUILDERS = {
     ("allreduce", "two_shot"): allreduce_two_shot,
     ("allreduce", "leader"): allreduce_leader,
     ("reduce_scatter", "one_shot"): reduce_scatter,
+    ("reduce_scatter", "leader"): reduce_scatter_leader,
     ("allgather", "one_shot"): allgather,
+    ("allgather", "leader"): allgather_leader,
     ("broadcast", "one_shot"): broadcast,
+    ("broadcast", "leader"): broadcast_leader,
     ("reduce", "one_shot"): reduce,
 }

@@ -291,6 +291,31 @@ class CupyDevice:
                      (np.int64(n), np.int32(len(sources)), np.int32(len(dsts)),
                       np.float64(1.0 if divisor is None else divisor), *inputs, *outputs))
 
+    def reduce_blocks(self, stream, op, dtype, dsts, sources, offsets, divisor=None):
+        """``dsts[j]`` = the left fold of ``sources[q][offsets[j] : offsets[j] +
+        dsts[j].size]`` over q (1 to 16 sources, 1 to 16 outputs), in one kernel: block
+        row j folds output j; ``divisor`` as for :meth:`reduce_n`."""
+        m, k = len(dsts), len(sources)
+        if not 1 <= k <= kernels.MAX_INPUTS or not 1 <= m == len(offsets) <= kernels.MAX_INPUTS:
+            raise ValueError(f"reduce_blocks takes 1 to {kernels.MAX_INPUTS} inputs and outputs, an offset each; "
+                             f"got {k} and {m}, {len(offsets)} offsets")
+        counts = [int(d.size) for d in dsts]
+        if any(o < 0 or o + n > int(x.size) for o, n in zip(offsets, counts) for x in sources):
+            raise ValueError("reduce_blocks: a block lies outside its inputs")
+        self.launches["reduce_blocks"] += 1
+        if not max(counts):
+            return
+        pad = kernels.MAX_INPUTS
+        null = np.uint64(0)
+        args = (np.int32(k), np.int32(m), np.float64(1.0 if divisor is None else divisor),
+                *sources, *[null] * (pad - k), *dsts, *[null] * (pad - m),
+                *(np.int64(o) for o in offsets), *[np.int64(0)] * (pad - m),
+                *(np.int64(n) for n in counts), *[np.int64(0)] * (pad - m))
+        kernel = self._module(dtype).get_function(kernels.reduce_blocks(dtype, op, divide=divisor is not None))
+        grid = (kernels.blocks(kernels.vector_items(max(counts), dtype.itemsize), self.multiprocessors), m)
+        with cupy.cuda.Device(self.id), stream:  # a RawKernel launches on the current stream
+            kernel(grid, (kernels.THREADS,), args)
+
     def divide(self, stream, dtype, x, divisor):
         n = int(x.size)
         self.launches["divide"] += 1

@@ -69,6 +69,13 @@ def reduce_n(dtype, op, divide=False):
     return f"{_q('reduce_n')}<{_q(t)}, {_q(OP_TAGS[op])}, {_q('Divide' if divide else 'Keep')}>"
 
 
+def reduce_blocks(dtype, op, divide=False):
+    """Up to 16 folds of the same inputs, each over a block of its own (a leader's
+    reduce_scatter); ``divide`` as for :func:`reduce_n`."""
+    t = CXX_TYPES[np.dtype(dtype).name]
+    return f"{_q('reduce_blocks')}<{_q(t)}, {_q(OP_TAGS[op])}, {_q('Divide' if divide else 'Keep')}>"
+
+
 def divide_by(dtype):
     return f"{_q('divide_by')}<{_q(CXX_TYPES[np.dtype(dtype).name])}>"
 
@@ -98,8 +105,9 @@ def for_dtype(dtype):
     """Every instantiation a call on ``dtype`` may launch: one NVRTC module."""
     dtype = np.dtype(dtype)
     names = [reduce2(dtype, op) for op in ops_for(dtype)] + [reduce_n(dtype, op) for op in ops_for(dtype)]
+    names += [reduce_blocks(dtype, op) for op in ops_for(dtype)]
     if divides(dtype):
-        names += [divide_by(dtype), reduce_n(dtype, "avg", divide=True)]
+        names += [divide_by(dtype), reduce_n(dtype, "avg", divide=True), reduce_blocks(dtype, "avg", divide=True)]
     names += [pack(dtype.itemsize), unpack(dtype.itemsize), copy_n(dtype.itemsize)]
     names += [cast_divide(_dtype(s), _dtype(d)) for s, d in CASTS if s == dtype.name]  # compression from dtype
     names.append(FENCE)

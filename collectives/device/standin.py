@@ -664,6 +664,32 @@ class StandInDevice:
 
         self._enqueue(stream, run, *dsts, *sources)
 
+    def reduce_blocks(self, stream, op, dtype, dsts, sources, offsets, divisor=None):
+        """``dsts[j]`` = the left fold of ``sources[q][offsets[j] : offsets[j] +
+        dsts[j].size]`` over q, ``divisor`` as for :meth:`reduce_n`: one kernel, as CUDA's
+        (``reduce_blocks`` of ``kernels/collectives.cu``), its rows in any order."""
+        if not 1 <= len(sources) <= MAX_COPIES or not 1 <= len(dsts) == len(offsets) <= MAX_COPIES:
+            raise ValueError(f"reduce_blocks takes 1 to {MAX_COPIES} inputs and outputs, an offset each")
+        if divisor is not None and (op not in ("sum", "avg") or not kernels.divides(dtype)):
+            raise ValueError(f"reduce_blocks divides the fold of op 'avg' on floating or complex dtypes only; got "
+                             f"{op!r} on {np.dtype(dtype).name}")
+        outputs, inputs = [self._typed(d, dtype) for d in dsts], [self._typed(s, dtype) for s in sources]
+        if any(o < 0 or o + d.size > x.size for o, d in zip(offsets, outputs) for x in inputs):
+            raise ValueError("reduce_blocks: a block lies outside its inputs")
+        self.launches["reduce_blocks"] += 1
+
+        def run():
+            for j in self._rng.sample(range(len(outputs)), len(outputs)):
+                lo, hi = offsets[j], offsets[j] + outputs[j].size
+                acc = inputs[0][lo:hi].copy()
+                for x in inputs[1:]:
+                    ops_layer.combine(op, acc, x[lo:hi], acc)
+                if divisor is not None and acc.size:
+                    np.divide(acc, divisor, out=acc)
+                np.copyto(outputs[j], acc)
+
+        self._enqueue(stream, run, *dsts, *sources)
+
     def divide(self, stream, dtype, x, divisor):
         target = self._typed(x, dtype)
         self.launches["divide"] += 1

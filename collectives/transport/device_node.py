@@ -528,22 +528,25 @@ def choose_mechanism(uuids, ranks):
 
 
 # -- one call's plan, as phases between fences --------------------------------------------------
-_COPY, _REDUCE, _REDUCE_MANY, _COPY_MANY, _FOLD_TO_ALL = 0, 1, 2, 3, 4
+_COPY, _REDUCE, _REDUCE_MANY, _COPY_MANY, _FOLD_TO_ALL, _FOLD_BLOCKS = 0, 1, 2, 3, 4, 5
 _MAX_COPIES = 16  # copies a copy kernel makes (kernels/collectives.cu's copy_n)
 
 
-def _overlap(a, b):
+def _overlap(a, b, apart=False):
     """Whether slice specs ``a`` and ``b`` may share memory: this rank's ``in`` and
     ``out`` may (in place, or a row of the result as the input), and so may a peer's
-    (``reg``, ``rout``); a peer's window slot only itself."""
+    (``reg``, ``rout``), unless the plan's outputs are ``apart`` from their inputs
+    (``Plan.outputs_apart``); a peer's window slot only itself."""
     if a[0] != b[0] or a[1] != b[1]:
+        if apart:
+            return False
         if a[1] == b[1] and {a[0], b[0]} == {"reg", "rout"}:
             return True
         return a[0] in ("in", "out") and b[0] in ("in", "out")
     return a[2] < b[3] and b[2] < a[3]
 
 
-def _gathered(entries):
+def _gathered(entries, apart=False):
     """``entries`` (a phase) with every run of two or more copies that do not touch each
     other's memory (no destination overlaps another copy's source or destination) made
     one ``_COPY_MANY`` entry: one kernel, not one copy each (allgather's reads of the
@@ -552,7 +555,7 @@ def _gathered(entries):
 
     def touches(pair, others):
         dst, src = pair
-        return any(_overlap(dst, d) or _overlap(dst, s) or _overlap(src, d) for d, s in others)
+        return any(_overlap(dst, d, apart) or _overlap(dst, s, apart) or _overlap(src, d, apart) for d, s in others)
 
     def close():
         if len(run) > 1:
@@ -596,16 +599,95 @@ def _folded_to_all(entries):
     return made
 
 
-def _last_fold_into_out(made):
-    """``(phase, entry)`` of the last fold in ``made`` (:func:`phases`) that writes this
-    rank's output, or None: where avg's division goes when the fold divides."""
-    found = None
+def _folded_in_blocks(entries, apart, read_later):
+    """``entries`` (a phase) with every run of two or more folds of the same inputs,
+    each over a block of its own at the same offset in every input, into outputs that
+    share no memory with any of the run's inputs or with each other, made one
+    ``_FOLD_BLOCKS`` entry ``(outputs, inputs, offsets)``: one kernel, not one per fold
+    (a leader's reduce_scatter, every rank's block). ``inputs``: each input's span over
+    the run's blocks; ``offsets``: each block's start in it. Only folds whose outputs no
+    later fold reads (``read_later(index, spec)``) join a run: they are the call's
+    results, and a run divides alike (avg)."""
+    made, run = [], []
+
+    def fold(entry):
+        kind, specs = entry
+        return (specs[0], specs[1:]) if kind in (_REDUCE, _REDUCE_MANY) else None
+
+    def joins(index, entry):
+        dst, inputs = fold(entry)
+        if read_later(index, dst) or len(run) >= _MAX_COPIES:
+            return False
+        if not run:
+            return True
+        first_dst, first_inputs = fold(run[0][1])
+        if len(inputs) != len(first_inputs) or any(x[:2] != y[:2] for x, y in zip(inputs, first_inputs)):
+            return False
+        shift = inputs[0][2] - first_inputs[0][2]
+        if any(x[2] - y[2] != shift for x, y in zip(inputs, first_inputs)):
+            return False
+        outputs = [dst] + [fold(e)[0] for _, e in run]
+        reads = list(inputs) + [x for _, e in run for x in fold(e)[1]]
+        return not any(_overlap(o, x, apart) for o in outputs for x in reads) and \
+            not any(_overlap(a, b, apart) for n, a in enumerate(outputs) for b in outputs[n + 1:])
+
+    def close():
+        if len(run) > 1:
+            folds = [fold(e) for _, e in run]
+            spans = tuple((x[0], x[1], min(f[1][i][2] for f in folds), max(f[1][i][3] for f in folds))
+                          for i, x in enumerate(folds[0][1]))
+            offsets = tuple(f[1][0][2] - spans[0][2] for f in folds)
+            made.append((_FOLD_BLOCKS, (tuple(f[0] for f in folds), spans, offsets)))
+        else:
+            made.extend(e for _, e in run)
+        run.clear()
+
+    for index, entry in enumerate(entries):
+        if fold(entry) is not None and joins(index, entry):
+            run.append((index, entry))
+            continue
+        close()
+        if fold(entry) is not None and joins(index, entry):
+            run.append((index, entry))
+        else:
+            made.append(entry)
+    close()
+    return made
+
+
+def _outputs_written(made):
+    """The other ranks whose outputs ``made`` (:func:`phases`) writes."""
+    written = set()
+    for phase in made:
+        for kind, specs in phase:
+            if kind in (_COPY, _REDUCE, _REDUCE_MANY):
+                outputs = (specs[0],)
+            elif kind == _COPY_MANY:
+                outputs = tuple(dst for dst, _ in specs)
+            else:  # _FOLD_TO_ALL, _FOLD_BLOCKS
+                outputs = specs[0]
+            written.update(o[1] for o in outputs if o[0] == "rout")
+    return frozenset(written)
+
+
+def _final_folds(made, apart):
+    """``{(phase, entry)}`` of the folds in ``made`` (:func:`phases`) that write an
+    output (this rank's or, on a leader, another's) which no later fold reads: the
+    call's results, where avg's division goes when the fold divides. ``apart``: the
+    plan's outputs share no memory with its inputs (:func:`_overlap`)."""
+    folds = []
     for k, phase in enumerate(made):
         for i, (kind, specs) in enumerate(phase):
-            first = specs[0][0] if kind == _FOLD_TO_ALL else specs[0]
-            if kind in (_REDUCE, _REDUCE_MANY, _FOLD_TO_ALL) and first[0] == "out":
-                found = (k, i)
-    return found
+            if kind in (_FOLD_TO_ALL, _FOLD_BLOCKS):
+                folds.append(((k, i), specs[0], specs[1]))
+            elif kind in (_REDUCE, _REDUCE_MANY):
+                folds.append(((k, i), (specs[0],), specs[1:]))
+    final = set()
+    for n, (where, outputs, _) in enumerate(folds):
+        if outputs[0][0] in ("out", "rout") and not any(_overlap(o, x, apart) for _, _, inputs in folds[n + 1:]
+                                                         for x in inputs for o in outputs):
+            final.add(where)
+    return final
 
 
 def phases(plan, rank, stride, slot):
@@ -627,10 +709,10 @@ def phases(plan, rank, stride, slot):
         if s.buf == "shm":
             q = s.lo // slot
             return ("shm", q, s.lo - q * slot, s.hi - q * slot)
-        if s.buf == "rout":
-            q = s.lo // stride
-            return ("out", -1, s.lo - q * stride, s.hi - q * stride) if q == rank else \
-                ("rout", q, s.lo - q * stride, s.hi - q * stride)
+        if s.buf == "rout":  # (laid out by the plan's own stride)
+            q = s.lo // plan.rout_stride
+            lo, hi = s.lo - q * plan.rout_stride, s.hi - q * plan.rout_stride
+            return ("out", -1, lo, hi) if q == rank else ("rout", q, lo, hi)
         return (s.buf, -1, s.lo, s.hi)
 
     made = [[]]
@@ -645,7 +727,15 @@ def phases(plan, rank, stride, slot):
             made[-1].append((_REDUCE_MANY, (spec(op.dst),) + tuple(spec(x) for x in op.srcs)))
         else:
             raise ValueError(f"the peer-read executor cannot run {op!r}")
-    made = [_folded_to_all(_gathered(phase)) for phase in made]
+    apart = plan.outputs_apart
+    made = [_gathered(phase, apart) for phase in made]
+    reads = [(k, i, x) for k, phase in enumerate(made) for i, (kind, specs) in enumerate(phase)
+             if kind in (_REDUCE, _REDUCE_MANY) for x in specs[1:]]  # every fold's inputs, in order
+
+    def read_later(k):
+        return lambda i, dst: any(_overlap(dst, x, apart) for k2, i2, x in reads if (k2, i2) > (k, i))
+
+    made = [_folded_to_all(_folded_in_blocks(phase, apart, read_later(k))) for k, phase in enumerate(made)]
     object.__setattr__(plan, key[0], (key, made))  # the plan is frozen; a cache beside it
     return made
 
@@ -659,8 +749,8 @@ class PeerCall:
     dtype and op, the size in bytes, the root); ``started``: an event recorded on the
     user's stream at the call; ``before(stream)`` and ``after(stream)``: work of the call
     beside the plan (packing a strided input; the average's division, unpacking);
-    ``divisor``: avg on a plan whose outputs are shared (the leader): the fold that
-    writes them divides by it as it writes, so the other ranks launch no division."""
+    ``divisor``: avg on a plan whose outputs are shared (a leader's): the folds that
+    write them divide by it as they write, so the other ranks launch no division."""
 
     def __init__(self, node, plan, arrays, stride, op, dtype, signature, describe, started, before=None, after=None,
                  limit=None, divisor=None):
@@ -676,13 +766,13 @@ class PeerCall:
         size = self.window.size
         self.slot = plan.shm // size if plan.shm else 0  # elements of each rank's window slot
         self.shared_out = plan.shared_out  # another rank writes this rank's output: published too
-        # (only a plan whose outputs are shared can write them: no scan of the others' plans, per call)
-        self.writes_peers = self.shared_out and any(getattr(op, "dst", None) is not None and op.dst.buf == "rout"
-                                                    for op in plan.ops)
         self.phases = phases(plan, self.window.rank, stride, self.slot)
+        # the ranks whose outputs this rank's plan writes (only a plan whose outputs are
+        # shared can: no scan of the others' plans, per call)
+        self.writes_peers = _outputs_written(self.phases) if self.shared_out else frozenset()
         self.fences = len(self.phases) - 1
         self.divisor = divisor
-        self.dividing = _last_fold_into_out(self.phases) if divisor is not None else None  # (phase, entry)
+        self.dividing = _final_folds(self.phases, plan.outputs_apart) if divisor is not None else ()  # {(phase, entry)}
         window = self.window
         self.base = window.fences  # this call's fences are base + 1 … base + fences
         window.fences += self.fences
@@ -1002,9 +1092,9 @@ class PeerCall:
             slot = node.peer_buffer(q, window.descriptor_of(q, self.parity, 1), "window slot",
                                     storage) if self.slot else None
             out = node.peer_buffer(q, window.descriptor_of(q, self.parity, 2), "output",
-                                   storage) if self.writes_peers else None
+                                   storage) if q in self.writes_peers else None
             if (inp is None and self.arrays["in"].size) or (slot is None and self.slot) or \
-                    (out is None and self.writes_peers and self.arrays["in"].size):
+                    (out is None and q in self.writes_peers):
                 raise CollectiveMismatchError(f"{self.describe}: rank {q} published no buffer for this call where "
                                               "this rank needs one (a different call there, or a broken exchange)")
             self.peers[q] = (inp, slot, out)
@@ -1027,7 +1117,7 @@ class PeerCall:
         if self.phases[k]:
             self.unrecorded = True
         for i, (kind, specs) in enumerate(self.phases[k]):
-            if self.dividing == (k, i):  # avg's result: divided as the fold writes it (into every output)
+            if (k, i) in self.dividing and kind != _FOLD_BLOCKS:  # avg's result: divided as the fold writes it
                 outputs, inputs = (specs[0], specs[1]) if kind == _FOLD_TO_ALL else ((specs[0],), specs[1:])
                 backend.reduce_n(stream, self.op, self.dtype, [view(d) for d in outputs], [view(s) for s in inputs],
                                  divisor=self.divisor)
@@ -1041,6 +1131,10 @@ class PeerCall:
                 backend.reduce_n(stream, self.op, self.dtype, view(specs[0]), [view(s) for s in specs[1:]])
             elif kind == _FOLD_TO_ALL:
                 backend.reduce_n(stream, self.op, self.dtype, [view(d) for d in specs[0]], [view(s) for s in specs[1]])
+            elif kind == _FOLD_BLOCKS:
+                backend.reduce_blocks(stream, self.op, self.dtype, [view(d) for d in specs[0]],
+                                      [view(s) for s in specs[1]], specs[2],
+                                      divisor=self.divisor if (k, i) in self.dividing else None)
             else:
                 backend.reduce2(stream, self.op, self.dtype, view(specs[0]), view(specs[1]), view(specs[2]))
 

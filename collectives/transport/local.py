@@ -93,7 +93,8 @@ def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, i
     from ``r * count``, as ``Communicator.empty`` places them; the plans address it as
     ``reg`` with stride ``count``, offset 0); a collective that can run in place then does.
     The peer-read algorithms (``PEER_READS``) always read their inputs so, in place or not,
-    and where every rank's result has ``count`` elements the outputs lie so too (``rout``).
+    and where a plan writes other ranks' outputs (``rout``), every rank's lies in one
+    array, rank r's from ``r·rout_stride``.
     """
     # Imported here: the algorithm registry imports nothing from the transports.
     from .. import ops as ops_layer
@@ -124,11 +125,6 @@ def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, i
         outputs = [x if not spec.root_result or r == root else x[:0] for r, x in enumerate(inputs)]
     else:
         outputs = [np.empty(spec.result_count(count, size, r, root, counts), dtype) for r in range(size)]
-    routed = None
-    if peers and all(out.size == count for out in outputs):
-        routed = shared if inplace else np.empty(size * count, dtype)
-        if not inplace:
-            outputs = [routed[r * count : (r + 1) * count] for r in range(size)]
     if plans is None:
         plans = [
             compile_plan(build(collective, algorithm, r, size, count, root=root, segment=segment,
@@ -138,6 +134,14 @@ def run_collective(collective, algorithm, inputs, op="sum", root=0, segment=1, i
                          inplace=inplace)
             for r in range(size)
         ]
+    routed = None
+    stride = max(plan.rout_stride for plan in plans)
+    if stride:  # a leader's plans: every rank's output in one array, rank r's from r·stride
+        if inplace and stride == count:
+            routed = shared  # the outputs are the inputs
+        else:
+            routed = np.empty(size * stride, dtype)
+            outputs = [routed[r * stride : r * stride + out.size] for r, out in enumerate(outputs)]
     run(plans, inputs, outputs, op, dtype, shared, routed)
     if spec.reduces:
         for r, out in enumerate(outputs):

@@ -75,6 +75,19 @@ int reduce_n_op(const char* op, void* const* dsts, int m, const void* const* src
     return 0;
 }
 
+// reduce_blocks as the kernel runs it: block row j = j, each row's grid of `threads`
+// threads one after the other; a sum (divisor 0) or avg's dividing sum.
+template <class T, class Last>
+void reduce_blocks_grid(void* const* dsts, int m, const void* const* srcs, int k, const i64* offsets,
+                        const i64* counts, int threads, double divisor) {
+    const T* s[16];
+    for (int q = 0; q < k; ++q) s[q] = static_cast<const T*>(srcs[q]);
+    for (int j = 0; j < m; ++j)
+        for (int t = 0; t < threads; ++t)
+            reduce_blocks_row<T, Sum, Last>(static_cast<T*>(dsts[j]), s, k, offsets[j], counts[j], t, threads,
+                                            divisor);
+}
+
 template <class S, class D>
 void cast(void* dst, const void* src, i64 n, double divisor) {
     cast_divide_body<S, D>(static_cast<D*>(dst), static_cast<const S*>(src), n, divisor, 0, 1);
@@ -135,6 +148,30 @@ int cc_reduce_n_divide(const char* dtype, void* const* dsts, int m, const void* 
                        int threads, double divisor) {
     if (k < 1 || k > 16 || m < 1 || m > 16) return -3;
 #define X(name, T) if (is(dtype, #name)) return reduce_n_divide<T>(dsts, m, srcs, k, n, threads, divisor), 0;
+    COLLECTIVES_FLOAT_TYPES(X)
+    X(complex64, c64) X(complex128, c128)
+#undef X
+    return -1;
+}
+
+// 0: done; -1: unknown dtype (or a division asked of an integer one); -3: k or m out of range.
+int cc_reduce_blocks(const char* dtype, void* const* dsts, int m, const void* const* srcs, int k,
+                     const i64* offsets, const i64* counts, int threads, double divisor) {
+    if (k < 1 || k > 16 || m < 1 || m > 16) return -3;
+#define X(name, T) \
+    if (is(dtype, #name)) { \
+        if (divisor != 0) return -1; \
+        reduce_blocks_grid<T, Keep>(dsts, m, srcs, k, offsets, counts, threads, 1.0); \
+        return 0; \
+    }
+    COLLECTIVES_INTEGER_TYPES(X)
+#undef X
+#define X(name, T) \
+    if (is(dtype, #name)) { \
+        if (divisor != 0) reduce_blocks_grid<T, Divide>(dsts, m, srcs, k, offsets, counts, threads, divisor); \
+        else reduce_blocks_grid<T, Keep>(dsts, m, srcs, k, offsets, counts, threads, 1.0); \
+        return 0; \
+    }
     COLLECTIVES_FLOAT_TYPES(X)
     X(complex64, c64) X(complex128, c128)
 #undef X
