@@ -88,6 +88,14 @@ def test_multi_input_divide_cast_and_pack_kernels_on_the_device(cupy, backend):
             with np.errstate(all="ignore"):
                 want = np.divide(functools.reduce(lambda x, y: numpy_reduce("sum", x, y), inputs[:5]), 3)
             assert all(same_bits(cupy.asnumpy(out), want) for out in outputs), f"{dtype}: the dividing fold"
+        # a leader's reduce_scatter: block j of the fold into output j, one kernel (uneven, misaligned blocks)
+        bounds = [0, 3, 3337, 3338, 10_001]
+        blocks = [cupy.empty(hi - lo, dtype) for lo, hi in zip(bounds[:-1], bounds[1:])]
+        backend.reduce_blocks(stream, "sum", dtype, blocks, [cupy.asarray(x) for x in inputs[:7]], bounds[:-1])
+        stream.synchronize()
+        whole = functools.reduce(lambda x, y: numpy_reduce("sum", x, y), inputs[:7])
+        for j, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            assert same_bits(cupy.asnumpy(blocks[j]), whole[lo:hi]), f"{dtype}: reduce_blocks' block {j}"
     x = values(np.dtype("float32"), 100_003, rng)
     device_x = cupy.asarray(x)
     backend.divide(stream, np.dtype("float32"), device_x, 3)

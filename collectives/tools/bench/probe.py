@@ -20,10 +20,10 @@ floor; these probes take it apart, each an empty or 4-byte operation, p50 and p9
   word (``cuStreamWaitValue32``) and writes the next rank's (``cuStreamWriteValue32``),
   every hop queued up front; per hop. How fast the GPU hands over between processes
   whose streams wait on memory (it may keep a waiting process for its time slice).
-- ``one_shot 8 B`` by each fence mechanism, plain and on a registered array
-  (``Communicator.empty(device=)``), timed in parts: from the call to its first fence
-  passed, to its second passed (with stream fences: enqueued, the devices' own), to its
-  return, to its stream synchronized.
+- ``one_shot 8 B`` and ``leader 8 B`` (rank 0 alone runs a kernel) by each fence
+  mechanism, plain and on a registered array (``Communicator.empty(device=)``), timed
+  in parts: from the call to its first fence passed, to its second passed (with stream
+  fences: enqueued, the devices' own), to its return, to its stream synchronized.
 
 The stand-in runs all of it (in CI) but its times mean nothing.
 """
@@ -163,9 +163,10 @@ class Probes:
         self.words[:] = 0
         self.world.Barrier()
 
-    def call_parts(self, comm, x, rows, name):
-        """One_shot allreduce on ``x``, in place: when each fence passed (the host went on
-        to the next phase), the return, the sync; marked through PeerCall's own steps."""
+    def call_parts(self, comm, x, rows, name, algorithm="one_shot"):
+        """``algorithm``'s allreduce on ``x``, in place: when each fence passed (the host
+        went on to the next phase), the return, the sync; marked through PeerCall's own
+        steps."""
         from ...transport import device_node
 
         marks = {}
@@ -186,7 +187,7 @@ class Probes:
                 marks.clear()
                 self.world.Barrier()
                 t0 = time.perf_counter()
-                comm.allreduce(x, out=x, algorithm="one_shot")
+                comm.allreduce(x, out=x, algorithm=algorithm)
                 t1 = time.perf_counter()
                 self.device.sync()
                 t2 = time.perf_counter()
@@ -236,9 +237,10 @@ def measure(args):
         plain = device.empty(2, np.float32)
         device.upload(plain, np.ones(2, np.float32))
         registered = comm.zeros(2, "float32", device=device.kind)
-        for name, x in (("plain", plain), ("registered", registered)):
-            probes.call_parts(comm, x, rows, f"one_shot 8 B, {mechanism}, {name}")
-            save()
+        for algorithm in ("one_shot", "leader"):
+            for name, x in (("plain", plain), ("registered", registered)):
+                probes.call_parts(comm, x, rows, f"{algorithm} 8 B, {mechanism}, {name}", algorithm)
+                save()
         comm.free()
     probes.free()
     if world.Get_rank() == 0:
