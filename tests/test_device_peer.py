@@ -1405,8 +1405,8 @@ def test_the_benchmark_measures_tunes_and_reports_on_the_stand_in(mpi_comm, tmp_
 
 def test_the_probe_of_a_calls_parts_runs_on_the_stand_in(mpi_comm, tmp_path_factory):
     """python -m collectives.tools.bench.probe --quick: every probe's row, the token
-    rings going round (not stuck), and each part of a one_shot call timed, by each
-    mechanism, on a plain and on a registered array."""
+    rings going round (not stuck), each part of a one_shot and a leader call timed, by
+    each mechanism, on a plain and on a registered array, and of a host-fenced barrier."""
     stand_in_only("the probe's own check (make probe-gpu measures on a GPU)")
     from collectives.tools.bench import probe
 
@@ -1417,17 +1417,20 @@ def test_the_probe_of_a_calls_parts_runs_on_the_stand_in(mpi_comm, tmp_path_fact
     if mpi_comm.rank == 0:
         rows = {r["probe"]: r for r in json.loads(open(path).read())["rows"]}
         for name in ("kernel+sync, one rank", "kernel+sync, every rank", "event, every rank",
-                     "host token ring, a hop", "stream token ring, a hop"):
+                     "host epoch barrier (no device), a round", "host token ring, a hop",
+                     "stream token ring, a hop"):
             if name not in rows or rows[name].get("stuck") or not rows[name]["p50_us"] > 0:
                 problems.append(f"{name}: {rows.get(name)}")
-        for mechanism in ("host", "stream"):
-            for kind in ("plain", "registered"):
-                name = f"one_shot 8 B, {mechanism}, {kind}"
-                parts = [rows.get(f"{name}: {part}") for part in ("fence 1", "fence 2", "return", "sync", "whole")]
-                if None in parts:
-                    problems.append(f"{name}: missing parts")
-                elif not all(part["p50_us"] >= 0 for part in parts) or parts[-1]["p50_us"] <= 0:
-                    problems.append(f"{name}: {parts}")
+        split = {f"{algorithm} 8 B, {mechanism}, {kind}": ("fence 1", "fence 2", "return", "sync", "whole")
+                 for algorithm in ("one_shot", "leader") for mechanism in ("host", "stream")
+                 for kind in ("plain", "registered")}
+        split["barrier(device=), host"] = ("own work seen done", "every rank seen", "return", "whole")
+        for name, names in split.items():
+            parts = [rows.get(f"{name}: {part}") for part in names]
+            if None in parts:
+                problems.append(f"{name}: missing parts")
+            elif not all(part["p50_us"] >= 0 for part in parts) or parts[-1]["p50_us"] <= 0:
+                problems.append(f"{name}: {parts}")
     agree(mpi_comm, problems)
 
 

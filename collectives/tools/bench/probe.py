@@ -13,6 +13,11 @@ floor; these probes take it apart, each an empty or 4-byte operation, p50 and p9
   round trip while the other processes want the GPU too (time-slicing).
 - ``event, every rank``: an event recorded on an idle stream, the host polling it
   (what a host fence waits for), every rank at once.
+- ``host epoch barrier``: every rank sets its word in shared memory and waits for
+  every other's, no device in it: the host fences' meeting alone.
+- ``barrier(device=), host``: the synchronisation floor's host row in parts: to this
+  rank's device work seen done (its stream's event), to every rank seen arrived, to
+  the return.
 - ``host token ring``: the ranks in turn: wait (on the host) for the previous rank's
   word in shared memory, launch the kernel, wait for it, write the next rank's word;
   per hop. A host-fenced call moves through the GPU like this.
@@ -158,6 +163,62 @@ class Probes:
         self.world.Barrier()
         return None if stuck else elapsed / (hops * p)
 
+    def epoch_barrier(self):
+        """Per round: this rank's word set to the round, then every word awaited (host
+        memory only, no device): what a host fence's meeting costs by itself."""
+        words, r, rounds = self.words, self.rank, self.args.hops
+        self._reset()
+        start = time.perf_counter()
+        for i in range(1, rounds + 1):
+            words[r] = i
+            while int(words.min()) < i:
+                pass
+        elapsed = time.perf_counter() - start
+        self.world.Barrier()
+        return elapsed / rounds
+
+    def barrier_parts(self, comm, x, rows, name):
+        """``comm.barrier(device=x)`` with host fences, timed in parts: to this rank's
+        device work seen done (the event its stream recorded), to every rank seen
+        arrived, to the return; marked through PeerCall's own steps."""
+        from ...transport import device_node
+
+        marks = {}
+        done, arrived = device_node.PeerCall._work_done, device_node.PeerCall._others_arrived
+
+        def marking_done(call):
+            result = done(call)
+            if result:
+                marks.setdefault("done", time.perf_counter())
+            return result
+
+        def marking_arrived(call, k, epoch):
+            result = arrived(call, k, epoch)
+            if result:
+                marks.setdefault("arrived", time.perf_counter())
+            return result
+
+        parts = {"own work seen done": [], "every rank seen": [], "return": [], "whole": []}
+        device_node.PeerCall._work_done, device_node.PeerCall._others_arrived = marking_done, marking_arrived
+        try:
+            for i in range(min(20, self.args.iters) + self.args.iters):
+                marks.clear()
+                self.world.Barrier()
+                t0 = time.perf_counter()
+                comm.barrier(device=x)
+                t1 = time.perf_counter()
+                if i < min(20, self.args.iters):
+                    continue
+                a = marks.get("done", t0)
+                b = marks.get("arrived", a)
+                for key, (lo, hi) in {"own work seen done": (t0, a), "every rank seen": (a, b), "return": (b, t1),
+                                      "whole": (t0, t1)}.items():
+                    parts[key].append(hi - lo)
+        finally:
+            device_node.PeerCall._work_done, device_node.PeerCall._others_arrived = done, arrived
+        for key, samples in parts.items():
+            rows.append(_row(self.world, f"{name}: {key}", samples))
+
     def _reset(self):
         self.world.Barrier()
         self.words[:] = 0
@@ -224,6 +285,7 @@ def measure(args):
     rows.append(_row(world, "kernel+sync, one rank", probes.timed(probes.kernel_sync, who=(0,))))
     rows.append(_row(world, "kernel+sync, every rank", probes.timed(probes.kernel_sync)))
     rows.append(_row(world, "event, every rank", probes.timed(probes.event_poll)))
+    rows.append(_row(world, "host epoch barrier (no device), a round", [probes.epoch_barrier() for _ in range(3)]))
     hop = [probes.host_ring() for _ in range(3)]
     rows.append(_row(world, "host token ring, a hop", hop))
     hop = [probes.stream_ring() for _ in range(3)]
@@ -237,6 +299,9 @@ def measure(args):
         plain = device.empty(2, np.float32)
         device.upload(plain, np.ones(2, np.float32))
         registered = comm.zeros(2, "float32", device=device.kind)
+        if mechanism == "host":
+            comm.allreduce(plain, algorithm="one_shot")  # the peer-read state: a barrier is then one fence
+            probes.barrier_parts(comm, plain, rows, "barrier(device=), host")
         for algorithm in ("one_shot", "leader"):
             for name, x in (("plain", plain), ("registered", registered)):
                 probes.call_parts(comm, x, rows, f"{algorithm} 8 B, {mechanism}, {name}", algorithm)
