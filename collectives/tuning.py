@@ -638,8 +638,9 @@ class DeviceCostModel:
     the result back, two switches a process) ``staged_fixed`` its cost beyond ``call``
     and ``staged_rate`` the bytes per second of what crosses the host
     (``STAGED_BYTES``: copied in plus copied back), MPI's own work on the host copies
-    included. ``own_fence``: a fence where each rank has a GPU of its own (not
-    ``shared``: in-kernel flags, no host and no switch in it).
+    included. ``one_gpu``: every rank of the node on one GPU (the leader algorithms
+    are for that node alone); ``kernel_fences``: the fences are in-kernel flags (the
+    mechanism of ranks with a GPU each), costing ``own_fence``, no host in them.
 
     The defaults come from the one GPU measured with peer reads
     (bench/results/NVIDIA-H200: 2 and 4 ranks sharing one H200, MPICH 5.0.2 not
@@ -666,6 +667,8 @@ class DeviceCostModel:
     launch: float = 6e-6
     bandwidth: float = 4.0e12
     shared: bool = True
+    one_gpu: bool = True
+    kernel_fences: bool = False
     switch: float = 190e-6
     ipc_step: float = 600e-6
     ipc_rate: float = 15e9
@@ -733,7 +736,7 @@ def predict_device(collective, nbytes, size, model=SHIPPED_DEVICE_MODEL):
     (over CUDA IPC) and ``native`` (staged: the MPI library's own collective on host
     copies) on one node of ``size`` ranks, ``nbytes`` as a tuning table counts them
     (allgather: the gathered size). The peer reads cost ``call`` + two fences (``fence``;
-    ``own_fence`` where each rank has a GPU of its own) + their
+    ``own_fence`` where they are in-kernel flags) + their
     launches + their memory traffic (:mod:`collectives.algorithms.peer`'s docstring;
     all ranks' where they share a GPU, one rank's where each has its own) + where they
     share one, a ``switch`` per further rank with device work, per round of it; the ring
@@ -746,7 +749,7 @@ def predict_device(collective, nbytes, size, model=SHIPPED_DEVICE_MODEL):
     def switches(working, rounds):  # a GPU the ranks share runs one process's work at a time
         return m.switch * rounds * max(working - 1, 0) if m.shared else 0.0
 
-    fence = m.fence if m.shared else m.own_fence
+    fence = m.own_fence if m.kernel_fences else m.fence
 
     def peer(traffic, launches, working, rounds):
         return (m.call + 2 * fence + launches * m.launch + ranks * traffic / m.bandwidth
@@ -758,7 +761,7 @@ def predict_device(collective, nbytes, size, model=SHIPPED_DEVICE_MODEL):
     times = {algorithm: peer(traffic(p, n), launches(p), working(p), kernel_rounds)
              for algorithm, (traffic, launches, working, kernel_rounds) in reads.items()}
     times[other] = m.call + rounds * (p - 1) * (m.ipc_step + step(p, n) / m.ipc_rate)
-    if not m.shared:  # the leader's GPU would carry every rank's traffic alone: for ranks sharing one
+    if not (m.shared and m.one_gpu):  # the leader's GPU would carry every rank's traffic alone: for ranks on one
         times.pop("leader", None)
     times = {a: t for a, t in times.items() if a in BUILDERS[collective]}
     # native is no builder: MPI's own collective, which every collective has; its copy in
@@ -873,19 +876,33 @@ class Selector:
         if agreed & 16 and not self.in_use[0] and world_size > 1 and set(BUILDERS) - set(self.overrides):
             self.calibration = calibrate(self.fingerprint, self.key, self.link)
         self._cache = BoundedCache(4096)  # (collective, nbytes, device) -> choice
-        # Whether the node's ranks share one GPU: None until a device call learns it (the
-        # device model meanwhile takes them to, as on the GPU it was measured on).
-        self.gpus_shared = None
+        # The node's GPUs, ranks and fence mechanism: None until a device call learns them
+        # (the device model meanwhile takes the ranks to share one GPU, as on the GPU it was
+        # measured on).
+        self.gpus = None
         self.device_model = SHIPPED_DEVICE_MODEL  # the device rule's parameters
 
-    def learn_gpus(self, shared):
-        """The node's ranks share one GPU (``shared``) or each has its own, as the first
-        peer-read call learnt (the same on every rank): the device cost model predicts
-        for that from now on (the leader only where they share one)."""
-        if shared != self.gpus_shared:
-            self.gpus_shared = bool(shared)
-            self.device_model = replace(self.device_model, shared=self.gpus_shared)
+    def learn_gpus(self, gpus, ranks, mechanism):
+        """The node's ``ranks`` are on ``gpus`` GPUs and meet at fences of ``mechanism``,
+        as the first peer-read call learnt (the same on every rank): the device cost
+        model predicts for that from now on (the leader only where every rank is on one
+        GPU; each GPU's processes switching where it carries several ranks; a fence's
+        cost by its mechanism)."""
+        known = (int(gpus), int(ranks), mechanism)
+        if known != self.gpus:
+            self.gpus = known
+            self.device_model = replace(self.device_model, shared=gpus < ranks, one_gpu=gpus == 1,
+                                        kernel_fences=mechanism == "kernel")
             self._cache.clear()
+
+    def _describe_gpus(self):
+        if self.gpus is None:
+            return "the node's ranks taken to share one GPU until a device call learns it"
+        gpus, ranks, mechanism = self.gpus
+        where = "the node's ranks share one GPU" if gpus == 1 else \
+            "each of the node's ranks has a GPU of its own" if gpus >= ranks else \
+            f"the node's {ranks} ranks share {gpus} GPUs"
+        return f"{where}, {mechanism} fences"
 
     def _usable(self, table, suffix):
         """``(usable, why not)`` for ``table`` on this rank alone."""
@@ -999,9 +1016,7 @@ class Selector:
                 return choice, f"measured table {table.source}" + (f" (layout {self.key})" if self.several else "")
         if device:
             choice, why = device_choice(collective, nbytes, self.world_size, self.topology, self.device_model)
-            gpus = {None: "the node's ranks taken to share one GPU until a device call learns it",
-                    True: "the node's ranks share one GPU", False: "each of the node's ranks has a GPU of its own"}
-            why += f" (no measured table for device arrays; {gpus[self.gpus_shared]})"
+            why += f" (no measured table for device arrays; {self._describe_gpus()})"
             if self.several:
                 why += f" for {self.topology.describe()}"
             return choice, why

@@ -19,6 +19,7 @@ import gc
 import json
 import re
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -685,6 +686,40 @@ def test_every_phase_is_one_kernel_for_up_to_16_ranks():
                             (collective, algorithm, size, inplace, rank, k, phase)
 
 
+def test_avg_divides_once_on_every_output_of_a_leader():
+    """Where a leader's fold divides (avg), the executor divides in the folds whose
+    outputs no later fold reads (device_node's final folds), each rank's output in one
+    of them, once, at any p: past 16 ranks the fold of an output is a chain of kernels,
+    of which only the last divides (and the copies of the result after it copy
+    divided values)."""
+    from collectives.routes.base import compiled_plan
+
+    for collective in ("allreduce", "reduce_scatter"):
+        for size in (2, 3, 16, 17, 40):
+            count = 3 * size + 1
+            plan = compiled_plan(collective, "leader", 0, size, count, 0, 1, False, False, 0)
+            made, written, final = device_node.phases_and_facts(plan, 0, count, 0)
+            folds = {(k, i): entry for k, phase in enumerate(made) for i, entry in enumerate(phase)
+                     if entry[0] in (device_node._REDUCE, device_node._REDUCE_MANY, device_node._FOLD_TO_ALL,
+                                     device_node._FOLD_BLOCKS)}
+            assert final and final <= set(folds), (collective, size, final)
+
+            def outputs(entry):
+                kind, specs = entry
+                return specs[0] if kind in (device_node._FOLD_TO_ALL, device_node._FOLD_BLOCKS) else (specs[0],)
+
+            divided = Counter((o[0], o[1]) for where in final for o in outputs(folds[where]))
+            assert all(n == 1 for n in divided.values()), (collective, size, divided)
+            assert ("out", -1) in divided, (collective, size, divided)
+            copied = {dst[:2] for phase in made for kind, specs in phase if kind == device_node._COPY_MANY
+                      for dst, _ in specs}
+            if collective == "reduce_scatter":  # every rank's block, its own fold
+                assert set(divided) == {("out", -1)} | {("rout", q) for q in range(1, size)}, (size, divided)
+            else:  # rank 0's fold into its output, and into the others' in it or copied from it after it
+                assert set(divided) | copied == {("out", -1)} | {("rout", q) for q in range(1, size)}, size
+            assert written == {q for buf, q in set(divided) | copied if buf == "rout"}, (collective, size)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_a_call_launches_one_kernel_a_phase(mpi_comm):
     """On the device (the stand-in's or the CuPy backend's launch counts): a warm call of
@@ -998,7 +1033,7 @@ def test_auto_runs_the_leader_only_where_the_ranks_share_one_gpu(mpi_comm, one_g
     finally:
         backend.uuid = uuid
     choice = comm.choose("allreduce", x.nbytes, device=True)
-    model = tuning.DeviceCostModel(shared=one_gpu)
+    model = tuning.DeviceCostModel(shared=one_gpu, one_gpu=one_gpu)  # (host fences either way)
     times = tuning.predict_device("allreduce", x.nbytes, comm.size, model)
     said = "the node's ranks share one GPU" if one_gpu else "each of the node's ranks has a GPU of its own"
     if choice[0] != min(times, key=times.get) or said not in choice[1] or (choice[0] == "leader") != one_gpu:

@@ -96,6 +96,21 @@ def test_multi_input_divide_cast_and_pack_kernels_on_the_device(cupy, backend):
         whole = functools.reduce(lambda x, y: numpy_reduce("sum", x, y), inputs[:7])
         for j, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
             assert same_bits(cupy.asnumpy(blocks[j]), whole[lo:hi]), f"{dtype}: reduce_blocks' block {j}"
+        if dtype.kind == "f":  # and avg's, divided as it is written
+            backend.reduce_blocks(stream, "avg", dtype, blocks, [cupy.asarray(x) for x in inputs[:7]], bounds[:-1],
+                                  divisor=7)
+            stream.synchronize()
+            with np.errstate(all="ignore"):
+                for j, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+                    assert same_bits(cupy.asnumpy(blocks[j]), np.divide(whole[lo:hi], 7)), f"{dtype}: block {j} /7"
+    # complex: the dividing fold's own division (NumPy's, through its reciprocal)
+    inputs = [values(np.dtype("complex64"), 1001, rng) for _ in range(3)]
+    out = cupy.empty(1001, np.complex64)
+    backend.reduce_n(stream, "avg", np.dtype("complex64"), [out], [cupy.asarray(x) for x in inputs], divisor=3)
+    stream.synchronize()
+    with np.errstate(all="ignore"):
+        want = np.divide(functools.reduce(lambda x, y: numpy_reduce("sum", x, y), inputs), 3)
+    assert same_bits(cupy.asnumpy(out), want), "complex64: the dividing fold"
     x = values(np.dtype("float32"), 100_003, rng)
     device_x = cupy.asarray(x)
     backend.divide(stream, np.dtype("float32"), device_x, 3)

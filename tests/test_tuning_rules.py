@@ -465,10 +465,40 @@ def test_the_device_model_fits_the_h200s_peer_reads(p):
         own = tuning.DeviceCostModel(shared=False, bandwidth=2e11)
         times = tuning.predict_device("allreduce", 256 << 20, p, own)
         assert times["two_shot"] < times["one_shot"], times
-    # and their fences have no host and no switch in them: a small call does not go
-    # staged (own_fence, unmeasured, against the shared GPU's host fence)
-    times = tuning.predict_device("allreduce", 8, p, tuning.DeviceCostModel(shared=False))
+    # and their in-kernel fences have no host and no switch in them: a small call does
+    # not go staged (own_fence, unmeasured, against the shared GPU's host fence)
+    own = tuning.DeviceCostModel(shared=False, one_gpu=False, kernel_fences=True)
+    times = tuning.predict_device("allreduce", 8, p, own)
     assert min(times, key=times.get) == "one_shot" and "leader" not in times, times
+
+
+@serial
+def test_the_selector_predicts_for_the_node_its_first_device_call_learnt(clean_environment):
+    """Selector.learn_gpus: before it, the ranks are taken to share one GPU (the leader
+    offered); after it, the model is the node's: one GPU (the leader), a GPU each (no
+    leader, no switches; in-kernel fences cost own_fence, host fences fence), or GPUs
+    some ranks share (no leader: rank 0's GPU would carry the others' traffic; switches
+    and host fences as on one GPU). comm.choose says which."""
+    selector = Selector.from_environment(4, {})
+    choice, why = selector.explain("allreduce", 4096, device=True)
+    assert choice == "leader" and "taken to share one GPU until a device call learns it" in why, why
+    cases = {(1, "host"): ("the node's ranks share one GPU, host fences", True),
+             (4, "kernel"): ("each of the node's ranks has a GPU of its own, kernel fences", False),
+             (4, "host"): ("each of the node's ranks has a GPU of its own, host fences", False),
+             (2, "host"): ("the node's 4 ranks share 2 GPUs, host fences", False)}
+    for (gpus, mechanism), (said, leader) in cases.items():
+        selector.learn_gpus(gpus, 4, mechanism)
+        model = selector.device_model
+        assert (model.shared, model.one_gpu, model.kernel_fences) == (gpus < 4, gpus == 1, mechanism == "kernel")
+        times = tuning.predict_device("allreduce", 4096, 4, model)
+        choice, why = selector.explain("allreduce", 4096, device=True)
+        assert said in why and choice == min(times, key=times.get) and ("leader" in times) == leader, (gpus, why)
+        assert selector.choose("allreduce", 4096, device=True) == choice  # the cache emptied as it learnt
+    fences = {m: tuning.predict_device("allreduce", 8, 4, tuning.DeviceCostModel(shared=False, one_gpu=False,
+                                                                                   kernel_fences=m == "kernel"))
+              for m in ("host", "kernel")}
+    assert fences["host"]["one_shot"] - fences["kernel"]["one_shot"] == pytest.approx(
+        2 * (tuning.SHIPPED_DEVICE_MODEL.fence - tuning.SHIPPED_DEVICE_MODEL.own_fence))
 
 
 @serial

@@ -47,7 +47,8 @@ def peer_node(ctx: Any, device: Any, timeout: float | None) -> Any:
         device.peer = PeerNode(device, ctx.node_comm, ctx.options.device_fence, exchange)
         # auto's device choices from now on know whether the ranks share one GPU (the
         # kinds of call resolved before did not: made anew)
-        ctx.selector.learn_gpus(device.peer.one_gpu)
+        peer = device.peer
+        ctx.selector.learn_gpus(peer.gpus, ctx.node_comm.Get_size(), peer.mechanism)
         ctx.call_kinds.clear()
     return device.peer
 

@@ -14,9 +14,12 @@ synchronisations between the ranks, whatever the fence mechanism.
              pass once every rank has arrived; open what this process has not opened
     phase 1: read the other ranks' buffers: a fold is one kernel over the p inputs,
              allgather's copies one copy kernel (at most 16 inputs or copies a
-             kernel); broadcast one copy; the leader's fold, written into every
-             rank's output (published at fence 1 too), one kernel on rank 0 alone
-             (avg: divided as it is written; no rank divides after it)
+             kernel); broadcast one copy; the allreduce leader's fold, written
+             into every rank's output (published at fence 1 too), one kernel on
+             rank 0 alone (avg: divided as it is written; no rank divides after
+             it); the other leaders' work likewise on rank 0 (broadcast: the root)
+             alone: reduce_scatter's p folds one kernel (reduce_blocks), allgather's
+             p² copies and broadcast's p - 1 a copy kernel per 16
     fence 2: nobody reads this rank's input any more
     phase 2: two_shot's copies out of the window slots: one copy kernel
     the call finishes once its last kernel has run (an event the host polls; with
@@ -299,8 +302,9 @@ class PeerNode:
         the node), for what the ranks settle at the start."""
         self.device, self.backend = device, device.backend
         uuids = gpus_of_the_node(self.backend, exchange)
+        self.gpus = len(uuids)  # the node's GPUs (its ranks' devices)
         # every rank of the node on one GPU: auto's leader runs there (else one_shot: routes.peer)
-        self.one_gpu = len(uuids) == 1
+        self.one_gpu = self.gpus == 1
         if mechanism == "auto":
             mechanism = choose_mechanism(uuids, node_comm.Get_size())
         if mechanism not in MECHANISMS:
@@ -696,6 +700,13 @@ def phases(plan, rank, stride, slot):
     ``rout`` and ``shm`` slices made into a peer's input or output (``peer`` >= 0;
     ``stride`` elements per rank) or window slot (``slot`` elements per rank),
     ``lo``/``hi`` within it."""
+    return phases_and_facts(plan, rank, stride, slot)[0]
+
+
+def phases_and_facts(plan, rank, stride, slot):
+    """``(phases, written, final)``: :func:`phases`, the other ranks whose outputs they
+    write (:func:`_outputs_written`) and their final folds (:func:`_final_folds`), made
+    once per plan and rank (kept beside the plan: a call looks them up)."""
     key = ("_peer_phases", rank, stride, slot)
     found = plan.__dict__.get(key[0])
     if found is not None and found[0] == key:
@@ -736,8 +747,9 @@ def phases(plan, rank, stride, slot):
         return lambda i, dst: any(_overlap(dst, x, apart) for k2, i2, x in reads if (k2, i2) > (k, i))
 
     made = [_folded_to_all(_folded_in_blocks(phase, apart, read_later(k))) for k, phase in enumerate(made)]
-    object.__setattr__(plan, key[0], (key, made))  # the plan is frozen; a cache beside it
-    return made
+    facts = (made, _outputs_written(made), _final_folds(made, apart))
+    object.__setattr__(plan, key[0], (key, facts))  # the plan is frozen; a cache beside it
+    return facts
 
 
 class PeerCall:
@@ -766,13 +778,12 @@ class PeerCall:
         size = self.window.size
         self.slot = plan.shm // size if plan.shm else 0  # elements of each rank's window slot
         self.shared_out = plan.shared_out  # another rank writes this rank's output: published too
-        self.phases = phases(plan, self.window.rank, stride, self.slot)
-        # the ranks whose outputs this rank's plan writes (only a plan whose outputs are
-        # shared can: no scan of the others' plans, per call)
-        self.writes_peers = _outputs_written(self.phases) if self.shared_out else frozenset()
+        # the phases; the ranks whose outputs this rank's plan writes (only a plan whose
+        # outputs are shared can); its final folds, {(phase, entry)}, which divide for avg
+        self.phases, self.writes_peers, final = phases_and_facts(plan, self.window.rank, stride, self.slot)
         self.fences = len(self.phases) - 1
         self.divisor = divisor
-        self.dividing = _final_folds(self.phases, plan.outputs_apart) if divisor is not None else ()  # {(phase, entry)}
+        self.dividing = final if divisor is not None else ()
         window = self.window
         self.base = window.fences  # this call's fences are base + 1 … base + fences
         window.fences += self.fences
