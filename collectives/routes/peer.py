@@ -45,8 +45,8 @@ def peer_node(ctx: Any, device: Any, timeout: float | None) -> Any:
         # every rank of the node is here (a timed barrier) before the blocking window set-up
         ctx.request("the peer-read window's set-up", ctx.node_comm.Ibarrier, timeout)
         device.peer = PeerNode(device, ctx.node_comm, ctx.options.device_fence, exchange)
-        # auto's device choices from now on know whether the ranks share one GPU (the
-        # kinds of call resolved before did not: made anew)
+        # auto's device choices from now on know the node's GPUs and fences (the kinds
+        # of call resolved before did not: made anew)
         peer = device.peer
         ctx.selector.learn_gpus(peer.gpus, ctx.node_comm.Get_size(), peer.mechanism)
         ctx.call_kinds.clear()
