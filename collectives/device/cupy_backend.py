@@ -277,7 +277,7 @@ class CupyDevice:
         ``divisor`` (avg's fold that is the call's result): the fold divided by it."""
         dsts = list(dst) if isinstance(dst, (list, tuple)) else [dst]
         n = int(dsts[0].size)
-        _check_divisor("reduce_n", op, dtype, divisor)
+        kernels.check_divisor("reduce_n", op, dtype, divisor)
         self.launches["reduce_n"] += 1
         if not 1 <= len(sources) <= kernels.MAX_INPUTS or not 1 <= len(dsts) <= kernels.MAX_INPUTS:
             raise ValueError(f"reduce_n takes 1 to {kernels.MAX_INPUTS} inputs and outputs; got {len(sources)} "
@@ -303,7 +303,7 @@ class CupyDevice:
         counts = [int(d.size) for d in dsts]
         if any(o < 0 or o + n > int(x.size) for o, n in zip(offsets, counts) for x in sources):
             raise ValueError("reduce_blocks: a block lies outside its inputs")
-        _check_divisor("reduce_blocks", op, dtype, divisor)
+        kernels.check_divisor("reduce_blocks", op, dtype, divisor)
         self.launches["reduce_blocks"] += 1
         if not max(counts):
             return
@@ -553,11 +553,3 @@ def _ptr(x):
 
 def _nbytes(x):
     return int(x.nbytes)
-
-
-def _check_divisor(kernel, op, dtype, divisor):
-    """A fold divides (avg's result) only as the kernels have it: a sum of a floating
-    or complex dtype."""
-    if divisor is not None and (op not in ("sum", "avg") or not kernels.divides(dtype)):
-        raise ValueError(f"{kernel} divides the fold of op 'avg' on floating or complex dtypes only; got {op!r} "
-                         f"on {np.dtype(dtype).name}")

@@ -61,19 +61,31 @@ def reduce2(dtype, op):
     return f"{_q('reduce2')}<{_q(t)}, {_q(OP_TAGS[op])}>"
 
 
+def _fold(kernel, dtype, op, divide):
+    t = CXX_TYPES[np.dtype(dtype).name]
+    return f"{_q(kernel)}<{_q(t)}, {_q(OP_TAGS[op])}, {_q('Divide' if divide else 'Keep')}>"
+
+
 def reduce_n(dtype, op, divide=False):
     """The fold of up to 16 inputs into up to 16 outputs; ``divide``: avg's fold that is
     the call's result, divided by the world size before it is written (floating and
-    complex dtypes, op sum or avg)."""
-    t = CXX_TYPES[np.dtype(dtype).name]
-    return f"{_q('reduce_n')}<{_q(t)}, {_q(OP_TAGS[op])}, {_q('Divide' if divide else 'Keep')}>"
+    complex dtypes, op sum or avg: :func:`check_divisor`)."""
+    return _fold("reduce_n", dtype, op, divide)
 
 
 def reduce_blocks(dtype, op, divide=False):
     """Up to 16 folds of the same inputs, each over a block of its own (a leader's
     reduce_scatter); ``divide`` as for :func:`reduce_n`."""
-    t = CXX_TYPES[np.dtype(dtype).name]
-    return f"{_q('reduce_blocks')}<{_q(t)}, {_q(OP_TAGS[op])}, {_q('Divide' if divide else 'Keep')}>"
+    return _fold("reduce_blocks", dtype, op, divide)
+
+
+def check_divisor(kernel, op, dtype, divisor):
+    """Raise unless a ``divisor`` (None: none) is one the fold kernels take: avg's, of a
+    sum of a floating or complex dtype (every backend's ``reduce_n`` and ``reduce_blocks``
+    check it alike)."""
+    if divisor is not None and (op not in ("sum", "avg") or not divides(dtype)):
+        raise ValueError(f"{kernel} divides the fold of op 'avg' on floating or complex dtypes only; got {op!r} "
+                         f"on {np.dtype(dtype).name}")
 
 
 def divide_by(dtype):

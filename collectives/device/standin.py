@@ -646,19 +646,13 @@ class StandInDevice:
     def reduce_n(self, stream, op, dtype, dst, sources, divisor=None):
         """``dst`` = the left fold of ``sources``; ``dst`` may be a list of arrays, each
         given the fold (one kernel, as CUDA's); ``divisor``: the fold divided by it first."""
-        if divisor is not None and (op not in ("sum", "avg") or not kernels.divides(dtype)):
-            raise ValueError(f"reduce_n divides the fold of op 'avg' on floating or complex dtypes only; got "
-                             f"{op!r} on {np.dtype(dtype).name}")
+        kernels.check_divisor("reduce_n", op, dtype, divisor)
         dsts = list(dst) if isinstance(dst, (list, tuple)) else [dst]
         outputs, inputs = [self._typed(d, dtype) for d in dsts], [self._typed(s, dtype) for s in sources]
         self.launches["reduce_n"] += 1
 
         def run():
-            acc = inputs[0].copy()
-            for x in inputs[1:]:
-                ops_layer.combine(op, acc, x, acc)
-            if divisor is not None and acc.size:
-                np.divide(acc, divisor, out=acc)
+            acc = _fold(op, inputs, divisor)
             for d in outputs:
                 np.copyto(d, acc)
 
@@ -670,9 +664,7 @@ class StandInDevice:
         (``reduce_blocks`` of ``kernels/collectives.cu``), its rows in any order."""
         if not 1 <= len(sources) <= MAX_COPIES or not 1 <= len(dsts) == len(offsets) <= MAX_COPIES:
             raise ValueError(f"reduce_blocks takes 1 to {MAX_COPIES} inputs and outputs, an offset each")
-        if divisor is not None and (op not in ("sum", "avg") or not kernels.divides(dtype)):
-            raise ValueError(f"reduce_blocks divides the fold of op 'avg' on floating or complex dtypes only; got "
-                             f"{op!r} on {np.dtype(dtype).name}")
+        kernels.check_divisor("reduce_blocks", op, dtype, divisor)
         outputs, inputs = [self._typed(d, dtype) for d in dsts], [self._typed(s, dtype) for s in sources]
         if any(o < 0 or o + d.size > x.size for o, d in zip(offsets, outputs) for x in inputs):
             raise ValueError("reduce_blocks: a block lies outside its inputs")
@@ -681,12 +673,7 @@ class StandInDevice:
         def run():
             for j in self._rng.sample(range(len(outputs)), len(outputs)):
                 lo, hi = offsets[j], offsets[j] + outputs[j].size
-                acc = inputs[0][lo:hi].copy()
-                for x in inputs[1:]:
-                    ops_layer.combine(op, acc, x[lo:hi], acc)
-                if divisor is not None and acc.size:
-                    np.divide(acc, divisor, out=acc)
-                np.copyto(outputs[j], acc)
+                np.copyto(outputs[j], _fold(op, [x[lo:hi] for x in inputs], divisor))
 
         self._enqueue(stream, run, *dsts, *sources)
 
@@ -979,3 +966,14 @@ def zeros(shape, dtype, stream=None):
 def bfloat16():
     """NumPy's bfloat16 (ml_dtypes), for stand-in arrays of it."""
     return next(d for d in EXTRA_DTYPES if d.name == "bfloat16")
+
+
+def _fold(op, inputs, divisor):
+    """The left fold of ``inputs`` by ``op``, a new array, divided by ``divisor`` where
+    given (the fold kernels' arithmetic, by the host's op layer)."""
+    acc = inputs[0].copy()
+    for x in inputs[1:]:
+        ops_layer.combine(op, acc, x, acc)
+    if divisor is not None and acc.size:
+        np.divide(acc, divisor, out=acc)
+    return acc

@@ -603,6 +603,25 @@ def _folded_to_all(entries):
     return made
 
 
+def _fold_parts(entry):
+    """``(outputs, inputs)`` of a fold entry of :func:`phases` (a reduction, a fold into
+    several outputs, folds over blocks: their inputs' spans), None for a copy."""
+    kind, specs = entry
+    if kind in (_REDUCE, _REDUCE_MANY):
+        return (specs[0],), specs[1:]
+    if kind in (_FOLD_TO_ALL, _FOLD_BLOCKS):
+        return specs[0], specs[1]
+    return None
+
+
+def _later_reads(made, apart):
+    """``read_later(k, i, spec)``: whether a fold after entry ``i`` of phase ``k`` of
+    ``made`` reads memory ``spec`` may share (:func:`_overlap`)."""
+    reads = [(k, i, x) for k, phase in enumerate(made) for i, entry in enumerate(phase)
+             if _fold_parts(entry) is not None for x in _fold_parts(entry)[1]]  # in order
+    return lambda k, i, spec: any(_overlap(spec, x, apart) for k2, i2, x in reads if (k2, i2) > (k, i))
+
+
 def _folded_in_blocks(entries, apart, read_later):
     """``entries`` (a phase) with every run of two or more folds of the same inputs,
     each over a block of its own at the same offset in every input, into outputs that
@@ -612,47 +631,44 @@ def _folded_in_blocks(entries, apart, read_later):
     the run's blocks; ``offsets``: each block's start in it. Only folds whose outputs no
     later fold reads (``read_later(index, spec)``) join a run: they are the call's
     results, and a run divides alike (avg)."""
-    made, run = [], []
+    made, run = [], []  # run: the folds joined so far, (entry, output, inputs)
 
-    def fold(entry):
-        kind, specs = entry
-        return (specs[0], specs[1:]) if kind in (_REDUCE, _REDUCE_MANY) else None
-
-    def joins(index, entry):
-        dst, inputs = fold(entry)
+    def joins(index, dst, inputs):
         if read_later(index, dst) or len(run) >= _MAX_COPIES:
             return False
         if not run:
             return True
-        first_dst, first_inputs = fold(run[0][1])
-        if len(inputs) != len(first_inputs) or any(x[:2] != y[:2] for x, y in zip(inputs, first_inputs)):
+        first = run[0][2]
+        if len(inputs) != len(first) or any(x[:2] != y[:2] for x, y in zip(inputs, first)):
             return False
-        shift = inputs[0][2] - first_inputs[0][2]
-        if any(x[2] - y[2] != shift for x, y in zip(inputs, first_inputs)):
+        shift = inputs[0][2] - first[0][2]
+        if any(x[2] - y[2] != shift for x, y in zip(inputs, first)):
             return False
-        outputs = [dst] + [fold(e)[0] for _, e in run]
-        reads = list(inputs) + [x for _, e in run for x in fold(e)[1]]
+        outputs = [dst] + [o for _, o, _ in run]
+        reads = list(inputs) + [x for _, _, xs in run for x in xs]
         return not any(_overlap(o, x, apart) for o in outputs for x in reads) and \
             not any(_overlap(a, b, apart) for n, a in enumerate(outputs) for b in outputs[n + 1:])
 
     def close():
         if len(run) > 1:
-            folds = [fold(e) for _, e in run]
-            spans = tuple((x[0], x[1], min(f[1][i][2] for f in folds), max(f[1][i][3] for f in folds))
-                          for i, x in enumerate(folds[0][1]))
-            offsets = tuple(f[1][0][2] - spans[0][2] for f in folds)
-            made.append((_FOLD_BLOCKS, (tuple(f[0] for f in folds), spans, offsets)))
+            spans = tuple((x[0], x[1], min(xs[i][2] for _, _, xs in run), max(xs[i][3] for _, _, xs in run))
+                          for i, x in enumerate(run[0][2]))
+            offsets = tuple(xs[0][2] - spans[0][2] for _, _, xs in run)
+            made.append((_FOLD_BLOCKS, (tuple(o for _, o, _ in run), spans, offsets)))
         else:
-            made.extend(e for _, e in run)
+            made.extend(entry for entry, _, _ in run)
         run.clear()
 
     for index, entry in enumerate(entries):
-        if fold(entry) is not None and joins(index, entry):
-            run.append((index, entry))
+        if entry[0] not in (_REDUCE, _REDUCE_MANY):
+            close()
+            made.append(entry)
             continue
-        close()
-        if fold(entry) is not None and joins(index, entry):
-            run.append((index, entry))
+        (dst,), inputs = _fold_parts(entry)
+        if not joins(index, dst, inputs):
+            close()
+        if joins(index, dst, inputs):
+            run.append((entry, dst, inputs))
         else:
             made.append(entry)
     close()
@@ -663,13 +679,10 @@ def _outputs_written(made):
     """The other ranks whose outputs ``made`` (:func:`phases`) writes."""
     written = set()
     for phase in made:
-        for kind, specs in phase:
-            if kind in (_COPY, _REDUCE, _REDUCE_MANY):
-                outputs = (specs[0],)
-            elif kind == _COPY_MANY:
-                outputs = tuple(dst for dst, _ in specs)
-            else:  # _FOLD_TO_ALL, _FOLD_BLOCKS
-                outputs = specs[0]
+        for entry in phase:
+            kind, specs = entry
+            outputs = (specs[0],) if kind == _COPY else tuple(dst for dst, _ in specs) if kind == _COPY_MANY else \
+                _fold_parts(entry)[0]
             written.update(o[1] for o in outputs if o[0] == "rout")
     return frozenset(written)
 
@@ -679,19 +692,10 @@ def _final_folds(made, apart):
     output (this rank's or, on a leader, another's) which no later fold reads: the
     call's results, where avg's division goes when the fold divides. ``apart``: the
     plan's outputs share no memory with its inputs (:func:`_overlap`)."""
-    folds = []
-    for k, phase in enumerate(made):
-        for i, (kind, specs) in enumerate(phase):
-            if kind in (_FOLD_TO_ALL, _FOLD_BLOCKS):
-                folds.append(((k, i), specs[0], specs[1]))
-            elif kind in (_REDUCE, _REDUCE_MANY):
-                folds.append(((k, i), (specs[0],), specs[1:]))
-    final = set()
-    for n, (where, outputs, _) in enumerate(folds):
-        if outputs[0][0] in ("out", "rout") and not any(_overlap(o, x, apart) for _, _, inputs in folds[n + 1:]
-                                                         for x in inputs for o in outputs):
-            final.add(where)
-    return final
+    read_later = _later_reads(made, apart)
+    return {(k, i) for k, phase in enumerate(made) for i, entry in enumerate(phase)
+            if (parts := _fold_parts(entry)) is not None and parts[0][0][0] in ("out", "rout")
+            and not any(read_later(k, i, o) for o in parts[0])}
 
 
 def phases(plan, rank, stride, slot):
@@ -740,13 +744,9 @@ def phases_and_facts(plan, rank, stride, slot):
             raise ValueError(f"the peer-read executor cannot run {op!r}")
     apart = plan.outputs_apart
     made = [_gathered(phase, apart) for phase in made]
-    reads = [(k, i, x) for k, phase in enumerate(made) for i, (kind, specs) in enumerate(phase)
-             if kind in (_REDUCE, _REDUCE_MANY) for x in specs[1:]]  # every fold's inputs, in order
-
-    def read_later(k):
-        return lambda i, dst: any(_overlap(dst, x, apart) for k2, i2, x in reads if (k2, i2) > (k, i))
-
-    made = [_folded_to_all(_folded_in_blocks(phase, apart, read_later(k))) for k, phase in enumerate(made)]
+    later = _later_reads(made, apart)
+    made = [_folded_to_all(_folded_in_blocks(phase, apart, lambda i, dst, k=k: later(k, i, dst)))
+            for k, phase in enumerate(made)]
     facts = (made, _outputs_written(made), _final_folds(made, apart))
     object.__setattr__(plan, key[0], (key, facts))  # the plan is frozen; a cache beside it
     return facts
@@ -1129,7 +1129,7 @@ class PeerCall:
             self.unrecorded = True
         for i, (kind, specs) in enumerate(self.phases[k]):
             if (k, i) in self.dividing and kind != _FOLD_BLOCKS:  # avg's result: divided as the fold writes it
-                outputs, inputs = (specs[0], specs[1]) if kind == _FOLD_TO_ALL else ((specs[0],), specs[1:])
+                outputs, inputs = _fold_parts((kind, specs))
                 backend.reduce_n(stream, self.op, self.dtype, [view(d) for d in outputs], [view(s) for s in inputs],
                                  divisor=self.divisor)
             elif kind == _COPY:

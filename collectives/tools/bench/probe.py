@@ -177,47 +177,60 @@ class Probes:
         self.world.Barrier()
         return elapsed / rounds
 
+    def _in_parts(self, wrappers, run, split, rows, name):
+        """``run()`` timed ``--iters`` times after a warm-up, each after a barrier of the
+        ranks, with PeerCall's methods ``wrappers`` names replaced by ``wrap(real,
+        marks)`` meanwhile (they mark when the call got somewhere in ``marks``); ``run``
+        returns the times it took after its call, ``split(marks, t0, *times)`` the
+        call's parts, ``{part: seconds}``, each a row of ``rows``."""
+        from ...transport import device_node
+
+        cls, marks, parts = device_node.PeerCall, {}, {}
+        real = {method: getattr(cls, method) for method in wrappers}
+        for method, wrap in wrappers.items():
+            setattr(cls, method, wrap(real[method], marks))
+        try:
+            warm = min(20, self.args.iters)
+            for i in range(warm + self.args.iters):
+                marks.clear()
+                self.world.Barrier()
+                t0 = time.perf_counter()
+                times = run()
+                if i >= warm:
+                    for key, seconds in split(marks, t0, *times).items():
+                        parts.setdefault(key, []).append(seconds)
+        finally:
+            for method, function in real.items():
+                setattr(cls, method, function)
+        for key, samples in parts.items():
+            rows.append(_row(self.world, f"{name}: {key}", samples))
+
     def barrier_parts(self, comm, x, rows, name):
         """``comm.barrier(device=x)`` with host fences, timed in parts: to this rank's
         device work seen done (the event its stream recorded), to every rank seen
         arrived, to the return; marked through PeerCall's own steps."""
-        from ...transport import device_node
 
-        marks = {}
-        done, arrived = device_node.PeerCall._work_done, device_node.PeerCall._others_arrived
+        def marking(key):  # marks when the step first says yes
+            def wrap(real, marks):
+                def step(call, *args):
+                    result = real(call, *args)
+                    if result:
+                        marks.setdefault(key, time.perf_counter())
+                    return result
+                return step
+            return wrap
 
-        def marking_done(call):
-            result = done(call)
-            if result:
-                marks.setdefault("done", time.perf_counter())
-            return result
+        def run():
+            comm.barrier(device=x)
+            return (time.perf_counter(),)
 
-        def marking_arrived(call, k, epoch):
-            result = arrived(call, k, epoch)
-            if result:
-                marks.setdefault("arrived", time.perf_counter())
-            return result
+        def split(marks, t0, t1):
+            a = marks.get("done", t0)
+            b = marks.get("arrived", a)
+            return {"own work seen done": a - t0, "every rank seen": b - a, "return": t1 - b, "whole": t1 - t0}
 
-        parts = {"own work seen done": [], "every rank seen": [], "return": [], "whole": []}
-        device_node.PeerCall._work_done, device_node.PeerCall._others_arrived = marking_done, marking_arrived
-        try:
-            for i in range(min(20, self.args.iters) + self.args.iters):
-                marks.clear()
-                self.world.Barrier()
-                t0 = time.perf_counter()
-                comm.barrier(device=x)
-                t1 = time.perf_counter()
-                if i < min(20, self.args.iters):
-                    continue
-                a = marks.get("done", t0)
-                b = marks.get("arrived", a)
-                for key, (lo, hi) in {"own work seen done": (t0, a), "every rank seen": (a, b), "return": (b, t1),
-                                      "whole": (t0, t1)}.items():
-                    parts[key].append(hi - lo)
-        finally:
-            device_node.PeerCall._work_done, device_node.PeerCall._others_arrived = done, arrived
-        for key, samples in parts.items():
-            rows.append(_row(self.world, f"{name}: {key}", samples))
+        self._in_parts({"_work_done": marking("done"), "_others_arrived": marking("arrived")}, run, split, rows,
+                       name)
 
     def _reset(self):
         self.world.Barrier()
@@ -228,41 +241,31 @@ class Probes:
         """``algorithm``'s allreduce on ``x``, in place: when each fence passed (the host
         went on to the next phase), the return, the sync; marked through PeerCall's own
         steps."""
-        from ...transport import device_node
 
-        marks = {}
-        enqueue, end = device_node.PeerCall._enqueue, device_node.PeerCall._end
+        def wrap_enqueue(real, marks):
+            def enqueue(call, k):
+                marks.setdefault(f"phase{k}", time.perf_counter())
+                real(call, k)
+            return enqueue
 
-        def marking_enqueue(call, k):
-            marks.setdefault(f"phase{k}", time.perf_counter())
-            enqueue(call, k)
+        def wrap_end(real, marks):
+            def end(call):
+                marks.setdefault("end", time.perf_counter())
+                real(call)
+            return end
 
-        def marking_end(call):
-            marks.setdefault("end", time.perf_counter())
-            end(call)
+        def run():
+            comm.allreduce(x, out=x, algorithm=algorithm)
+            t1 = time.perf_counter()
+            self.device.sync()
+            return t1, time.perf_counter()
 
-        parts = {"fence 1": [], "fence 2": [], "return": [], "sync": [], "whole": []}
-        device_node.PeerCall._enqueue, device_node.PeerCall._end = marking_enqueue, marking_end
-        try:
-            for i in range(min(20, self.args.iters) + self.args.iters):
-                marks.clear()
-                self.world.Barrier()
-                t0 = time.perf_counter()
-                comm.allreduce(x, out=x, algorithm=algorithm)
-                t1 = time.perf_counter()
-                self.device.sync()
-                t2 = time.perf_counter()
-                if i < min(20, self.args.iters):
-                    continue
-                f1 = marks.get("phase1", t0)
-                f2 = marks.get("end", f1)
-                for key, (a, b) in {"fence 1": (t0, f1), "fence 2": (f1, f2), "return": (f2, t1),
-                                    "sync": (t1, t2), "whole": (t0, t2)}.items():
-                    parts[key].append(b - a)
-        finally:
-            device_node.PeerCall._enqueue, device_node.PeerCall._end = enqueue, end
-        for key, samples in parts.items():
-            rows.append(_row(self.world, f"{name}: {key}", samples))
+        def split(marks, t0, t1, t2):
+            f1 = marks.get("phase1", t0)
+            f2 = marks.get("end", f1)
+            return {"fence 1": f1 - t0, "fence 2": f2 - f1, "return": t1 - f2, "sync": t2 - t1, "whole": t2 - t0}
+
+        self._in_parts({"_enqueue": wrap_enqueue, "_end": wrap_end}, run, split, rows, name)
 
 
 def measure(args):
