@@ -20,9 +20,12 @@ sum allreduce, out of place:
 - ``ring``: on ``--lean-bytes`` (past the persistent programs' 8 KiB: the lean executor);
 - ``recursive_doubling, timeout``: on ``--bytes`` through the progress engine;
 - ``native, timeout``: MPI's non-blocking collective through the engine;
+- ``broadcast``: what ``auto`` picks for a broadcast from rank 0 on ``--bytes`` (MPI's
+  own there: on MPICH, after the ranks' agreement on its size);
 - ``send/recv`` on ``--bytes`` and on ``--p2p-bytes``: a ping-pong between ranks 0 and
   1 (the others idle), a round trip per call;
-- ``mpi4py Allreduce`` and ``mpi4py Send/Recv`` (the same ping-pong): the floors, once.
+- ``mpi4py Allreduce``, ``mpi4py Bcast`` and ``mpi4py Send/Recv`` (the same ping-pong):
+  the floors, once.
 """
 
 import argparse
@@ -72,6 +75,7 @@ def contenders(package, nbytes, lean_bytes, p2p_bytes):
         "recursive_doubling, timeout": lambda: comm.allreduce(x, out=out, algorithm="recursive_doubling",
                                                               timeout=600),
         "native, timeout": lambda: comm.allreduce(x, out=out, algorithm="native", timeout=600),
+        "broadcast": lambda: comm.broadcast(x),
     }
     if comm.size > 1:
         for n in (nbytes, p2p_bytes):
@@ -96,7 +100,7 @@ def main():
     x, out = np.ones(max(1, args.bytes // 4), np.float32), np.empty(max(1, args.bytes // 4), np.float32)
     new_comm, new = contenders(cc, args.bytes, args.lean_bytes, args.p2p_bytes)
     old_comm, old = contenders(baseline, args.bytes, args.lean_bytes, args.p2p_bytes)
-    floors = {"mpi4py Allreduce": lambda: raw.Allreduce(x, out, MPI.SUM)}
+    floors = {"mpi4py Allreduce": lambda: raw.Allreduce(x, out, MPI.SUM), "mpi4py Bcast": lambda: raw.Bcast(x, 0)}
     if world.size > 1:
         floors["mpi4py Send/Recv"] = ping_pong(lambda a, peer: raw.Send(a, peer), lambda b, peer: raw.Recv(b, peer),
                                                world.rank, x, out.copy())
