@@ -10,7 +10,9 @@ one), the lean executor on messages too large for their tag to hold their size (
 by a probe before they are received), the progress engine (a call with a timeout) on
 both kinds of messages, and MPI's own collectives, blocking and not, with the ranks'
 agreement on the size forced on (``COLLECTIVES_NATIVE_SIZE_CHECK=1``: the default on
-Open MPI and Intel MPI for every collective, on MPICH for broadcast, gather and scatter).
+Open MPI and Intel MPI for every collective, on MPICH for broadcast, gather and scatter);
+a blocking broadcast sends the root's size ahead instead, and only the ranks whose
+buffers differ from the root's raise.
 Runs under every world size; the serial tests check the tag layout and the MPI family.
 """
 
@@ -146,13 +148,59 @@ def native(collective, blocking, counts_per_rank=None):
     return call
 
 
+# (collective, blocking): the blocking broadcast sends the root's size ahead instead (below)
+AGREEING = [(c, b) for c in ["allreduce", "broadcast", "allgather", "gather", "scatter"] for b in (True, False)
+            if (c, b) != ("broadcast", True)]
+
+
 @needs_peers
 @pytest.mark.parametrize("counts", SMALL + LARGE, ids=lambda c: f"{c[0]}v{c[1]}")
-@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "with-timeout"])
-@pytest.mark.parametrize("collective", ["allreduce", "broadcast", "allgather", "gather", "scatter"])
+@pytest.mark.parametrize("collective, blocking", AGREEING,
+                         ids=[f"{c}-{'blocking' if b else 'with-timeout'}" for c, b in AGREEING])
 def test_native_calls_agree_on_the_size_first(monkeypatch, collective, blocking, counts):
     monkeypatch.setenv(mpi_library.NATIVE_CHECK_ENV, "1")
     agree(WORLD, mismatched(native(collective, blocking), counts))
+
+
+# Up to 504 B the root's data travels with its size (transport.native.HEADER): each way
+# round, and with one side's data travelling apart.
+INLINE = [(100, 90), (90, 100), (100, 200), (200, 100)]
+
+
+@needs_peers
+@pytest.mark.parametrize("counts", INLINE + SMALL + LARGE, ids=lambda c: f"{c[0]}v{c[1]}")
+def test_a_blocking_broadcast_sends_the_root_s_size_first(monkeypatch, counts):
+    """MPI's blocking broadcast, checked (the default on every MPI measured): the last
+    rank's buffer differs from the root's (rank 0), so it raises MessageSizeError naming
+    both sizes and writes nothing to its buffer or around it, at the first call (the
+    general path) and the next (the lean path's entry); the root and the others get the
+    root's data. Every rank made the same MPI calls: the communicator works on."""
+    monkeypatch.setenv(mpi_library.NATIVE_CHECK_ENV, "1")
+    comm = cc.Communicator()
+    mine = counts[1] if comm.rank == LAST else counts[0]
+    sent = np.arange(counts[0], dtype=np.float32) + 1
+    problems = []
+    for call in ("general", "lean"):
+        whole, out = guarded(mine)
+        if comm.rank == 0:
+            out[...] = sent
+        kind, message = _outcome(lambda out=out: comm.broadcast(out, root=0, algorithm="native"))
+        if comm.rank == LAST:
+            if kind != "MessageSizeError" or f"holds {mine * 4} B where the root, rank 0, broadcast " \
+                                              f"{counts[0] * 4} B" not in message:
+                problems.append(f"{call}: {kind}: {message}")
+            if np.any(whole != PATTERN):
+                problems.append(f"{call}: {int(np.count_nonzero(whole != PATTERN))} bytes written")
+        else:
+            if kind != "no error" or not np.array_equal(out, sent):
+                problems.append(f"{call}: {kind} {message}, or not the root's data")
+            if not guards_intact(whole, out.size):
+                problems.append(f"{call}: bytes outside the buffer changed")
+    got = comm.allreduce(np.full(4, comm.rank, np.int64))
+    if not np.array_equal(got, np.full(4, comm.size * (comm.size - 1) // 2)):
+        problems.append(f"a later call gave {got}")
+    comm.free()
+    agree(WORLD, problems)
 
 
 @needs_peers

@@ -9,7 +9,9 @@ the same one: the choice depends only on the options every rank shares (check mo
 compares it). Where the MPI library does not stop by itself on a collective called
 with different sizes (``mpi_library.native_checked``), the ranks first agree on the
 size (:mod:`collectives.transport.native`): one small allreduce, so that a mismatch is
-a clear error on every rank rather than memory written past a buffer.
+a clear error on every rank rather than memory written past a buffer. A blocking
+broadcast sends the root's size ahead instead, with its data where it fits
+(``RootSizeFirst``): the ranks whose buffers differ from the root's raise.
 """
 
 from __future__ import annotations
@@ -68,10 +70,13 @@ def native_blocking(ctx: Any, spec: Any, inp: Any, out: Any, inplace: bool, op: 
     blocked inside MPI cannot do, so they are finished first; every rank started them
     before this call, so every rank can finish them."""
     finish_in_flight(ctx)
+    describe = f"{spec.name}(algorithm='native') call #{ctx.sequence}"
     try:
+        if spec.name == "broadcast" and spec.name in ctx.native_checked:
+            agreement.RootSizeFirst(ctx.comm, out.nbytes, out.dtype, root, lambda: describe)(out)
+            return
         if spec.name in ctx.native_checked:
-            agreement.agree(ctx.comm, agreement.unit(spec, inp, out),
-                            f"{spec.name}(algorithm='native') call #{ctx.sequence}", ctx.broken_by)
+            agreement.agree(ctx.comm, agreement.unit(spec, inp, out), describe, ctx.broken_by)
         native(ctx, spec, inp, out, inplace, op, root, counts, blocking=True)
     except MPI.Exception as exc:
         raise TransportError(f"{spec.name}(algorithm='native'): the MPI library failed: {exc}") from exc
@@ -131,10 +136,16 @@ class NativeBlocking(Route):
             entry.run = lambda x, out: native(ctx, spec, x, out, out is x, op, root, counts, blocking=True)
         else:
             entry.run = starter(ctx, spec, op, root, counts, True)  # nothing in flight to finish first
-        if spec.name in ctx.native_checked:  # the ranks agree on the size first
-            entry.run = agreement.agreeing(ctx.comm, entry.run, call.count * call.dtype.itemsize,
-                                           lambda: f"{spec.name}(algorithm='native') call #{ctx.sequence}",
-                                           ctx.broken_by)
+        if spec.name in ctx.native_checked:  # checked: the root's size sent ahead, or the ranks agree on it first
+            nbytes = call.count * call.dtype.itemsize
+
+            def describe():
+                return f"{spec.name}(algorithm='native') call #{ctx.sequence}"
+
+            if spec.name == "broadcast":
+                entry.run = agreement.RootSizeFirst(ctx.comm, nbytes, call.dtype, root, describe)
+            else:
+                entry.run = agreement.agreeing(ctx.comm, entry.run, nbytes, describe, ctx.broken_by)
         return entry
 
 
