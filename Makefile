@@ -98,7 +98,7 @@ SOAK_RANKS    ?= 4
 SOAK_CALLS    ?= 20000
 SOAK_ARGS     ?= --max-growth-mib 32
 
-.PHONY: install test lint test-serial test-mpi test-openmpi test-impi test-long test-torch-suite test-multihost bench-multihost test-gpu demo bench bench-gpu bench-gpu-paths probe-gpu gpu-wheels gpu-session bench-training bench-ddp bench-reliability bench-ps examples examples-ps soak tune project docs clean
+.PHONY: install test lint test-serial test-mpi test-openmpi test-impi test-long test-torch-suite test-multihost bench-multihost test-gpu demo bench bench-gpu bench-gpu-paths probe-gpu gpu-wheels gpu-session bench-training bench-ddp bench-reliability bench-ps examples examples-ps soak tune bench-auto project docs clean
 
 install: $(VENV)/.installed
 
@@ -382,6 +382,32 @@ bench-ps: install
 	  timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m collectives.tools.bench.ps $(PS_ARGS) \
 	    --json $(RESULTS)/latest-ps.json || exit 1; \
 	done
+
+# `auto` on this machine as on one with no tuning table (issue 33's check): at each of
+# AUTO_SIZES ranks, one interleaved run of AUTO_BENCH_ARGS with an empty table named (so
+# the packaged one is left out) and a fresh calibration (a cache folder of its own, kept
+# as calibration-nN.json), into AUTO_RESULTS; auto-vs-fastest.md: auto's time over the
+# fastest contender it could have picked, per collective and size. No install step, like
+# bench-gpu (tests/harness/gpu_session.sh runs it on a lent machine's cores).
+AUTO_SIZES      ?= 2 4
+AUTO_RESULTS    ?= $(RESULTS)/latest-auto
+AUTO_BENCH_ARGS ?= -c allreduce,reduce_scatter,allgather,broadcast,reduce -b 64K -e 64M -f 4 --rounds 5 --check \
+                   --no-memory --no-progress
+bench-auto:
+	mkdir -p $(AUTO_RESULTS)
+	echo '{"format": 1, "measured": {}, "tables": {}}' > $(AUTO_RESULTS)/no-table.json
+	@for n in $(AUTO_SIZES); do \
+	  cache=$$(mktemp -d); \
+	  echo "== auto with no table: $$n ranks"; \
+	  COLLECTIVES_TUNING=$(AUTO_RESULTS)/no-table.json COLLECTIVES_CALIBRATE=1 COLLECTIVES_CACHE_DIR=$$cache \
+	    timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m collectives.tools.bench \
+	    $(AUTO_BENCH_ARGS) --json $(AUTO_RESULTS)/no-table-n$$n.json > $(AUTO_RESULTS)/no-table-n$$n.txt 2>&1 \
+	    || { tail -n 20 $(AUTO_RESULTS)/no-table-n$$n.txt; exit 1; }; \
+	  cp $$cache/calibration-*.json $(AUTO_RESULTS)/calibration-n$$n.json; rm -rf $$cache; \
+	done
+	$(PYTHON) bench/auto_vs_fastest.py $(addprefix $(AUTO_RESULTS)/no-table-n,$(addsuffix .json,$(AUTO_SIZES))) \
+	  > $(AUTO_RESULTS)/auto-vs-fastest.md
+	@grep -h "sizes held" $(AUTO_RESULTS)/auto-vs-fastest.md
 
 # Measure every algorithm at each world size in TUNE_SIZES into $(TUNING) (about 1-2
 # minutes per world size on 2 vCPUs), each entry stamped with this machine's fingerprint;

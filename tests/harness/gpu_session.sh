@@ -4,15 +4,20 @@
 #
 #   here:   make gpu-wheels                      # .whl/: the mpich and pytest-mpi wheels
 #   there:  tests/harness/gpu_session.sh bench probe test   # carrying .whl, timeout_s 595
+#           tests/harness/gpu_session.sh auto               # then, within 30 s: timeout_s 200
 #
 # The default limits (150 + 120 + 300 s, and the install) fit the device tool's 600 s a
 # call, so that one call, one machine start, does all three: on the H200 bench-gpu took
 # 63 s. A second call must come within the machine's 30 s of idle or it starts anew.
+# The `auto` step uses no GPU: issue 33's check of `auto` with no tuning table (make
+# bench-auto) on the lent machine's own cores, where every rank has one (this project's
+# own machine has 2), into OUT/auto.
 #
 # Installs the wheels and this package (not editable: the kernels ship inside it) under
 # /tmp/gpu-env, then runs each step named (bench: make bench-gpu; test: make test-gpu;
-# probe: make probe-gpu, where a call's time goes on a GPU the ranks share), each
-# within its limit (BENCH_LIMIT, TEST_LIMIT, PROBE_LIMIT seconds), and leaves under OUT
+# probe: make probe-gpu, where a call's time goes on a GPU the ranks share; auto: make
+# bench-auto), each within its limit (BENCH_LIMIT, TEST_LIMIT, PROBE_LIMIT, AUTO_LIMIT
+# seconds), and leaves under OUT
 # (the device tool's folder; bench/results/gpu-session here) each step's log, the
 # results folder and the test ranks' logs as one tarball each, and summary.txt with
 # every step's exit status. A step that fails does not stop the next; the script fails
@@ -40,7 +45,7 @@ export PATH="$ENV_DIR/bin:$PATH" LD_LIBRARY_PATH="$ENV_DIR/lib:${LD_LIBRARY_PATH
        PYTHONPATH="$site:${PYTHONPATH:-}" PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 # bench-gpu's own step limits inside BENCH_LIMIT (a step that hangs leaves the others theirs)
 make_vars=(PYTHON="$PY" MPIEXEC="$ENV_DIR/bin/mpiexec" MPIEXEC_FLAGS= GPU_LOGS=/tmp/gpu-logs
-           GPU_STEP_LIMITS="${GPU_STEP_LIMITS:-60 60 25}")
+           GPU_STEP_LIMITS="${GPU_STEP_LIMITS:-60 60 25}" AUTO_RESULTS="$OUT/auto")
 "$PY" -c "import collectives, cupy; from mpi4py import MPI; print(collectives.__file__, MPI.Get_library_version().splitlines()[0], cupy.cuda.runtime.getDeviceProperties(0)['name'].decode())" \
   2>&1 | tee -a "$summary"
 gpu=$("$PY" -c "import cupy; print(cupy.cuda.runtime.getDeviceProperties(0)['name'].decode().replace(' ', '-'))")
@@ -52,7 +57,8 @@ for step in "$@"; do
     bench) target=bench-gpu; limit=${BENCH_LIMIT:-150} ;;
     test)  target=test-gpu;  limit=${TEST_LIMIT:-300} ;;
     probe) target=probe-gpu; limit=${PROBE_LIMIT:-120} ;;
-    *) echo "unknown step $step (bench, test, probe)" | tee -a "$summary"; exit 2 ;;
+    auto)  target=bench-auto; limit=${AUTO_LIMIT:-180} ;;
+    *) echo "unknown step $step (bench, test, probe, auto)" | tee -a "$summary"; exit 2 ;;
   esac
   start=$(date +%s)
   timeout "$limit" make --no-print-directory "${make_vars[@]}" "$target" > "$OUT/$target.log" 2>&1
