@@ -5,8 +5,9 @@ A spec says what the collective is, and nothing else does:
 - its rules, as flags: whether it reduces (takes an ``op``), takes a ``root``,
   gathers (its result is one row per rank), runs in place on ``out=x``, works in one
   buffer (broadcast), gives a result on the root only (reduce, gather), reads the
-  root's input only (scatter), has per-peer counts (alltoallv), and whether blocking
-  calls on plain arrays take the lean path;
+  root's input only (scatter), has per-peer counts (alltoallv), whether blocking
+  calls on plain arrays take the lean path, and whether a checked native blocking call
+  sends the root's size ahead (broadcast);
 - :meth:`Spec.arguments`: its argument checks, and from them the result's shape, the
   element count its plans are built for and the bytes ``auto`` sees;
 - :meth:`Spec.native`: the MPI library's own collective for it;
@@ -56,6 +57,9 @@ class Spec:
     blocked = False  # x holds one block per rank, and the plan's count is one block (alltoall)
     scatters = False  # each rank's result is its block of the reduced input (reduce_scatter)
     lean = False  # blocking calls on plain contiguous arrays take the lean path (calls.run)
+    # one way, from the root (broadcast): a checked native blocking call sends the root's
+    # size ahead instead of the ranks agreeing on it (transport.native.RootSizeFirst)
+    root_size_first = False
 
     def arguments(self, ctx: Any, call: Any) -> None:
         """Check ``call``'s arguments (before any message) and fill in what follows from
@@ -198,7 +202,7 @@ class Allgather(Spec):
 
 
 class Broadcast(Spec):
-    name, rooted, one_buffer, lean = "broadcast", True, True, True
+    name, rooted, one_buffer, lean, root_size_first = "broadcast", True, True, True, True
 
     def arguments(self, ctx, call):
         call.x = x = as_array(call.x, "x")

@@ -11,7 +11,8 @@ with different sizes (``mpi_library.native_checked``), the ranks first agree on 
 size (:mod:`collectives.transport.native`): one small allreduce, so that a mismatch is
 a clear error on every rank rather than memory written past a buffer. A blocking
 broadcast sends the root's size ahead instead, with its data where it fits
-(``RootSizeFirst``): the ranks whose buffers differ from the root's raise.
+(``RootSizeFirst``): the ranks whose buffers differ from the root's raise
+(:func:`checked`).
 """
 
 from __future__ import annotations
@@ -63,21 +64,36 @@ def native(ctx: Any, spec: Any, inp: Any, out: Any, inplace: bool, op: str, root
     return start(send, out)
 
 
+def checked(ctx: Any, spec: Any, run: Any, nbytes: int, dtype: Any, root: int) -> Any:
+    """``run(send, receive)`` (MPI's blocking collective) told of a size mismatch where
+    the MPI library would not stop on one by itself (``ctx.native_checked``): the root's
+    size sent ahead where the collective goes one way from it (``spec.root_size_first``),
+    else the ranks' agreement on ``nbytes`` first (:mod:`collectives.transport.native`);
+    ``run`` itself elsewhere."""
+    if spec.name not in ctx.native_checked:
+        return run
+
+    def describe():
+        return f"{spec.name}(algorithm='native') call #{ctx.sequence}"
+
+    if spec.root_size_first:
+        return agreement.RootSizeFirst(ctx.comm, nbytes, dtype, root, describe)
+    return agreement.agreeing(ctx.comm, run, nbytes, describe, ctx.broken_by)
+
+
 def native_blocking(ctx: Any, spec: Any, inp: Any, out: Any, inplace: bool, op: str, root: int, counts: Any) -> None:
-    """MPI's blocking collective, after this rank's calls in flight have finished.
+    """MPI's blocking collective, checked (:func:`checked`), after this rank's calls in
+    flight have finished.
 
     Our own calls in flight need this rank's Python to progress them, which a rank
     blocked inside MPI cannot do, so they are finished first; every rank started them
     before this call, so every rank can finish them."""
     finish_in_flight(ctx)
-    describe = f"{spec.name}(algorithm='native') call #{ctx.sequence}"
     try:
-        if spec.name == "broadcast" and spec.name in ctx.native_checked:
-            agreement.RootSizeFirst(ctx.comm, out.nbytes, out.dtype, root, lambda: describe)(out)
-            return
-        if spec.name in ctx.native_checked:
-            agreement.agree(ctx.comm, agreement.unit(spec, inp, out), describe, ctx.broken_by)
-        native(ctx, spec, inp, out, inplace, op, root, counts, blocking=True)
+        run = checked(ctx, spec, lambda _send, _receive: native(ctx, spec, inp, out, inplace, op, root, counts,
+                                                                 blocking=True),
+                      agreement.unit(spec, inp, out), inp.dtype, root)
+        run(out if spec.one_buffer else inp, out)
     except MPI.Exception as exc:
         raise TransportError(f"{spec.name}(algorithm='native'): the MPI library failed: {exc}") from exc
 
@@ -136,16 +152,7 @@ class NativeBlocking(Route):
             entry.run = lambda x, out: native(ctx, spec, x, out, out is x, op, root, counts, blocking=True)
         else:
             entry.run = starter(ctx, spec, op, root, counts, True)  # nothing in flight to finish first
-        if spec.name in ctx.native_checked:  # checked: the root's size sent ahead, or the ranks agree on it first
-            nbytes = call.count * call.dtype.itemsize
-
-            def describe():
-                return f"{spec.name}(algorithm='native') call #{ctx.sequence}"
-
-            if spec.name == "broadcast":
-                entry.run = agreement.RootSizeFirst(ctx.comm, nbytes, call.dtype, root, describe)
-            else:
-                entry.run = agreement.agreeing(ctx.comm, entry.run, nbytes, describe, ctx.broken_by)
+        entry.run = checked(ctx, spec, entry.run, call.count * call.dtype.itemsize, call.dtype, root)
         return entry
 
 
