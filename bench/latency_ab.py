@@ -21,7 +21,8 @@ sum allreduce, out of place:
 - ``recursive_doubling, timeout``: on ``--bytes`` through the progress engine;
 - ``native, timeout``: MPI's non-blocking collective through the engine;
 - ``broadcast``: what ``auto`` picks for a broadcast from rank 0 on ``--bytes`` (MPI's
-  own there: on MPICH, after the ranks' agreement on its size);
+  own there, checked: the root's size sent ahead, or in older code the ranks' agreement
+  on it);
 - ``send/recv`` on ``--bytes`` and on ``--p2p-bytes``: a ping-pong between ranks 0 and
   1 (the others idle), a round trip per call;
 - ``mpi4py Allreduce``, ``mpi4py Bcast`` and ``mpi4py Send/Recv`` (the same ping-pong):

@@ -96,8 +96,9 @@ class Context:
         self.tags = tags.layout()  # a call's messages: its base tag (tags.call(sequence)) plus each one's size code
         self.blocking_tag = self.tags.blocking  # the base tag of every call that runs alone: see routes.plans
         self.p2p_tag_limit = tag_ub + 1  # send/recv (their own communicator): any tag MPI allows
-        # MPI's own collectives whose ranks agree on the size first, where MPI would not
-        # stop on a mismatch by itself (transport.native); the non-blocking ones then go
+        # MPI's own collectives whose ranks agree on the size first (a blocking broadcast:
+        # the root's size sent ahead), where MPI would not stop on a mismatch by itself
+        # (transport.native); the non-blocking ones then go
         # on a duplicate of their own (deferred), posted in call order once agreed, as
         # do device calls' (posted once their input is on the host).
         self.native_checked = mpi_library.native_checked(native.CHECKED)

@@ -40,10 +40,11 @@ NAMES = {"mpich": "MPICH", "openmpi": "Open MPI", "impi": "Intel MPI", "mvapich"
 #   (allreduce, reduce_scatter), or returns wrong data without an error;
 # - Intel MPI 2021.18 returns wrong data without an error (allreduce, broadcast, gather,
 #   scatter) or waits for ever (reduce).
-# The ranks agree on the size before MPI's collective runs (transport.native) for
-# every collective except those a family was measured to stop on by itself.
+# Every collective is checked before or as MPI's collective runs (transport.native: the
+# ranks agree on the size first, or a blocking broadcast sends the root's size ahead)
+# except those a family was measured to stop on by itself.
 NATIVE_STOPS_ON_MISMATCH = {"mpich": frozenset({"allreduce", "reduce_scatter", "allgather", "reduce", "alltoall"})}
-NATIVE_CHECK_ENV = "COLLECTIVES_NATIVE_SIZE_CHECK"  # 1: every collective agrees first; 0: none
+NATIVE_CHECK_ENV = "COLLECTIVES_NATIVE_SIZE_CHECK"  # 1: every collective checked; 0: none
 
 # Open MPI's one-sided UCX component (osc/ucx) prints "osc_ucx_component.c:375 Error:
 # OSC UCX component priority set inside component query failed" at every window made,
@@ -123,8 +124,9 @@ def tag_ub():
 
 
 def native_checked(collectives, environ=None):
-    """Which of ``collectives`` (names) agree on the call's size before MPI's own
-    collective runs: ``COLLECTIVES_NATIVE_SIZE_CHECK`` 1 (all) or 0 (none) decides,
+    """Which of ``collectives`` (names) are checked for a size mismatch around MPI's own
+    collective (``transport.native``: the ranks agree on the size first, or the root's
+    size goes ahead): ``COLLECTIVES_NATIVE_SIZE_CHECK`` 1 (all) or 0 (none) decides,
     else all but those this MPI family was measured to stop on by itself
     (:data:`NATIVE_STOPS_ON_MISMATCH`)."""
     environ = os.environ if environ is None else environ
