@@ -387,13 +387,13 @@ bench-ps: install
 # AUTO_SIZES ranks, one interleaved run of AUTO_BENCH_ARGS with an empty table named (so
 # the packaged one is left out) and a fresh calibration (a cache folder of its own, kept
 # as calibration-nN.json), into AUTO_RESULTS; auto-vs-fastest.md: auto's time over the
-# fastest contender it could have picked, per collective and size. No install step, like
-# bench-gpu (tests/harness/gpu_session.sh runs it on a lent machine's cores).
+# fastest contender it could have picked, per collective and size. On a lent GPU machine
+# tests/harness/gpu_session.sh runs it ("auto") in the environment it installed.
 AUTO_SIZES      ?= 2 4
 AUTO_RESULTS    ?= $(RESULTS)/latest-auto
 AUTO_BENCH_ARGS ?= -c allreduce,reduce_scatter,allgather,broadcast,reduce -b 64K -e 64M -f 4 --rounds 5 --check \
                    --no-memory --no-progress
-bench-auto:
+bench-auto: install
 	mkdir -p $(AUTO_RESULTS)
 	echo '{"format": 1, "measured": {}, "tables": {}}' > $(AUTO_RESULTS)/no-table.json
 	@for n in $(AUTO_SIZES); do \
@@ -401,9 +401,11 @@ bench-auto:
 	  echo "== auto with no table: $$n ranks"; \
 	  COLLECTIVES_TUNING=$(AUTO_RESULTS)/no-table.json COLLECTIVES_CALIBRATE=1 COLLECTIVES_CACHE_DIR=$$cache \
 	    timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m collectives.tools.bench \
-	    $(AUTO_BENCH_ARGS) --json $(AUTO_RESULTS)/no-table-n$$n.json > $(AUTO_RESULTS)/no-table-n$$n.txt 2>&1 \
-	    || { tail -n 20 $(AUTO_RESULTS)/no-table-n$$n.txt; exit 1; }; \
-	  cp $$cache/calibration-*.json $(AUTO_RESULTS)/calibration-n$$n.json; rm -rf $$cache; \
+	    $(AUTO_BENCH_ARGS) --json $(AUTO_RESULTS)/no-table-n$$n.json > $(AUTO_RESULTS)/no-table-n$$n.txt 2>&1; \
+	  rc=$$?; \
+	  cp $$cache/calibration-*.json $(AUTO_RESULTS)/calibration-n$$n.json || rc=1; \
+	  rm -rf $$cache; \
+	  if [ $$rc != 0 ]; then tail -n 20 $(AUTO_RESULTS)/no-table-n$$n.txt; exit 1; fi; \
 	done
 	$(PYTHON) bench/auto_vs_fastest.py $(addprefix $(AUTO_RESULTS)/no-table-n,$(addsuffix .json,$(AUTO_SIZES))) \
 	  > $(AUTO_RESULTS)/auto-vs-fastest.md

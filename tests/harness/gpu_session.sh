@@ -37,6 +37,7 @@ if [ ! -x "$ENV_DIR/bin/mpiexec" ]; then
     --prefix "$ENV_DIR" .whl/*.whl || { echo "wheels: install failed" | tee -a "$summary"; exit 1; }
   "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --prefix "$ENV_DIR" . \
     || { echo "collectives: install failed" | tee -a "$summary"; exit 1; }
+  touch "$ENV_DIR/.installed"  # make's install step, done (bench-auto asks for it)
 fi
 site=$(echo "$ENV_DIR"/lib/python3*/site-packages)
 # PYTHONSAFEPATH: the installed package, not the checkout's folder (whose kernels/ lies
@@ -44,7 +45,7 @@ site=$(echo "$ENV_DIR"/lib/python3*/site-packages)
 export PATH="$ENV_DIR/bin:$PATH" LD_LIBRARY_PATH="$ENV_DIR/lib:${LD_LIBRARY_PATH:-}" \
        PYTHONPATH="$site:${PYTHONPATH:-}" PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 # bench-gpu's own step limits inside BENCH_LIMIT (a step that hangs leaves the others theirs)
-make_vars=(PYTHON="$PY" MPIEXEC="$ENV_DIR/bin/mpiexec" MPIEXEC_FLAGS= GPU_LOGS=/tmp/gpu-logs
+make_vars=(VENV="$ENV_DIR" PYTHON="$PY" MPIEXEC="$ENV_DIR/bin/mpiexec" MPIEXEC_FLAGS= GPU_LOGS=/tmp/gpu-logs
            GPU_STEP_LIMITS="${GPU_STEP_LIMITS:-60 60 25}" AUTO_RESULTS="$OUT/auto")
 "$PY" -c "import collectives, cupy; from mpi4py import MPI; print(collectives.__file__, MPI.Get_library_version().splitlines()[0], cupy.cuda.runtime.getDeviceProperties(0)['name'].decode())" \
   2>&1 | tee -a "$summary"
