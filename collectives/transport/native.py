@@ -57,27 +57,17 @@ def mismatch(describe, agreed):
     return error
 
 
-def agree(comm, nbytes, describe, fail):
-    """Block until the ranks of ``comm`` have compared ``nbytes``; where they differ,
-    ``fail(error)`` (the communicator breaks) and raise it, on every rank alike."""
-    agreed = np.array([nbytes, -nbytes], np.int64)
-    comm.Allreduce(MPI.IN_PLACE, agreed, MPI.MAX)
-    error = mismatch(describe, agreed)
-    if error is not None:
-        fail(error)
-        raise error
-
-
 HEADER = 512  # bytes every rank broadcasts first in a checked blocking broadcast: 8 of size, then the data if it fits
 
 
 class RootSizeFirst:
     """MPI's blocking broadcast of ``nbytes`` (``dtype``) from ``root`` over ``comm``,
     called as ``run(buffer, _)`` (as the lean path keeps MPI's bound collective), told
-    of a size mismatch without an agreement; the data goes as bytes. Every rank first broadcasts a block of
+    of a size mismatch without an agreement. Every rank first broadcasts a block of
     ``HEADER`` bytes alike, whatever its own size: the root's size, then the root's data
     where it fits (the whole call: MPI's small broadcast costs no more for 512 bytes
-    than for 8); a larger broadcast follows it, every rank giving MPI the root's size. A
+    than for 8); a larger broadcast follows it as bytes, every rank giving MPI the
+    root's size (a rank whose size differs may hold another dtype too). A
     rank whose buffer differs from the root's takes what follows into a scratch buffer,
     leaves its own untouched and raises :class:`MessageSizeError` naming both sizes
     (``describe()`` names the call); the root and the ranks whose buffers match return.
@@ -103,7 +93,7 @@ class RootSizeFirst:
                 bcast(block, root)
             else:
                 bcast(block, root)
-                bcast([flat, MPI.BYTE], root)  # (bytes on every rank: a mismatched one's dtype may differ)
+                bcast([flat, MPI.BYTE], root)
             return
         bcast(block, root)
         sent = self.header.item()
@@ -124,8 +114,9 @@ class RootSizeFirst:
 
 def agreeing(comm, call, nbytes, describe, fail):
     """``call(send, receive)`` (MPI's blocking collective, as the lean path keeps it per
-    kind of call), preceded by :func:`agree` on ``nbytes``; the buffer it agrees in is
-    made once."""
+    kind of call) once the ranks of ``comm`` have compared ``nbytes``: where they differ,
+    ``fail(error)`` (the communicator breaks) and raise it, on every rank alike, before
+    ``call``; the buffer it agrees in is made once."""
     agreed = np.empty(2, np.int64)
     allreduce, maximum = comm.Allreduce, MPI.MAX
 
