@@ -10,8 +10,9 @@ After a :class:`CollectiveTimeoutError`, a :class:`MessageSizeError` or a
 raises :class:`CollectiveError` at once (the ranks no longer agree on which messages
 belong to which call). A :class:`CollectiveMismatchError` from check mode leaves it
 usable: it is raised on every rank before any message of the call is sent; so does
-the :class:`MessageSizeError` of a blocking native broadcast, raised where a rank's
-buffer differs from the root's once every rank has made the same MPI calls. The
+the :class:`MessageSizeError` of a native broadcast of host arrays that runs alone
+(blocking, no timeout or stall warning), raised where a rank's buffer differs from the
+root's once every rank has made the same MPI calls. The
 shared-memory algorithms (``shm``) find a mismatch themselves, at a call's first fence
 (:class:`CollectiveMismatchError`, or :class:`MessageSizeError` for a size), and break
 the communicator, since the ranks' fences no longer line up.

@@ -9,9 +9,9 @@ the same one: the choice depends only on the options every rank shares (check mo
 compares it). Where the MPI library does not stop by itself on a collective called
 with different sizes (``mpi_library.native_checked``), the ranks first agree on the
 size (:mod:`collectives.transport.native`): one small allreduce, so that a mismatch is
-a clear error on every rank rather than memory written past a buffer. A blocking
-broadcast sends the root's size ahead instead, with its data where it fits
-(``RootSizeFirst``): the ranks whose buffers differ from the root's raise
+a clear error on every rank rather than memory written past a buffer. MPI's blocking
+broadcast (calls that run alone) sends the root's size ahead instead, with its data
+where it fits (``RootSizeFirst``): the ranks whose buffers differ from the root's raise
 (:func:`checked`).
 """
 

@@ -16,7 +16,8 @@ The size agreed on is what each rank contributes (:func:`unit`): its input's byt
 or for scatter its block of the result. ``alltoallv``'s counts differ per pair of
 ranks by design; it is left to the count exchange (``Communicator._exchange_counts``).
 
-A blocking broadcast needs no agreement (:class:`RootSizeFirst`): only the ranks that
+A broadcast that runs alone (host arrays, blocking, no timeout or stall warning: MPI's
+blocking broadcast) needs no agreement (:class:`RootSizeFirst`): only the ranks that
 receive can hold a wrong size, and they can learn the root's from the root. The
 agreement is a round trip, which a broadcast, one way, does not otherwise make: it
 took a small broadcast from 2.6 to 6.6 us at 2 ranks (MPICH,

@@ -31,14 +31,16 @@ mkdir -p "$OUT"
 summary="$OUT/summary.txt"
 : > "$summary"
 
-if [ ! -x "$ENV_DIR/bin/mpiexec" ]; then
+if [ ! -f "$ENV_DIR/.installed" ]; then
   ls .whl/*.whl > /dev/null 2>&1 || { echo "no .whl/: run 'make gpu-wheels' here and carry .whl" | tee -a "$summary"; exit 1; }
   "$PY" -m pip install -q --ignore-installed --no-index --no-deps --no-compile --no-cache-dir \
     --prefix "$ENV_DIR" .whl/*.whl || { echo "wheels: install failed" | tee -a "$summary"; exit 1; }
   "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --prefix "$ENV_DIR" . \
     || { echo "collectives: install failed" | tee -a "$summary"; exit 1; }
-  touch "$ENV_DIR/.installed"  # make's install step, done (bench-auto asks for it)
 fi
+# Installed (written only past both installs: one cut short runs again), and make's
+# install step done (bench-auto asks for it): newer than this copy's setup.py.
+touch "$ENV_DIR/.installed"
 site=$(echo "$ENV_DIR"/lib/python3*/site-packages)
 # PYTHONSAFEPATH: the installed package, not the checkout's folder (whose kernels/ lies
 # beside it, not inside), even under `python -m` from the checkout's root.
