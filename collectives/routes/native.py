@@ -90,10 +90,9 @@ def native_blocking(ctx: Any, spec: Any, inp: Any, out: Any, inplace: bool, op: 
     before this call, so every rank can finish them."""
     finish_in_flight(ctx)
     try:
-        run = checked(ctx, spec, lambda _send, _receive: native(ctx, spec, inp, out, inplace, op, root, counts,
-                                                                 blocking=True),
+        run = checked(ctx, spec, lambda *_: native(ctx, spec, inp, out, inplace, op, root, counts, blocking=True),
                       agreement.unit(spec, inp, out), inp.dtype, root)
-        run(out if spec.one_buffer else inp, out)
+        run(inp, out)  # (a broadcast's inp is its out: one buffer)
     except MPI.Exception as exc:
         raise TransportError(f"{spec.name}(algorithm='native'): the MPI library failed: {exc}") from exc
 

@@ -618,7 +618,7 @@ def _later_reads(made, apart):
     """``read_later(k, i, spec)``: whether a fold after entry ``i`` of phase ``k`` of
     ``made`` reads memory ``spec`` may share (:func:`_overlap`)."""
     reads = [(k, i, x) for k, phase in enumerate(made) for i, entry in enumerate(phase)
-             if _fold_parts(entry) is not None for x in _fold_parts(entry)[1]]  # in order
+             if (parts := _fold_parts(entry)) is not None for x in parts[1]]  # in order
     return lambda k, i, spec: any(_overlap(spec, x, apart) for k2, i2, x in reads if (k2, i2) > (k, i))
 
 
