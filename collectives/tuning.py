@@ -685,6 +685,13 @@ def _kernels(inputs):
     return -(-inputs // 16)
 
 
+def _fanned_kernels(p):
+    """Kernels of the allgather leader's copies: each of the p inputs read once into the p
+    outputs, 16 // p inputs a kernel; past 16 ranks a copy each, 16 a kernel
+    (``collectives.transport.device_node``)."""
+    return -(-p // (16 // p)) if p <= 16 else _kernels(p * p)
+
+
 # Per collective, for predict_device: each peer-read algorithm's memory traffic (bytes,
 # of n the table's bytes at p ranks), kernel launches, how many ranks run device work
 # and in how many rounds (the kernels before, between and after its fences); then the
@@ -701,14 +708,15 @@ DEVICE_COSTS = {
                         "leader": (lambda p, n: (1 + 1 / p) * n, lambda p: 1 if p <= 16 else p * _kernels(p),
                                    lambda p: 1, 1)},
                        "ring", 1, lambda p, n: n / p),
-    # its own row before the first fence, the others' after it; the leader's p² copies, 16 a kernel
+    # its own row before the first fence, the others' after it; the leader reads each input
+    # once into the p outputs (n read, pn written), 16 // p inputs a kernel
     "allgather": ({"one_shot": (lambda p, n: 2 * n, lambda p: 1 + _kernels(p - 1), lambda p: p, 2),
-                   "leader": (lambda p, n: 2 * n, lambda p: _kernels(p * p), lambda p: 1, 1)}, "ring", 1,
+                   "leader": (lambda p, n: (1 + 1 / p) * n, _fanned_kernels, lambda p: 1, 1)}, "ring", 1,
                   lambda p, n: n / p),
-    # the root reads nothing: p - 1 ranks copy (the leader: the root copies p - 1 times);
-    # broadcast has no ring, its tree moves as much here
+    # the root reads nothing: p - 1 ranks copy (the leader: the root reads n once and writes
+    # it p - 1 times); broadcast has no ring, its tree moves as much here
     "broadcast": ({"one_shot": (lambda p, n: 2 * n * (p - 1) / p, lambda p: 1, lambda p: p - 1, 1),
-                   "leader": (lambda p, n: 2 * n * (p - 1) / p, lambda p: _kernels(p - 1), lambda p: 1, 1)},
+                   "leader": (lambda p, n: n, lambda p: _kernels(p - 1), lambda p: 1, 1)},
                   "binomial", 1, lambda p, n: n),
     # the root folds every input
     "reduce": ({"one_shot": (lambda p, n: (p + 1) * n / p, lambda p: _kernels(p), lambda p: 1, 1)}, "direct", 2,

@@ -87,11 +87,13 @@ __global__ void unpack(char* dst, const E* src, i64 n, int ndim, i64 n0, i64 n1,
 }
 
 // Up to 16 copies in one launch (a copy phase of the peer reads: every peer's buffer
-// gathered into this rank's, one kernel, not one copy each): block row q = blockIdx.y
-// copies n_q elements from s_q to d_q; the unused ones are null with n_q = 0.
+// gathered into this rank's, one kernel, not one copy each), m destinations a source
+// (k * m <= 16; a leader writes each input into m ranks' outputs, reading it once):
+// block row q = blockIdx.y copies n_q elements from s_q to d_(q*m) ... d_(q*m+m-1); the
+// unused pointers are null with n_q = 0.
 template <class E>
-__global__ void copy_n(int k, E* d0, E* d1, E* d2, E* d3, E* d4, E* d5, E* d6, E* d7, E* d8, E* d9, E* d10,
-                       E* d11, E* d12, E* d13, E* d14, E* d15, const E* s0, const E* s1, const E* s2,
+__global__ void copy_n(int k, int m, E* d0, E* d1, E* d2, E* d3, E* d4, E* d5, E* d6, E* d7, E* d8, E* d9,
+                       E* d10, E* d11, E* d12, E* d13, E* d14, E* d15, const E* s0, const E* s1, const E* s2,
                        const E* s3, const E* s4, const E* s5, const E* s6, const E* s7, const E* s8, const E* s9,
                        const E* s10, const E* s11, const E* s12, const E* s13, const E* s14, const E* s15,
                        i64 n0, i64 n1, i64 n2, i64 n3, i64 n4, i64 n5, i64 n6, i64 n7, i64 n8, i64 n9, i64 n10,
@@ -101,7 +103,7 @@ __global__ void copy_n(int k, E* d0, E* d1, E* d2, E* d3, E* d4, E* d5, E* d6, E
     E* const d[16] = {d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15};
     const E* const s[16] = {s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15};
     const i64 n[16] = {n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13, n14, n15};
-    copy_body<E>(d[q], s[q], n[q], thread_start(), thread_stride());
+    copy_fan_body<E>(d + q * m, m, s[q], n[q], thread_start(), thread_stride());
 }
 
 // -- the fence of ranks on distinct GPUs with peer access ----------------------------------------

@@ -521,17 +521,26 @@ COLLECTIVES_HD void cast_divide_body(D* dst, const S* src, i64 n, double divisor
     for (i64 i = start; i < n; i += stride) dst[i] = Cast<D>::from(divide_or_keep(src[i], divisor));
 }
 
-// dst = src, n elements (one copy of copy_n's: a copy phase of the peer reads).
+// d_j = src for every j < m, n elements: src read once, written m times (one block row
+// of copy_n's: a copy phase of the peer reads, where a leader writes one input into
+// several ranks' outputs).
 template <class E>
-COLLECTIVES_HD void copy_body(E* dst, const E* src, i64 n, i64 start, i64 stride) {
+COLLECTIVES_HD void copy_fan_body(E* const* d, int m, const E* src, i64 n, i64 start, i64 stride) {
+    bool vector = sizeof(E) < 16 && aligned16(src);
+    for (int o = 0; o < m; ++o) vector = vector && aligned16(d[o]);
     i64 done = 0;
-    if (sizeof(E) < 16 && aligned16(dst) && aligned16(src)) {
+    if (vector) {
         const i64 lanes = Lanes<E>::N, vectors = n / lanes;
-        for (i64 j = start; j < vectors; j += stride)
-            reinterpret_cast<Vec16*>(dst)[j] = reinterpret_cast<const Vec16*>(src)[j];
+        for (i64 j = start; j < vectors; j += stride) {
+            const Vec16 v = reinterpret_cast<const Vec16*>(src)[j];
+            for (int o = 0; o < m; ++o) reinterpret_cast<Vec16*>(d[o])[j] = v;
+        }
         done = vectors * lanes;
     }
-    for (i64 i = done + start; i < n; i += stride) dst[i] = src[i];
+    for (i64 i = done + start; i < n; i += stride) {
+        const E v = src[i];
+        for (int o = 0; o < m; ++o) d[o][i] = v;
+    }
 }
 
 // The byte offset of element i of a C-ordered view with ``ndim`` dimensions.

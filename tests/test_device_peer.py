@@ -657,20 +657,22 @@ def test_every_phase_is_one_kernel_for_up_to_16_ranks():
     inputs, a copy of up to 16 peers' buffers, the leader's fold written into up to 16
     outputs, its reduce_scatter's p folds one kernel); beyond, one per 16 (the
     allreduce leader: one per 16 inputs, and per 16 outputs; its reduce_scatter: one
-    per block per 16 inputs). The allgather leader's p² copies take one kernel per 16:
-    one up to 4 ranks."""
+    per block per 16 inputs). The allgather leader reads each of the p inputs once into
+    the p outputs, 16 // p inputs a kernel: one up to 4 ranks (past 16 ranks, its p²
+    copies one kernel per 16)."""
     from collectives.routes.base import compiled_plan
 
     launches_of = {device_node._COPY: lambda specs: 1, device_node._REDUCE: lambda specs: 1,
                    device_node._REDUCE_MANY: lambda specs: -(-(len(specs) - 1) // 16),
-                   device_node._COPY_MANY: lambda specs: -(-len(specs) // 16),
+                   device_node._COPY_KERNELS: lambda specs: len(specs),
                    device_node._FOLD_TO_ALL: lambda specs: 1, device_node._FOLD_BLOCKS: lambda specs: 1}
 
     def allowed(collective, algorithm, size):
         sixteens = -(-size // 16)
         if algorithm != "leader":
             return sixteens
-        return {"allreduce": sixteens * (2 if size > 16 else 1), "allgather": -(-size * size // 16),
+        fanned = -(-size // (16 // size)) if size <= 16 else -(-size * size // 16)
+        return {"allreduce": sixteens * (2 if size > 16 else 1), "allgather": fanned,
                 "reduce_scatter": 1 if size <= 16 else size * sixteens}.get(collective, sixteens)
 
     for collective, algorithm in PEERS:
@@ -684,6 +686,32 @@ def test_every_phase_is_one_kernel_for_up_to_16_ranks():
                         launches = sum(launches_of[kind](specs) for kind, specs in phase)
                         assert launches <= allowed(collective, algorithm, size), \
                             (collective, algorithm, size, inplace, rank, k, phase)
+
+
+def test_the_copying_leaders_read_each_input_once():
+    """The allgather and broadcast leaders write each input into several ranks' outputs:
+    up to 16 ranks each input is read once, by one kernel row that writes all of its
+    destinations (copy_n's fan), and every rank's output is written, once."""
+    from collectives.routes.base import compiled_plan
+
+    for collective in ("allgather", "broadcast"):
+        for size in (2, 3, 4, 5, 8, 16):
+            count = 3 * size + 1
+            plan = compiled_plan(collective, "leader", 0, size, count, 0, 1, False, False, 0)
+            made = device_node.phases(plan, 0, count, 0)
+            reads, writes = Counter(), Counter()
+            for phase in made:
+                for kind, specs in phase:
+                    launches = specs if kind == device_node._COPY_KERNELS else \
+                        (((specs[0],), (specs[1],)),) if kind == device_node._COPY else ()
+                    assert launches or not specs, (collective, size, kind)
+                    for dsts, srcs in launches:
+                        reads.update(srcs)
+                        writes.update(dst[:2] for dst in dsts)
+            assert set(reads.values()) == {1}, (collective, size, reads)
+            outputs = [("out", -1)] * (collective == "allgather") + [("rout", q) for q in range(1, size)]
+            per = size if collective == "allgather" else 1  # (allgather: a row from each rank)
+            assert writes == {o: per for o in outputs}, (collective, size, writes)
 
 
 def test_avg_divides_once_on_every_output_of_a_leader():
@@ -711,8 +739,8 @@ def test_avg_divides_once_on_every_output_of_a_leader():
             divided = Counter((o[0], o[1]) for where in final for o in outputs(folds[where]))
             assert all(n == 1 for n in divided.values()), (collective, size, divided)
             assert ("out", -1) in divided, (collective, size, divided)
-            copied = {dst[:2] for phase in made for kind, specs in phase if kind == device_node._COPY_MANY
-                      for dst, _ in specs}
+            copied = {dst[:2] for phase in made for kind, specs in phase if kind == device_node._COPY_KERNELS
+                      for dsts, _ in specs for dst in dsts}
             if collective == "reduce_scatter":  # every rank's block, its own fold
                 assert set(divided) == {("out", -1)} | {("rout", q) for q in range(1, size)}, (size, divided)
             else:  # rank 0's fold into its output, and into the others' in it or copied from it after it
@@ -730,6 +758,8 @@ def test_a_call_launches_one_kernel_a_phase(mpi_comm):
     backend = next(iter(comm._ctx.devices.values())).backend
     problems = []
     n = 4 * comm.size + 3
+    # the allgather leader reads each input once into every output, 16 // p inputs a kernel
+    fanned = -(-comm.size // (16 // comm.size)) if comm.size <= 16 else None
     for collective, algorithm in PEERS:
         x = D.asarray(rank_input(comm.rank, n, "float32"))
         call(comm, collective, x, algorithm)  # warm: registered, plans made
@@ -740,15 +770,15 @@ def test_a_call_launches_one_kernel_a_phase(mpi_comm):
                 ("allreduce", "leader"): int(comm.rank == 0), ("reduce_scatter", "one_shot"): 1,
                 ("allgather", "one_shot"): 2, ("broadcast", "one_shot"): int(comm.rank != 0),
                 ("reduce", "one_shot"): int(comm.rank == 0),
-                # the leaders: rank 0 (broadcast's root) alone; allgather's p² copies, 16 a kernel
+                # the leaders: rank 0 (broadcast's root) alone
                 ("reduce_scatter", "leader"): int(comm.rank == 0), ("broadcast", "leader"): int(comm.rank == 0),
-                ("allgather", "leader"): -(-comm.size ** 2 // 16) if comm.rank == 0 else 0}[(collective, algorithm)]
+                ("allgather", "leader"): fanned if comm.rank == 0 else 0}[(collective, algorithm)]
         if comm.size <= 16 and sum(launched.values()) != want:
             problems.append(f"{collective} {algorithm}: {dict(launched)}, want {want} launches")
         # (allgather at 2 ranks reads one peer: one copy)
         gathers = algorithm == "two_shot" or (collective == "allgather" and comm.size > 2 and
                                               (algorithm == "one_shot" or comm.rank == 0))
-        copies = -(-comm.size ** 2 // 16) if algorithm == "leader" else 1  # the leader's p² copies, 16 a kernel
+        copies = fanned if algorithm == "leader" else 1
         if gathers and launched["copy_n"] != copies:
             problems.append(f"{collective} {algorithm}: its copy phase was not {copies} kernel(s): {dict(launched)}")
     comm.free()

@@ -57,7 +57,7 @@ def harness(tmp_path_factory):
     lib.cc_divide.argtypes = [c, p, i64, ctypes.c_double]
     lib.cc_cast_divide.argtypes = [c, c, p, p, i64, ctypes.c_double]
     lib.cc_pack.argtypes = lib.cc_unpack.argtypes = [ctypes.c_int, p, p, i64, ctypes.c_int, p, p]
-    lib.cc_copy_n.argtypes = [ctypes.c_int, ctypes.POINTER(p), ctypes.POINTER(p), p, ctypes.c_int]
+    lib.cc_copy_n.argtypes = [ctypes.c_int, ctypes.POINTER(p), ctypes.POINTER(p), p, ctypes.c_int, ctypes.c_int]
     for name in ("cc_float_to_half", "cc_half_to_float", "cc_double_to_half", "cc_float_to_bf16"):
         getattr(lib, name).argtypes = [p, p, i64]
         getattr(lib, name).restype = None
@@ -387,26 +387,31 @@ def test_pack_and_unpack_strided_views(harness, dtype, layout):
 
 # -- copy_n: a copy phase's copies in one kernel ------------------------------------------------
 @pytest.mark.parametrize("itemsize", [1, 2, 4, 8, 16])
-def test_copy_n_copies_each_source_to_its_destination_and_nothing_else(harness, itemsize):
+@pytest.mark.parametrize("fan", [1, 3])
+def test_copy_n_copies_each_source_to_its_destinations_and_nothing_else(harness, itemsize, fan):
     """Copies of different lengths (the vector path's whole vectors and tails) from
-    sources 16-byte aligned or not into destinations aligned or not, as a copy phase
-    gives them; every byte outside the destinations untouched."""
-    rng = np.random.default_rng(itemsize)
+    sources 16-byte aligned or not into ``fan`` destinations each, aligned or not, as a
+    copy phase gives them (a leader writes one input into several ranks' outputs);
+    every byte outside the destinations untouched."""
+    rng = np.random.default_rng(itemsize * fan)
     lengths = [0, 1, 7, 64, 1000, 1001, 333]
     shifts = [0, itemsize, 0, 3 * itemsize, 0, 16, itemsize]  # bytes past a 16-byte boundary
     room = [16 * -(-(s + n * itemsize) // 16) + 16 for s, n in zip(shifts, lengths)]
-    target = np.zeros(sum(room) + 16, np.uint8)
+    target = np.zeros(fan * sum(room) + 16, np.uint8)
     first = target.ctypes.data + (-target.ctypes.data % 16)
-    starts = first + np.cumsum([0] + room[:-1])
-    dst = [int(at) + (s // 2 // itemsize) * itemsize for at, s in zip(starts, shifts)]
+    starts = first + np.cumsum([0] + [r for r in room for _ in range(fan)][:-1])
+    # source q's destinations: q * fan ... q * fan + fan - 1, each shifted alike or not
+    dst = [int(at) + ((shifts[i // fan] + 4 * (i % fan)) // 2 // itemsize) * itemsize
+           for i, at in enumerate(starts)]
     sources = [rng.integers(0, 256, r + 16, dtype=np.uint8) for r in room]
     src = [a.ctypes.data + (-a.ctypes.data % 16) + s for a, s in zip(sources, shifts)]
     k = len(lengths)
-    array = ctypes.c_void_p * k
     counts = np.array(lengths, np.int64)
-    assert harness.cc_copy_n(itemsize, array(*dst), array(*src), ptr(counts), k) == 0
+    assert harness.cc_copy_n(itemsize, (ctypes.c_void_p * (k * fan))(*dst), (ctypes.c_void_p * k)(*src),
+                             ptr(counts), k, fan) == 0
     expected = np.zeros_like(target)
-    for d, s, n in zip(dst, src, lengths):
+    for i, d in enumerate(dst):
+        n, s = lengths[i // fan], src[i // fan]
         at = d - target.ctypes.data
         expected[at : at + n * itemsize] = np.ctypeslib.as_array((ctypes.c_uint8 * (n * itemsize)).from_address(s))
     assert np.array_equal(target, expected)

@@ -57,7 +57,8 @@ device the fold of p ≤ 16 inputs is one kernel (``schedule.fuse_reductions``),
 the leader's fold and its copies into the p ≤ 16 outputs one kernel too
 (``device_node``: each element's inputs read before its outputs are written), its
 reduce_scatter's p ≤ 16 folds, a block each, one kernel, and its allgather's p²
-copies one kernel per 16 (one up to 4 ranks).
+copies one kernel up to 4 ranks (``device_node``: each input read once and written
+into every rank's output, 16 // p inputs a kernel; broadcast's p - 1 copies likewise).
 
 Why a leader: a GPU the ranks share runs one process's work at a time and switches
 between them (measured on an H200: a small kernel and its wait took 20 us on one
@@ -74,7 +75,8 @@ more each way, through tmp); two_shot reads n and writes n/p, then reads and wri
 writes n; broadcast: the others read and write n, the root nothing; reduce: the root
 reads p·n and writes n; leader allreduce: rank 0 reads p·n and writes p·n, the others
 nothing, 2F; the other leaders, rank 0 (broadcast's root) alone: reduce_scatter reads
-p·n and writes n, allgather reads and writes p·n, broadcast reads and writes (p-1)·n.
+p·n and writes n, allgather reads n and writes p·n, broadcast reads n and writes
+(p-1)·n (on the device each input is read once for all of its copies).
 One GPU shared by the p ranks carries the sum of their traffic at its copy
 rate B: one_shot allreduce p(p + 1)·n/B, two_shot (3p + 1)·n/B, leader 2p·n/B (the
 same-GPU bound's own count), each after 2F. In the simulator a fence costs α after

@@ -244,21 +244,25 @@ class CupyDevice:
                 runtime.memcpyAsync(_ptr(dst), _ptr(src), nbytes, _MEMCPY_DEFAULT, stream.ptr)
 
     def copy_n(self, stream, dsts, srcs):
-        """``dsts[q] = srcs[q]`` for every q (contiguous device arrays of one itemsize,
-        each pair alike in size), in one kernel: block row q does copy q."""
-        k = len(dsts)
-        if not 1 <= k == len(srcs) <= kernels.MAX_INPUTS:
-            raise ValueError(f"copy_n takes 1 to {kernels.MAX_INPUTS} copies, as many sources as destinations")
+        """Each of ``srcs`` into ``len(dsts) // len(srcs)`` destinations, in one kernel
+        (contiguous device arrays of one itemsize, each destination as large as its
+        source; at most 16 destinations): source q into ``dsts[q * m : q * m + m]``,
+        read once (block row q copies it)."""
+        k, total = len(srcs), len(dsts)
+        if not 1 <= k <= total <= kernels.MAX_INPUTS or total % k:
+            raise ValueError(f"copy_n takes 1 to {kernels.MAX_INPUTS} destinations, as many for each source")
+        m = total // k
         itemsize = dsts[0].dtype.itemsize
-        counts = [int(d.size) for d in dsts]
-        if any(d.dtype.itemsize != itemsize or _nbytes(d) != _nbytes(s) for d, s in zip(dsts, srcs)):
-            raise ValueError("copy_n: the copies must be of one itemsize, each source as large as its destination")
+        counts = [int(dsts[q * m].size) for q in range(k)]
+        if any(d.dtype.itemsize != itemsize or _nbytes(d) != _nbytes(srcs[i // m]) for i, d in enumerate(dsts)):
+            raise ValueError("copy_n: the copies must be of one itemsize, each source as large as its destinations")
         self.launches["copy_n"] += 1
         if not max(counts):
             return
-        pad = kernels.MAX_INPUTS - k
-        null = [np.uint64(0)] * pad
-        args = (np.int32(k), *dsts, *null, *srcs, *null, *(np.int64(n) for n in counts), *[np.int64(0)] * pad)
+        null = np.uint64(0)
+        args = (np.int32(k), np.int32(m), *dsts, *[null] * (kernels.MAX_INPUTS - total), *srcs,
+                *[null] * (kernels.MAX_INPUTS - k), *(np.int64(n) for n in counts),
+                *[np.int64(0)] * (kernels.MAX_INPUTS - k))
         kernel = self._module(dsts[0].dtype).get_function(kernels.copy_n(itemsize))
         grid = (kernels.blocks(kernels.vector_items(max(counts), itemsize), self.multiprocessors), k)
         with cupy.cuda.Device(self.id), stream:  # a RawKernel launches on the current stream

@@ -623,11 +623,14 @@ class StandInDevice:
         self._enqueue(stream, lambda: np.copyto(dst_memory, src_memory), dst, src)
 
     def copy_n(self, stream, dsts, srcs):
-        """``dsts[q] = srcs[q]`` for every q (device arrays, each pair alike in bytes):
-        one kernel (``copy_n`` of ``kernels/collectives.cu``), so one queued operation."""
-        if not 1 <= len(dsts) == len(srcs) <= MAX_COPIES:
-            raise ValueError(f"copy_n takes 1 to {MAX_COPIES} copies, as many sources as destinations")
-        pairs = [(self._bytes(d, "dst"), self._bytes(s, "src")) for d, s in zip(dsts, srcs)]
+        """Each of ``srcs`` into ``len(dsts) // len(srcs)`` destinations (device arrays,
+        each alike in bytes to its source): source q into ``dsts[q * m : q * m + m]``; one
+        kernel (``copy_n`` of ``kernels/collectives.cu``), so one queued operation."""
+        k, total = len(srcs), len(dsts)
+        if not 1 <= k <= total <= MAX_COPIES or total % k:
+            raise ValueError(f"copy_n takes 1 to {MAX_COPIES} destinations, as many for each source")
+        m = total // k
+        pairs = [(self._bytes(d, "dst"), self._bytes(srcs[i // m], "src")) for i, d in enumerate(dsts)]
         if any(d.size != s.size for d, s in pairs):
             raise ValueError("copy_n: a source and its destination differ in size")
         self.launches["copy_n"] += 1

@@ -18,8 +18,10 @@ synchronisations between the ranks, whatever the fence mechanism.
              into every rank's output (published at fence 1 too), one kernel on
              rank 0 alone (avg: divided as it is written; no rank divides after
              it); the other leaders' work likewise on rank 0 (broadcast: the root)
-             alone: reduce_scatter's p folds one kernel (reduce_blocks), allgather's
-             p² copies and broadcast's p - 1 a copy kernel per 16
+             alone: reduce_scatter's p folds one kernel (reduce_blocks); allgather's
+             p² copies and broadcast's p - 1 read each input once into every
+             output it goes to (copy_n's fan: 16 // m inputs of m outputs each a
+             kernel; allgather one kernel up to 4 ranks)
     fence 2: nobody reads this rank's input any more
     phase 2: two_shot's copies out of the window slots: one copy kernel
     the call finishes once its last kernel has run (an event the host polls; with
@@ -532,8 +534,8 @@ def choose_mechanism(uuids, ranks):
 
 
 # -- one call's plan, as phases between fences --------------------------------------------------
-_COPY, _REDUCE, _REDUCE_MANY, _COPY_MANY, _FOLD_TO_ALL, _FOLD_BLOCKS = 0, 1, 2, 3, 4, 5
-_MAX_COPIES = 16  # copies a copy kernel makes (kernels/collectives.cu's copy_n)
+_COPY, _REDUCE, _REDUCE_MANY, _COPY_MANY, _FOLD_TO_ALL, _FOLD_BLOCKS, _COPY_KERNELS = 0, 1, 2, 3, 4, 5, 6
+_MAX_COPIES = 16  # destinations a copy kernel writes (kernels/collectives.cu's copy_n)
 
 
 def _overlap(a, b, apart=False):
@@ -675,6 +677,23 @@ def _folded_in_blocks(entries, apart, read_later):
     return made
 
 
+def _copy_kernels(pairs):
+    """The ``copy_n`` kernels of a run of copies (a ``_COPY_MANY`` entry's pairs), each
+    ``(destinations, sources)``: where every source has as many destinations, m (a
+    leader writing each input into m ranks' outputs), each source is read once into all
+    of its, 16 // m sources a kernel; else a pair each, 16 a kernel."""
+    fans = {}
+    for dst, src in pairs:
+        fans.setdefault(src, []).append(dst)
+    widths = {len(dsts) for dsts in fans.values()}
+    if len(widths) == 1 and (m := widths.pop()) <= _MAX_COPIES:
+        rows, per = list(fans.items()), _MAX_COPIES // m
+        return tuple((tuple(d for _, dsts in rows[at : at + per] for d in dsts),
+                      tuple(src for src, _ in rows[at : at + per])) for at in range(0, len(rows), per))
+    return tuple((tuple(d for d, _ in pairs[at : at + _MAX_COPIES]), tuple(s for _, s in pairs[at : at + _MAX_COPIES]))
+                 for at in range(0, len(pairs), _MAX_COPIES))
+
+
 def _outputs_written(made):
     """The other ranks whose outputs ``made`` (:func:`phases`) writes."""
     written = set()
@@ -747,7 +766,10 @@ def phases_and_facts(plan, rank, stride, slot):
     later = _later_reads(made, apart)
     made = [_folded_to_all(_folded_in_blocks(phase, apart, lambda i, dst, k=k: later(k, i, dst)))
             for k, phase in enumerate(made)]
-    facts = (made, _outputs_written(made), _final_folds(made, apart))
+    written, final = _outputs_written(made), _final_folds(made, apart)
+    made = [[(_COPY_KERNELS, _copy_kernels(specs)) if kind == _COPY_MANY else (kind, specs) for kind, specs in phase]
+            for phase in made]  # (the same places: final's indices hold)
+    facts = (made, written, final)
     object.__setattr__(plan, key[0], (key, facts))  # the plan is frozen; a cache beside it
     return facts
 
@@ -1134,10 +1156,9 @@ class PeerCall:
                                  divisor=self.divisor)
             elif kind == _COPY:
                 backend.copy(view(specs[0]), view(specs[1]), stream)
-            elif kind == _COPY_MANY:
-                for at in range(0, len(specs), _MAX_COPIES):
-                    pairs = specs[at : at + _MAX_COPIES]
-                    backend.copy_n(stream, [view(d) for d, _ in pairs], [view(s) for _, s in pairs])
+            elif kind == _COPY_KERNELS:
+                for dsts, srcs in specs:
+                    backend.copy_n(stream, [view(d) for d in dsts], [view(s) for s in srcs])
             elif kind == _REDUCE_MANY:
                 backend.reduce_n(stream, self.op, self.dtype, view(specs[0]), [view(s) for s in specs[1:]])
             elif kind == _FOLD_TO_ALL:

@@ -104,8 +104,9 @@ void unpack_e(void* dst, const void* src, i64 n, int ndim, const i64* shape, con
 }
 
 template <class E>
-void copy_e(void* const* dst, const void* const* src, const i64* n, int k) {
-    for (int q = 0; q < k; ++q) copy_body<E>(static_cast<E*>(dst[q]), static_cast<const E*>(src[q]), n[q], 0, 1);
+void copy_e(void* const* dst, const void* const* src, const i64* n, int k, int m) {
+    for (int q = 0; q < k; ++q)
+        copy_fan_body<E>(reinterpret_cast<E* const*>(dst) + q * m, m, static_cast<const E*>(src[q]), n[q], 0, 1);
 }
 
 }  // namespace
@@ -224,14 +225,14 @@ int cc_unpack(int itemsize, void* dst, const void* src, i64 n, int ndim, const i
     return -1;
 }
 
-// copy_n's copies, each as one block row runs it.
-int cc_copy_n(int itemsize, void* const* dst, const void* const* src, const i64* n, int k) {
+// copy_n's copies, each as one block row runs it: source q into destinations q*m ... q*m+m-1.
+int cc_copy_n(int itemsize, void* const* dst, const void* const* src, const i64* n, int k, int m) {
     switch (itemsize) {
-        case 1: copy_e<b1>(dst, src, n, k); return 0;
-        case 2: copy_e<b2>(dst, src, n, k); return 0;
-        case 4: copy_e<b4>(dst, src, n, k); return 0;
-        case 8: copy_e<b8>(dst, src, n, k); return 0;
-        case 16: copy_e<b16>(dst, src, n, k); return 0;
+        case 1: copy_e<b1>(dst, src, n, k, m); return 0;
+        case 2: copy_e<b2>(dst, src, n, k, m); return 0;
+        case 4: copy_e<b4>(dst, src, n, k, m); return 0;
+        case 8: copy_e<b8>(dst, src, n, k, m); return 0;
+        case 16: copy_e<b16>(dst, src, n, k, m); return 0;
     }
     return -1;
 }
