@@ -108,6 +108,11 @@ _DESCRIPTOR = 13  # words of a buffer's descriptor: IPC handle (8), base, buffer
 _HANDLE_WORDS = 8
 _UNSHAREABLE = -1  # a descriptor's byte count where the rank's buffer cannot be exported
 _AHEAD = 1 << 20  # released waits: a value this far past the fences pending (cyclic comparison)
+_NOTHING = np.zeros(_DESCRIPTOR, np.int64)  # the descriptor of no buffer (read-only, as every descriptor)
+_NOTHING.flags.writeable = False
+_UNSHAREABLE_WORDS = _NOTHING.copy()  # the descriptor of a buffer the driver cannot export
+_UNSHAREABLE_WORDS[_HANDLE_WORDS + 3] = _UNSHAREABLE
+_UNSHAREABLE_WORDS.flags.writeable = False
 
 
 class PeerWindow:
@@ -182,8 +187,16 @@ class PeerWindow:
         self.lines[self.rank, start : start + _DESCRIPTOR] = descriptor
 
     def descriptor_of(self, rank, parity, which):
+        """Rank ``rank``'s descriptor of buffer ``which``, as bytes (what
+        :meth:`PeerNode.peer_buffer` looks buffers up by)."""
         start = _DESCRIPTORS + (3 * parity + which) * _DESCRIPTOR
-        return self.lines[rank, start : start + _DESCRIPTOR].copy()
+        return self.lines[rank, start : start + _DESCRIPTOR].tobytes()
+
+    def unshareable(self, parity, which):
+        """The ranks whose descriptor of buffer ``which`` says it cannot be shared."""
+        at = _DESCRIPTORS + (3 * parity + which) * _DESCRIPTOR + _HANDLE_WORDS + 3
+        words = self.words
+        return [q for q in range(self.size) if words[q * _LINE + at] == _UNSHAREABLE]
 
     def publish_digest(self, parity, digest):
         self.words[self.rank * _LINE + _DIGEST + parity] = digest
@@ -303,6 +316,7 @@ class PeerNode:
         """``exchange(words)``: every node rank's int64 ``words`` (a timed allgather over
         the node), for what the ranks settle at the start."""
         self.device, self.backend = device, device.backend
+        self._described = {}  # where this rank's buffers lie -> their descriptor words (descriptor)
         uuids = gpus_of_the_node(self.backend, exchange)
         self.gpus = len(uuids)  # the node's GPUs (its ranks' devices)
         # every rank of the node on one GPU: auto's leader runs there (else one_shot: routes.peer)
@@ -365,18 +379,27 @@ class PeerNode:
         """The words that tell the other ranks where ``array`` is: its allocation's
         handle, base address and buffer id, the offset in it, ``nbytes``, the
         allocation's size; ``nbytes`` -1 where it cannot be shared (memory the device
-        cannot export), 0 for nothing."""
-        words = np.zeros(_DESCRIPTOR, np.int64)
+        cannot export), 0 for nothing. Read-only: the same words for the same place, made
+        once (a steady loop of calls describes the same buffers call after call); the
+        driver is asked where the buffer lies every time (memory freed and allocated
+        again at the same address is another allocation: another buffer id)."""
         if nbytes == 0:
-            return words
+            return _NOTHING
         try:
             base, size, buffer_id = self.backend.allocation(array)
             handle = self.memory.handle_of(base, buffer_id)
         except Exception:  # noqa: BLE001 - whatever the driver says, the others must hear of it
-            words[_HANDLE_WORDS + 3] = _UNSHAREABLE
-            return words
-        words[:_HANDLE_WORDS] = np.frombuffer(handle.ljust(8 * _HANDLE_WORDS, b"\0"), np.int64)
-        words[_HANDLE_WORDS:] = (base, np.uint64(buffer_id).view(np.int64), _ptr(array) - base, nbytes, size)
+            return _UNSHAREABLE_WORDS
+        key = (base, buffer_id, _ptr(array) - base, nbytes, size)  # (the handle: base's and buffer id's)
+        words = self._described.get(key)
+        if words is None:
+            words = np.zeros(_DESCRIPTOR, np.int64)
+            words[:_HANDLE_WORDS] = np.frombuffer(handle.ljust(8 * _HANDLE_WORDS, b"\0"), np.int64)
+            words[_HANDLE_WORDS:] = (base, np.uint64(buffer_id).view(np.int64), key[2], nbytes, size)
+            words.flags.writeable = False
+            if len(self._described) >= 256:
+                self._described.clear()
+            self._described[key] = words
         return words
 
     def open(self, rank, words, what):
@@ -401,14 +424,15 @@ class PeerNode:
         self.backend.synchronize_stream(self._flag_stream)
         return host
 
-    def peer_buffer(self, rank, words, what, storage):
-        """Rank ``rank``'s buffer that ``words`` describes, typed ``storage`` (a
-        :class:`_Sliced`; None for nothing). Kept: the same buffer in a later call costs
-        a lookup, and its slices too (the peer's allocation stays open anyway)."""
-        key = (rank, words.tobytes(), storage)
+    def peer_buffer(self, rank, described, what, storage):
+        """Rank ``rank``'s buffer that ``described`` (its descriptor's bytes) describes,
+        typed ``storage`` (a :class:`_Sliced`; None for nothing). Kept: the same buffer
+        in a later call costs a lookup, and its slices too (the peer's allocation stays
+        open anyway)."""
+        key = (rank, described, storage)
         found = self._buffers.get(key, False)
         if found is False:
-            raw = self.open(rank, words, what)
+            raw = self.open(rank, np.frombuffer(described, np.int64), what)
             found = None if raw is None else _Sliced(raw.view(storage))
             if len(self._buffers) >= 256:
                 self._buffers.clear()
@@ -970,11 +994,10 @@ class PeerCall:
         """Every rank's buffers that the call shares (this rank's too) can be opened:
         else raise, alike on every rank (:func:`check_shareable`)."""
         window = self.window
-        check_shareable(window.descriptors(self.parity, 0), "input x", self.describe)
-        if self.slot:
-            check_shareable(window.descriptors(self.parity, 1), "window slot", self.describe)
-        if self.shared_out:
-            check_shareable(window.descriptors(self.parity, 2), "output out", self.describe)
+        for which, what, shared in ((0, "input x", True), (1, "window slot", self.slot),
+                                    (2, "output out", self.shared_out)):
+            if shared and (unshareable := window.unshareable(self.parity, which)):
+                raise CollectiveError(f"{self.describe}: {unshareable_message(what, unshareable)}")
 
     def _signal(self, k, epoch):
         """stream and kernel (the first fence): once the work before it has run, the
@@ -1065,7 +1088,7 @@ class PeerCall:
             return
         rows, placement = found
         node, storage = self.node, self.arrays["in"].dtype
-        self.peers = {q: (node.peer_buffer(q, rows[q], "input", storage), None, None)
+        self.peers = {q: (node.peer_buffer(q, rows[q].tobytes(), "input", storage), None, None)
                       for q in range(self.window.size) if q != self.window.rank}
         self.digest = call_digest(self.signature, placement)
         self.assumed = True
@@ -1105,10 +1128,8 @@ class PeerCall:
         self.mine = node.descriptor(inp, inp.nbytes)
         window.publish(self.parity, 0, self.mine)
         slot = node.slot_of(self.slot * self.dtype.itemsize) if self.slot else None
-        window.publish(self.parity, 1, node.descriptor(slot, slot.nbytes) if slot is not None
-                       else np.zeros(_DESCRIPTOR, np.int64))
-        window.publish(self.parity, 2, node.descriptor(out, out.nbytes) if self.shared_out
-                       else np.zeros(_DESCRIPTOR, np.int64))
+        window.publish(self.parity, 1, node.descriptor(slot, slot.nbytes) if slot is not None else _NOTHING)
+        window.publish(self.parity, 2, node.descriptor(out, out.nbytes) if self.shared_out else _NOTHING)
 
     def _meet(self):
         """Past the first fence: compare the signatures; check that every rank's buffers
@@ -1236,8 +1257,9 @@ def check_shareable(descriptors, what, describe):
     rank's included) says its ``what`` cannot be shared: every rank reads the same rows,
     so every rank raises the same error, naming the ranks, before anyone opens or reads
     anything."""
-    which = np.flatnonzero(descriptors[:, _HANDLE_WORDS + 3] == _UNSHAREABLE)
-    if which.size:
+    unshareable = descriptors[:, _HANDLE_WORDS + 3] == _UNSHAREABLE
+    if unshareable.any():
+        which = np.flatnonzero(unshareable)
         raise CollectiveError(f"{describe}: {unshareable_message(what, which.tolist())}")
 
 
