@@ -99,6 +99,7 @@ GAIN_NEEDED = 2.0  # the conservative rule leaves native only for this predicted
 # own measurement may stray from it: a run's measurements differ by a few percent
 # (113-118 MB/s in bench/results/testbed-1gbit), networks by factors of 10.
 LINK = "link_MBps"
+GPU = "gpu"  # a device table entry's stamp of the ranks' GPUs (gpu_stamp), checked at the first device call
 LINK_TOLERANCE = 1.5
 
 # A node layout as Topology.key() writes it: nodes x ranks per node, or the node sizes.
@@ -177,6 +178,14 @@ def fingerprint(topology=None, world_size=None):
 _this_fingerprint = fingerprint  # for Selector, whose argument of that name shadows it
 
 
+def gpu_stamp(names, uuids):
+    """The ranks' GPUs as a device table's entry is stamped with them (``GPU``): their
+    models and how many distinct ones the ranks use, ``"NVIDIA H200 x1"`` (the ranks
+    share one) or ``"NVIDIA H100 80GB HBM3 x4"``; ``names`` and ``uuids``: each rank's
+    device's (a node's PCI address: on several alike nodes, the GPUs of one)."""
+    return f"{' + '.join(sorted(set(names)))} x{len(set(uuids))}"
+
+
 def link_stamp(rate):
     """A link rate in bytes per second as a fingerprint holds it: MB/s, 3 figures."""
     return float(f"{rate / 1e6:.3g}")
@@ -207,7 +216,8 @@ def describe_fingerprint(stamp):
     rpn = stamp.get("ranks_per_node", "?")
     layout = f"{stamp.get('nodes', '?')}x{rpn}" if isinstance(rpn, int) else f"{stamp.get('nodes', '?')} nodes {rpn}"
     link = f", a {stamp[LINK]:g} MB/s link" if LINK in stamp else ""
-    return f"{stamp.get('cpu', '?')}, {stamp.get('cpus', '?')} CPUs, {mpi}, {layout}{link}"
+    gpus = f", GPUs {stamp[GPU]}" if GPU in stamp else ""
+    return f"{stamp.get('cpu', '?')}, {stamp.get('cpus', '?')} CPUs, {mpi}, {layout}{link}{gpus}"
 
 
 class TuningTable:
@@ -879,6 +889,11 @@ class Selector:
         self._why_not = [why if ok is False else None if self.in_use[i] else "another rank's machine or layout "
                          f"differs from the one {(table, device_table)[i].source} was measured on"
                          for i, (ok, why) in enumerate(here)]
+        # The GPUs the device table was measured on, where its entry names them: checked
+        # at the first call on a device (learn_gpu_stamp); a table of other GPUs is then
+        # put aside (a communicator is made without touching the device).
+        self._table_gpus = (device_table.stamp(f"{self.key} device") or {}).get(GPU) if self.in_use[1] else None
+        self._other_gpus = None  # why the device table was put aside: measured on other GPUs
         # No host table here: calibrate the cost model on this machine (every rank, or none).
         self.calibration = None
         if agreed & 16 and not self.in_use[0] and world_size > 1 and set(BUILDERS) - set(self.overrides):
@@ -889,6 +904,17 @@ class Selector:
         # measured on).
         self.gpus = None
         self.device_model = SHIPPED_DEVICE_MODEL  # the device rule's parameters
+
+    def learn_gpu_stamp(self, stamp):
+        """The ranks' GPUs are ``stamp`` (:func:`gpu_stamp`), as the first call on a device
+        learnt (the same on every rank): a device table whose entry names other GPUs is
+        no longer used. True if that changed what ``auto`` picks."""
+        if not self.in_use[1] or self._table_gpus is None or stamp == self._table_gpus:
+            return False
+        self.in_use[1] = False
+        self._other_gpus = f"{self.device_table.source} was measured on GPUs {self._table_gpus}, these are {stamp}"
+        self._cache.clear()
+        return True
 
     def learn_gpus(self, gpus, ranks, mechanism):
         """The node's ``ranks`` are on ``gpus`` GPUs and meet at fences of ``mechanism``,
@@ -920,6 +946,7 @@ class Selector:
         if stamp is None:
             return self.unstamped, f"{table.source} has no fingerprint, so only a file named by {TUNING_ENV} is used"
         same = canonical(stamp)  # an MPI written as before fingerprints named the family counts as that family's
+        same = {k: v for k, v in same.items() if k != GPU}  # (a device entry's GPUs: checked by learn_gpus)
         if same == self.fingerprint:
             return True, None
         if LINK in same and {k: v for k, v in same.items() if k != LINK} == self.fingerprint:
@@ -1024,7 +1051,8 @@ class Selector:
                 return choice, f"measured table {table.source}" + (f" (layout {self.key})" if self.several else "")
         if device:
             choice, why = device_choice(collective, nbytes, self.world_size, self.topology, self.device_model)
-            why += f" (no measured table for device arrays; {self._describe_gpus()})"
+            other = f": {self._other_gpus}" if self._other_gpus else ""
+            why += f" (no measured table for device arrays{other}; {self._describe_gpus()})"
             if self.several:
                 why += f" for {self.topology.describe()}"
             return choice, why

@@ -10,6 +10,8 @@ with NumPy; the three ways of moving device messages (CUDA IPC between ranks of 
 node, staging through pinned host memory, and CUDA-aware MPI) each run everything.
 """
 
+import json
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -799,3 +801,38 @@ def test_gradients_from_two_streams(mpi_comm):
                 problems.append(name)
     comm.free()
     agree(mpi_comm, problems)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_device_table_of_other_gpus_is_put_aside_at_the_first_device_call(mpi_comm, tmp_path, monkeypatch):
+    """A device table's entry names the GPUs it was measured on: a communicator is made
+    without touching the device, so ``auto`` follows the table until the first call on a
+    device learns every rank's GPU (the negotiation); where the table's are others, the
+    device cost model answers from then on, on every rank alike, and comm.choose says
+    why; on the same GPUs the table stays."""
+    from collectives import tuning
+
+    probe = cc.Communicator()
+    probe.allreduce(D.asarray(np.ones(1, np.float32)))
+    ours = next(iter(probe._ctx.devices.values())).gpus
+    probe.free()
+    size = mpi_comm.Get_size()
+    path = tmp_path / "device-table.json"
+    for measured_on, kept in ((ours, True), ("Another GPU x1", False)):
+        stamp = {**tuning.fingerprint_for_key(size), "gpu": measured_on}
+        tables = {"allreduce": {str(size): [[0, "ring"]]}}
+        path.write_text(json.dumps({"format": 1, "tables": {}, "device_tables": tables,
+                                    "measured": {f"{size} device": {"fingerprint": stamp}}}))
+        monkeypatch.setenv(tuning.TUNING_ENV, str(path))
+        comm = cc.Communicator()
+        assert comm.choose("allreduce", 64, device=True)[0] == "ring"
+        xs = [rank_input(r, 16, "float32") for r in range(size)]
+        got = D.asnumpy(comm.allreduce(D.asarray(xs[comm.rank])))
+        assert np.array_equal(got, expected_result("allreduce", comm.rank, size, xs))
+        choice, why = comm.choose("allreduce", 64, device=True)
+        if kept:
+            assert choice == "ring" and why.startswith("measured table"), why
+        else:
+            assert f"was measured on GPUs Another GPU x1, these are {ours}" in why, why
+        assert mpi_comm.allgather(choice) == [choice] * size
+        comm.free()

@@ -211,6 +211,36 @@ def test_the_ranks_agree_on_the_table(tmp_path, clean_environment):
 
 
 @serial
+def test_a_device_table_of_other_gpus_is_put_aside_once_a_device_call_learns_the_node(tmp_path, clean_environment):
+    """A device table's entry names the GPUs it was measured on (tune.write's ``gpus``):
+    a communicator is made without touching the device, so the table answers until the
+    first call on a device learns the ranks' GPUs (Selector.learn_gpu_stamp); on other
+    GPUs (another model, or as many ranks on more GPUs) the device cost model answers
+    from then on, and comm.choose says why; on the same GPUs, or where the entry names
+    none (a table written before), the table stays."""
+    device = {"allreduce": {"4": [[0, "two_shot"]]}}
+    h200 = tuning.gpu_stamp(["NVIDIA H200"] * 4, ["gpu-0"] * 4)
+    assert h200 == "NVIDIA H200 x1" and tuning.gpu_stamp(["B", "A", "B", "A"], "0123") == "A + B x4"
+    measured = f"measured table {tmp_path / 't.json'} (device_tables)"
+    for stamp, learnt, kept in ((h200, h200, True), (h200, "NVIDIA H100 80GB HBM3 x1", False),
+                                (h200, "NVIDIA H200 x4", False), (None, "NVIDIA H100 80GB HBM3 x4", True)):
+        path = stamped_file(tmp_path / "t.json", stamps={"4 device": {**here(), **({"gpu": stamp} if stamp else {})}},
+                            device_tables=device)
+        selector = Selector.from_environment(4, {tuning.TUNING_ENV: str(path)})
+        assert selector.explain("allreduce", 100, device=True) == ("two_shot", measured), stamp
+        assert selector.learn_gpu_stamp(learnt) != kept
+        choice, why = selector.explain("allreduce", 100, device=True)
+        assert selector.in_use[1] == kept and selector.choose("allreduce", 100, device=True) == choice
+        if kept:
+            assert (choice, why) == ("two_shot", measured), (stamp, learnt, why)
+        else:
+            times = tuning.predict_device("allreduce", 100, 4, selector.device_model)
+            assert choice == min(times, key=times.get), (learnt, why)
+            assert f"was measured on GPUs {stamp}, these are {learnt}" in why, why
+        assert selector.explain("allreduce", 100)[0] == "tree"  # the host table is another matter
+
+
+@serial
 def test_a_table_of_several_nodes_is_used_only_over_the_link_it_was_measured_on(tmp_path, clean_environment):
     """An entry of several nodes holds the link --tune measured: the job measures its
     own (only then, and together: both agreements are the ranks' AND) and uses the
@@ -677,11 +707,11 @@ def test_tune_write_stamps_every_entry(tmp_path):
     rows = [row("native", 8, 1.0, world_size=2), row("ring", 8, 2.0, world_size=2)]
     layout_rows = [{**r, "world_size": 8, "layout": "2x4"} for r in rows]
     tune.write(path, rows + layout_rows, {"dtype": "float32"}, link=117.4e6)
-    tune.write(path, rows, {"dtype": "float32"}, key="device_tables")
+    tune.write(path, rows, {"dtype": "float32"}, key="device_tables", gpus="NVIDIA H200 x1")
     measured = json.loads(path.read_text())["measured"]
     assert measured["2"]["fingerprint"] == here("2")  # one node: no link in its key
     assert measured["2x4"]["fingerprint"] == {**here("2x4"), "link_MBps": 117.0} and here("2x4")["nodes"] == 2
-    assert measured["2 device"]["fingerprint"] == here("2")
+    assert measured["2 device"]["fingerprint"] == {**here("2"), "gpu": "NVIDIA H200 x1"}
     # and auto uses what it wrote, here
     selector = Selector.from_environment(2, {tuning.TUNING_ENV: str(path)})
     assert selector.in_use == [True, True]

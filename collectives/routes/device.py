@@ -35,6 +35,8 @@ def device_context(ctx: Any, backend: Any, timeout: float | None) -> Any:
         device = negotiate(ctx.comm, node_comm, backend, request, **ctx.options.device_options)
         ctx.devices[backend] = device
         ctx.progress.backends.append(backend)
+        if ctx.selector.learn_gpu_stamp(device.gpus):  # a device table of other GPUs: put aside
+            ctx.call_kinds.clear()  # (every rank alike: the kinds resolved from it are resolved anew)
     return device
 
 

@@ -43,6 +43,7 @@ from mpi4py import MPI
 
 from ..errors import MessageSizeError, TransportError
 from ..schedule import Copy, Reduce, ReduceMany, Send
+from ..tuning import gpu_stamp
 from .device_node import peer_memory
 from .mpi import PlanHandle
 from .native import mismatch
@@ -52,7 +53,9 @@ from .retired import retire
 _CONTROL_WORDS = 22  # int64s of an IPC control message: slot, bytes, its allocation's size, -, handles, base, id
 _HANDLE_BYTES = 64  # a CUDA IPC memory or event handle
 _CONTROL_BYTES = 8 * _CONTROL_WORDS
+_NAME_BYTES = 64  # a device's uuid, and its model's name, as negotiate exchanges them
 _PROBE_WORDS = 4 + 2 * _HANDLE_BYTES // 8  # negotiate's row per rank: pid, base, buffer id, bytes, handles
+_ROW_WORDS = _PROBE_WORDS + 2 * _NAME_BYTES // 8  # ... then the device's uuid and model
 _KEPT_MEMORY: list = []  # broken communicators' IPC slots and their mappings of the peers' (DeviceContext.free)
 _STAGED = 1  # control word 3: the segment comes staged on the bulk communicator, not in a slot
 
@@ -177,6 +180,7 @@ class DeviceContext:
         # can run: transport.device_node); the same answer on every rank.
         self.ipc_everywhere = ipc_everywhere
         self.ipc_refusals = {}  # peer -> why this rank could not open its IPC memory (negotiate's probe)
+        self.gpus = None  # every rank's GPU, tuning.gpu_stamp (negotiate): its model, how many there are
         self.peer = None  # the peer-read calls' state (device_node.PeerNode), made at the first such call
         self.cuda_aware = cuda_aware  # MPI takes device memory (for native, and the non-IPC peers)
         self.paths = paths  # rank -> "staged" | "cuda-aware" | "ipc" ("self" for this rank)
@@ -341,20 +345,22 @@ def negotiate(comm, node_comm, backend, request, cuda_ipc=None, cuda_aware=None,
     same_node = set(node.Get_group().Translate_ranks(list(range(node.Get_size())), comm.Get_group()))
     probe, reach = None, np.zeros(size, np.uint8)
     # pid, then the probe's base, buffer id and size and its memory and event handles (none: zeros)
-    mine = np.zeros(_PROBE_WORDS, np.int64)
+    mine = np.zeros(_ROW_WORDS, np.int64)
     mine[0] = os.getpid()
+    mine[_PROBE_WORDS:] = np.frombuffer(b"".join(str(v).encode().ljust(_NAME_BYTES, b"\0")[:_NAME_BYTES]
+                                                 for v in (backend.uuid, backend.name)), np.int64)
     if wanted[0]:
         try:
             probe = _Slot(backend, -1, 64)
             mine[1:4] = probe.base, np.uint64(probe.buffer_id).view(np.int64), probe.size
-            mine[4:] = np.frombuffer(probe.handle + probe.event_handle, np.int64)
+            mine[4:_PROBE_WORDS] = np.frombuffer(probe.handle + probe.event_handle, np.int64)
         except Exception:  # noqa: BLE001 - this GPU or process cannot export: no IPC from here
             probe, wanted[0] = None, 0
     probes = np.empty((size, mine.size), np.int64)
     request(lambda: comm.Iallgather(mine, probes), probes.nbytes)
     refusals = {}  # peer -> why this rank could not open its probe
     for peer in same_node:
-        if peer != rank and probe is not None and probes[peer, 4:].any():
+        if peer != rank and probe is not None and probes[peer, 4:_PROBE_WORDS].any():
             refusals[peer] = _can_open(backend, probes[peer])
             reach[peer] = refusals[peer] is None
     reaches = np.empty((size, size), np.uint8)
@@ -375,6 +381,9 @@ def negotiate(comm, node_comm, backend, request, cuda_ipc=None, cuda_aware=None,
     context = DeviceContext(backend, paths, ack_comm, bulk_comm, aware, ipc_memory, everywhere,
                             [int(pid) for pid in probes[:, 0]])
     context.ipc_refusals = {peer: why for peer, why in refusals.items() if why is not None}
+    named = [(row[:_NAME_BYTES], row[_NAME_BYTES:]) for row in (r[_PROBE_WORDS:].tobytes() for r in probes)]
+    context.gpus = gpu_stamp([name.rstrip(b"\0").decode(errors="replace") for _, name in named],
+                             [uuid for uuid, _ in named])  # every rank's GPU: the same everywhere
     return context
 
 
@@ -382,7 +391,7 @@ def _can_open(backend, words):
     """None if this process can open another's IPC buffer and event, as ``words`` (its
     row of the probes) describe them (both closed again), else what the driver said."""
     pid, base, buffer_id, nbytes = int(words[0]), int(words[1]), int(words[2]) & (2 ** 64 - 1), int(words[3])
-    handles = words[4:].tobytes()
+    handles = words[4:_PROBE_WORDS].tobytes()
     memory, event = peer_memory(backend), None
     try:
         memory.view(pid, base, buffer_id, handles[:_HANDLE_BYTES], nbytes, 0, nbytes)

@@ -325,6 +325,7 @@ def sweep(args, world, comm, device=None, ordered_comm=None):
     if bar is not None:
         bar.close()
     wrong = sum(row["wrong"] or 0 for row in rows)
+    gpus = device.gpus(world) if args.tune and device is not None else None  # (collective)
     if rank0:
         if args.check:
             print(f"\n# check: {wrong} wrong elements over {len(rows)} rows (summed over ranks)")
@@ -338,7 +339,7 @@ def sweep(args, world, comm, device=None, ordered_comm=None):
         if args.tune:
             settings = {"dtype": args.dtype, "op": args.op, "inplace": args.inplace, "budget_s": args.budget,
                         "device": args.device}
-            new = tune.write(args.tune, rows, settings, "tables" if device is None else "device_tables", link)
+            new = tune.write(args.tune, rows, settings, "tables" if device is None else "device_tables", link, gpus)
             print(f"\n# tuning for world size {world.Get_size()} merged into {args.tune}:")
             for collective, by_size in new.items():
                 for entries in by_size.values():

@@ -34,6 +34,14 @@ class BenchDevice:
         else:
             raise ValueError(f"device must be 'cuda' or 'standin'; got {kind!r}")
 
+    def gpus(self, world):
+        """The GPUs of ``world``'s ranks as a device table is stamped with them
+        (:func:`~collectives.tuning.gpu_stamp`; collective)."""
+        from ...tuning import gpu_stamp
+
+        everyone = world.allgather((self.backend.name, self.backend.uuid))
+        return gpu_stamp([name for name, _ in everyone], [uuid for _, uuid in everyone])
+
     @property
     def stream(self):
         return self.backend.current_stream()

@@ -257,11 +257,12 @@ def measure(args):
                       "time_us": r["p50_us"], "round_spread": r.get("round_spread", 0.0),
                       "world_size": r["world_size"]}
                      for r in rows if r["measure"] == "collective" and r["contender"] not in ("staged", "auto")]
+        gpus = device.gpus(world)  # (collective)
         if world.Get_rank() == 0:
             from . import tune
 
             tune.write(args.tune, tune_rows, {"dtype": "float32", "tool": "collectives.tools.bench.peer"},
-                       key="device_tables")
+                       key="device_tables", gpus=gpus)
     for comm in comms.values():
         comm.free()
     return 0

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from ...tuning import FORMAT, TuningTable, fingerprint_for_key
+from ...tuning import FORMAT, GPU, TuningTable, fingerprint_for_key
 
 STICKINESS = 1.05
 NOISE_FLOOR = 0.05  # native keeps a size unless beaten by more than max(this, the rounds' spread)
@@ -127,12 +127,14 @@ def describe_machine():
     }
 
 
-def write(path, rows, settings, key="tables", link=None):
+def write(path, rows, settings, key="tables", link=None, gpus=None):
     """Merge the tables measured in ``rows`` into the tuning file at ``path`` (created if
     missing; world sizes measured before and not now are kept). ``key`` is
     ``"device_tables"`` for measurements on device arrays. ``link``: the node-to-node
     rate measured in the same job (bytes per second), which the fingerprint of a
-    layout of several nodes holds."""
+    layout of several nodes holds; ``gpus``: the node's GPUs
+    (:func:`~collectives.tuning.gpu_stamp`), which a device table's fingerprint holds
+    (auto uses the table only on the same GPUs)."""
     path = Path(path)
     data = {"format": FORMAT, "measured": {}, "tables": {}}
     if path.exists():
@@ -147,7 +149,8 @@ def write(path, rows, settings, key="tables", link=None):
         data[key].setdefault(collective, {}).update(by_size)
         for world_size in by_size:
             data["measured"][world_size + where] = {**settings, **describe_machine(),
-                                                    "fingerprint": fingerprint_for_key(world_size, link),
+                                                    "fingerprint": {**fingerprint_for_key(world_size, link),
+                                                                    **({GPU: gpus} if gpus and where else {})},
                                                     "date": datetime.date.today().isoformat()}
     TuningTable(data[key], source=path)  # what auto will load must be valid
     path.parent.mkdir(parents=True, exist_ok=True)
