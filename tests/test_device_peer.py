@@ -1228,17 +1228,19 @@ MUTATIONS = {  # name: (mechanism, PeerCall method, its replacement given the re
 }
 WORKLOAD = [("allreduce", "one_shot"), ("allreduce", "two_shot"), ("reduce_scatter", "one_shot"),
             ("allgather", "one_shot"), ("broadcast", "one_shot"), ("reduce", "one_shot")]
+LEADERS = [(c, a) for c, a in PEERS if a == "leader"]
 
 
-def _workload(comm, mpi_comm, rounds, registered=False):
-    """``rounds`` of every peer-read collective, each input written by work queued on the
-    user's stream just before the call (on rank 0 held back for 20 ms by a word the
-    stream waits for, while every rank polls the call: the others would read rank 0's
-    input too early), and overwritten just after it returns, as a caller may (the
-    others then wait 10 ms before they go on: they would read rank 0's input too late);
-    returns (wrong results, an error) as every rank saw them. ``registered``: every
-    input is one registered array (``Communicator.empty(device=)``), which with kernel
-    fences the calls that need no window slot read without the host's meeting."""
+def _workload(comm, mpi_comm, rounds, registered=False, collectives=WORKLOAD, held=0):
+    """``rounds`` of every peer-read collective of ``collectives``, each input written by
+    work queued on the user's stream just before the call (on rank ``held`` held back
+    for 20 ms by a word the stream waits for, while every rank polls the call: the
+    others would read its input too early), and overwritten just after it returns, as
+    a caller may (the others then wait 10 ms before they go on: they would read its
+    input too late); returns (wrong results, an error) as every rank saw them.
+    ``registered``: every input is one registered array (``Communicator.empty(device=)``),
+    which with kernel fences the calls that need no window slot read without the
+    host's meeting."""
     wrong, error = 0, None
     user, dev = D.new_stream(), D.si.device()
     gate = np.zeros(1, np.uint32)  # host memory the user's stream waits on (a stream wait value)
@@ -1246,12 +1248,12 @@ def _workload(comm, mpi_comm, rounds, registered=False):
     kept = comm.empty(n, np.float32, device=D.device) if registered else None
     with D.use_stream(user):
         for k in range(rounds):
-            for collective, algorithm in WORKLOAD:
+            for collective, algorithm in collectives:
                 root = k % comm.size
                 xs = [rank_input(r, n, "float32") + k for r in range(comm.size)]
                 try:
                     x = kept if registered else D.empty(n, np.float32)
-                    if comm.rank == 0:
+                    if comm.rank == held:
                         dev.wait_value(user, gate, 0, gate[0] + 1)
                     D.copy_async(x, xs[comm.rank], user)
                     handle = call(comm, collective, x, algorithm, root=root, asynchronous=True, timeout=3)
@@ -1259,8 +1261,8 @@ def _workload(comm, mpi_comm, rounds, registered=False):
                     while time.monotonic() < until:
                         comm.poll()
                     gate[0] += 1
-                    if comm.rank != 0:  # rank 0 may now finish and write its input again while the others
-                        time.sleep(0.01)  # do nothing: their reads of it run after that, unless a fence holds it
+                    if comm.rank != held:  # the held rank may now finish and write its input again while the
+                        time.sleep(0.01)  # others do nothing: their reads of it run after that, unless a fence holds it
                     got = handle.wait()
                     host = None if got is None else D.asnumpy(got, stream=user)
                     D.copy_async(x, np.full(n, -7.0, np.float32), user)  # the caller writes its input again
@@ -1343,6 +1345,7 @@ def test_the_workload_passes_with_every_synchronisation(mpi_comm):
     for mechanism in MECHANISMS:
         comm = communicator(mechanism)
         assert _workload(comm, mpi_comm, 3) == (0, None), mechanism
+        assert _workload(comm, mpi_comm, 3, collectives=LEADERS, held=comm.size - 1) == (0, None), mechanism
         assert _workload(comm, mpi_comm, 3, registered=True) == (0, None), mechanism
         assert _after_a_ring_call(comm, mpi_comm, 3) == (0, None), mechanism
         comm.free()
@@ -1360,6 +1363,27 @@ def test_taking_out_any_synchronisation_makes_the_workload_fail(mpi_comm, monkey
     comm = communicator(mechanism)
     monkeypatch.setattr(device_node.PeerCall, method, replacement(getattr(device_node.PeerCall, method)))
     wrong, error = WORKLOAD_OF.get(mutation, _workload)(comm, mpi_comm, 6)
+    monkeypatch.undo()
+    assert wrong or error, f"{mutation}: every result right, no error: the stand-in let it pass"
+    if error and "Timed out" in error and "another rank" not in error:
+        assert " for rank" in error, f"{mutation}: a timeout that names no rank: {error}"
+
+
+@pytest.mark.long  # make test runs it at 2-4 ranks, make test-long at 5-8
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mutation", sorted(set(MUTATIONS) - set(WORKLOAD_OF)))
+def test_taking_out_any_synchronisation_makes_the_leaders_fail(mpi_comm, monkeypatch, mutation):
+    """The same for the leaders (rank 0, broadcast's root, reads every input and writes
+    every output; the others run no device work in the call): the last rank's input
+    is the one held back, so the leader would read it too early, and the others would
+    return before their outputs are written. (The leaders take no registered-array
+    path, whose outputs another rank writes, and the ring call's workspace is
+    one_shot's case alone.)"""
+    stand_in_only("a GPU may run the racing work in time")
+    mechanism, method, replacement = MUTATIONS[mutation]
+    comm = communicator(mechanism)
+    monkeypatch.setattr(device_node.PeerCall, method, replacement(getattr(device_node.PeerCall, method)))
+    wrong, error = _workload(comm, mpi_comm, 6, collectives=LEADERS, held=comm.size - 1)
     monkeypatch.undo()
     assert wrong or error, f"{mutation}: every result right, no error: the stand-in let it pass"
     if error and "Timed out" in error and "another rank" not in error:
