@@ -34,7 +34,9 @@ In order, the first that answers:
    :func:`collectives.algorithms.cost_model_choice` here instead (latency- then
    bandwidth-optimal algorithms, the two-level ones on several nodes).
 
-Device arrays have tables of their own (``device_tables``, same fingerprint rule);
+Device arrays have tables of their own (``device_tables``, same fingerprint rule, and
+an entry names the GPUs it was measured on, :func:`gpu_stamp`: the first call on a
+device learns the ranks' GPUs, and a table of others is put aside from then on);
 without one they take the device cost model (:func:`device_choice`): on one node the
 fastest predicted of the peer-read algorithms (``one_shot``, ``two_shot``, ``leader``: the
 last only where the ranks share a GPU, which the first peer-read call learns and tells
@@ -100,6 +102,7 @@ GAIN_NEEDED = 2.0  # the conservative rule leaves native only for this predicted
 # (113-118 MB/s in bench/results/testbed-1gbit), networks by factors of 10.
 LINK = "link_MBps"
 GPU = "gpu"  # a device table entry's stamp of the ranks' GPUs (gpu_stamp), checked at the first device call
+GPU_NAME_BYTES = 64  # of a GPU's model name, as the device negotiation exchanges it
 LINK_TOLERANCE = 1.5
 
 # A node layout as Topology.key() writes it: nodes x ranks per node, or the node sizes.
@@ -182,8 +185,10 @@ def gpu_stamp(names, uuids):
     """The ranks' GPUs as a device table's entry is stamped with them (``GPU``): their
     models and how many distinct ones the ranks use, ``"NVIDIA H200 x1"`` (the ranks
     share one) or ``"NVIDIA H100 80GB HBM3 x4"``; ``names`` and ``uuids``: each rank's
-    device's (a node's PCI address: on several alike nodes, the GPUs of one)."""
-    return f"{' + '.join(sorted(set(names)))} x{len(set(uuids))}"
+    device's (a node's PCI address: on several alike nodes, the GPUs of one). A name
+    counts by its first ``GPU_NAME_BYTES`` bytes, as the ranks exchange it."""
+    names = {str(name).encode()[:GPU_NAME_BYTES].decode(errors="replace") for name in names}
+    return f"{' + '.join(sorted(names))} x{len(set(uuids))}"
 
 
 def link_stamp(rate):
@@ -905,14 +910,21 @@ class Selector:
         self.gpus = None
         self.device_model = SHIPPED_DEVICE_MODEL  # the device rule's parameters
 
-    def learn_gpu_stamp(self, stamp):
+    def learn_gpu_stamp(self, stamp, agree=None):
         """The ranks' GPUs are ``stamp`` (:func:`gpu_stamp`), as the first call on a device
         learnt (the same on every rank): a device table whose entry names other GPUs is
-        no longer used. True if that changed what ``auto`` picks."""
-        if not self.in_use[1] or self._table_gpus is None or stamp == self._table_gpus:
+        no longer used. ``agree(fits)``: every rank's verdict ANDed (collective; called
+        on every rank where the device table is in use, which the ranks agreed on), so
+        that ranks whose table files differ decide alike. True if that changed what
+        ``auto`` picks."""
+        if not self.in_use[1]:
+            return False
+        fits = self._table_gpus is None or stamp == self._table_gpus
+        if (agree(fits) if agree is not None else fits):
             return False
         self.in_use[1] = False
-        self._other_gpus = f"{self.device_table.source} was measured on GPUs {self._table_gpus}, these are {stamp}"
+        self._other_gpus = (f"{self.device_table.source} was measured on GPUs {self._table_gpus}, these are {stamp}"
+                            if not fits else "another rank's device table was measured on other GPUs")
         self._cache.clear()
         return True
 
@@ -946,7 +958,8 @@ class Selector:
         if stamp is None:
             return self.unstamped, f"{table.source} has no fingerprint, so only a file named by {TUNING_ENV} is used"
         same = canonical(stamp)  # an MPI written as before fingerprints named the family counts as that family's
-        same = {k: v for k, v in same.items() if k != GPU}  # (a device entry's GPUs: checked by learn_gpus)
+        if isinstance(same, dict):  # (a device entry's GPUs: checked at the first device call, learn_gpu_stamp)
+            same = {k: v for k, v in same.items() if k != GPU}
         if same == self.fingerprint:
             return True, None
         if LINK in same and {k: v for k, v in same.items() if k != LINK} == self.fingerprint:

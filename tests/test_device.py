@@ -811,11 +811,16 @@ def test_a_device_table_of_other_gpus_is_put_aside_at_the_first_device_call(mpi_
     device cost model answers from then on, on every rank alike, and comm.choose says
     why; on the same GPUs the table stays."""
     from collectives import tuning
+    from collectives.tools.bench.devices import BenchDevice
 
     probe = cc.Communicator()
     probe.allreduce(D.asarray(np.ones(1, np.float32)))
     ours = next(iter(probe._ctx.devices.values())).gpus
     probe.free()
+    # what the negotiation learnt is what the benchmarks stamp their device tables with
+    assert ours == BenchDevice(D.name, mpi_comm.Get_rank()).gpus(mpi_comm)
+    if D.name == "standin":
+        assert ours == "stand-in device 0 x1"
     size = mpi_comm.Get_size()
     path = tmp_path / "device-table.json"
     for measured_on, kept in ((ours, True), ("Another GPU x1", False)):

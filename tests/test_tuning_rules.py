@@ -238,6 +238,12 @@ def test_a_device_table_of_other_gpus_is_put_aside_once_a_device_call_learns_the
             assert choice == min(times, key=times.get), (learnt, why)
             assert f"was measured on GPUs {stamp}, these are {learnt}" in why, why
         assert selector.explain("allreduce", 100)[0] == "tree"  # the host table is another matter
+    # the ranks decide alike: where another rank's table (a file of its own) names other GPUs
+    seen = []
+    selector = Selector.from_environment(4, {tuning.TUNING_ENV: str(path)})  # (its entry names none: it fits)
+    assert selector.learn_gpu_stamp(h200, agree=lambda fits: seen.append(fits) or False)
+    assert seen == [True] and not selector.in_use[1]
+    assert "another rank's device table was measured on other GPUs" in selector.explain("allreduce", 100, True)[1]
 
 
 @serial

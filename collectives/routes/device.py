@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from mpi4py import MPI
 
 from ..algorithms import SEGMENTED, TOPOLOGICAL
@@ -35,7 +36,12 @@ def device_context(ctx: Any, backend: Any, timeout: float | None) -> Any:
         device = negotiate(ctx.comm, node_comm, backend, request, **ctx.options.device_options)
         ctx.devices[backend] = device
         ctx.progress.backends.append(backend)
-        if ctx.selector.learn_gpu_stamp(device.gpus):  # a device table of other GPUs: put aside
+        def agree(fits):  # every rank's verdict on the device table, ANDed within the call's timeout
+            mine, everyone = np.array([fits], np.uint8), np.empty(1, np.uint8)
+            ctx.request("the device set-up", lambda: ctx.comm.Iallreduce(mine, everyone, op=MPI.BAND), timeout, 1)
+            return bool(everyone[0])
+
+        if ctx.selector.learn_gpu_stamp(device.gpus, agree):  # a device table of other GPUs: put aside
             ctx.call_kinds.clear()  # (every rank alike: the kinds resolved from it are resolved anew)
     return device
 

@@ -43,7 +43,7 @@ from mpi4py import MPI
 
 from ..errors import MessageSizeError, TransportError
 from ..schedule import Copy, Reduce, ReduceMany, Send
-from ..tuning import gpu_stamp
+from ..tuning import GPU_NAME_BYTES, gpu_stamp
 from .device_node import peer_memory
 from .mpi import PlanHandle
 from .native import mismatch
@@ -53,7 +53,7 @@ from .retired import retire
 _CONTROL_WORDS = 22  # int64s of an IPC control message: slot, bytes, its allocation's size, -, handles, base, id
 _HANDLE_BYTES = 64  # a CUDA IPC memory or event handle
 _CONTROL_BYTES = 8 * _CONTROL_WORDS
-_NAME_BYTES = 64  # a device's uuid, and its model's name, as negotiate exchanges them
+_NAME_BYTES = GPU_NAME_BYTES  # a device's uuid, and its model's name, as negotiate exchanges them
 _PROBE_WORDS = 4 + 2 * _HANDLE_BYTES // 8  # negotiate's row per rank: pid, base, buffer id, bytes, handles
 _ROW_WORDS = _PROBE_WORDS + 2 * _NAME_BYTES // 8  # ... then the device's uuid and model
 _KEPT_MEMORY: list = []  # broken communicators' IPC slots and their mappings of the peers' (DeviceContext.free)

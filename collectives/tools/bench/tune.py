@@ -19,9 +19,10 @@ except that:
 
 A switch between two measured sizes takes effect at their geometric mean. Every
 entry of ``measured`` is stamped with the :func:`collectives.tuning.fingerprint` of
-the machine and layout it was measured on, and for several nodes the link between
-them (``auto`` uses the entry only where that fingerprint is the job's, the link within
-``tuning.LINK_TOLERANCE``).
+the machine and layout it was measured on, for several nodes the link between them,
+and for device tables the GPUs (:func:`collectives.tuning.gpu_stamp`) (``auto`` uses
+the entry only where that fingerprint is the job's, the link within
+``tuning.LINK_TOLERANCE``, the GPUs as the first call on a device finds them).
 
 With the defaults (``--budget 0.05`` s per contender, size and run, ``--rounds 3``,
 8 B to 64 MiB by 2: 24 sizes, 35 contenders) a ``--tune`` run is about 1-2 minutes
