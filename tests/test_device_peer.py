@@ -671,8 +671,7 @@ def test_every_phase_is_one_kernel_for_up_to_16_ranks():
         sixteens = -(-size // 16)
         if algorithm != "leader":
             return sixteens
-        fanned = -(-size // (16 // size)) if size <= 16 else -(-size * size // 16)
-        return {"allreduce": sixteens * (2 if size > 16 else 1), "allgather": fanned,
+        return {"allreduce": sixteens * (2 if size > 16 else 1), "allgather": tuning._fanned_kernels(size),
                 "reduce_scatter": 1 if size <= 16 else size * sixteens}.get(collective, sixteens)
 
     for collective, algorithm in PEERS:
@@ -706,6 +705,7 @@ def test_the_copying_leaders_read_each_input_once():
                         (((specs[0],), (specs[1],)),) if kind == device_node._COPY else ()
                     assert launches or not specs, (collective, size, kind)
                     for dsts, srcs in launches:
+                        assert len(dsts) <= 16 and len(dsts) % len(srcs) == 0, (collective, size, dsts, srcs)
                         reads.update(srcs)
                         writes.update(dst[:2] for dst in dsts)
             assert set(reads.values()) == {1}, (collective, size, reads)
@@ -758,8 +758,7 @@ def test_a_call_launches_one_kernel_a_phase(mpi_comm):
     backend = next(iter(comm._ctx.devices.values())).backend
     problems = []
     n = 4 * comm.size + 3
-    # the allgather leader reads each input once into every output, 16 // p inputs a kernel
-    fanned = -(-comm.size // (16 // comm.size)) if comm.size <= 16 else None
+    fanned = tuning._fanned_kernels(comm.size)  # the allgather leader's: each input read once, 16 // p a kernel
     for collective, algorithm in PEERS:
         x = D.asarray(rank_input(comm.rank, n, "float32"))
         call(comm, collective, x, algorithm)  # warm: registered, plans made

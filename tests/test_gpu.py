@@ -124,6 +124,21 @@ def test_multi_input_divide_cast_and_pack_kernels_on_the_device(cupy, backend):
         with np.errstate(all="ignore"):
             want = np.divide(x, 4).astype(wire)
         assert same_bits(cupy.asnumpy(out).view(wire), want), wire
+    # copy_n: each source into m destinations, read once (a leader's allgather and broadcast),
+    # destinations 16-byte aligned or not, each source a length of its own; nothing else written
+    for itemsize in (1, 2, 4, 8, 16):
+        dtype = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64, 16: np.complex128}[itemsize]
+        lengths, m = (1001, 7, 4096), 5
+        sources = [cupy.asarray(rng.integers(0, 255, n * itemsize, dtype=np.uint8).view(dtype)) for n in lengths]
+        canvas = cupy.zeros(m * sum(lengths) + 3 * m, dtype)
+        starts = np.cumsum([0] + [n + 1 for n in lengths for _ in range(m)])  # (odd gaps: misaligned ones too)
+        dsts = [canvas[at : at + lengths[i // m]] for i, at in enumerate(starts[:-1])]
+        backend.copy_n(stream, dsts, sources)
+        stream.synchronize()
+        want = np.zeros(canvas.size, dtype)
+        for i, at in enumerate(starts[:-1]):
+            want[at : at + lengths[i // m]] = cupy.asnumpy(sources[i // m])
+        assert np.array_equal(cupy.asnumpy(canvas), want), f"copy_n with a fan of {m}, {itemsize}-byte elements"
     base = cupy.arange(2 * 3 * 5 * 7, dtype=cupy.float64).reshape(2, 3, 5, 7)
     view = base[:, ::2, 1:4, ::-3]
     packed = cupy.empty(view.size, cupy.float64)

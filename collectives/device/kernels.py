@@ -32,7 +32,7 @@ OP_TAGS = {"sum": "Sum", "prod": "Prod", "max": "Max", "min": "Min", "avg": "Sum
 ELEMENTS = {1: "b1", 2: "b2", 4: "b4", 8: "b8", 16: "b16"}  # pack/unpack move opaque elements
 CASTS = (("float32", "float16"), ("float32", "bfloat16"), ("float64", "float16"), ("float64", "bfloat16"),
          ("float16", "float32"), ("bfloat16", "float32"), ("float16", "float64"), ("bfloat16", "float64"))
-MAX_INPUTS = 16  # reduce_n takes up to this many inputs in one pass, copy_n this many copies
+MAX_INPUTS = 16  # reduce_n takes up to this many inputs in one pass, copy_n writes this many destinations
 FENCE = f"{NAMESPACE}::fence"  # the fence of ranks on distinct GPUs (in every dtype's module: it has no dtype)
 MAX_DIMS = 8  # pack/unpack: dimensions of a strided view
 

@@ -72,7 +72,7 @@ HEAP_BYTES = 4 << 30  # the address space of one process's device memory (a spar
 GRANULE = 64 << 10  # segments are whole granules; the file's head holds a buffer id per granule
 SEGMENT_BYTES = 2 << 20  # the smallest segment the pool carves (larger arrays get one their size)
 ALIGNMENT = 256  # blocks start on this boundary, as CuPy's do
-MAX_COPIES = 16  # copy_n's copies in one kernel, as kernels/collectives.cu's
+MAX_COPIES = 16  # copy_n's destinations in one kernel, as kernels/collectives.cu's
 
 
 class StaleMapping(RuntimeError):

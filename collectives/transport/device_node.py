@@ -387,11 +387,11 @@ class PeerNode:
             return _NOTHING
         try:
             base, size, buffer_id = self.backend.allocation(array)
-            handle = self.memory.handle_of(base, buffer_id)
+            key = (base, buffer_id, _ptr(array) - base, nbytes, size)  # (the handle: base's and buffer id's)
+            words = self._described.get(key)
+            handle = self.memory.handle_of(base, buffer_id) if words is None else None
         except Exception:  # noqa: BLE001 - whatever the driver says, the others must hear of it
             return _UNSHAREABLE_WORDS
-        key = (base, buffer_id, _ptr(array) - base, nbytes, size)  # (the handle: base's and buffer id's)
-        words = self._described.get(key)
         if words is None:
             words = np.zeros(_DESCRIPTOR, np.int64)
             words[:_HANDLE_WORDS] = np.frombuffer(handle.ljust(8 * _HANDLE_WORDS, b"\0"), np.int64)
@@ -996,8 +996,8 @@ class PeerCall:
         window = self.window
         for which, what, shared in ((0, "input x", True), (1, "window slot", self.slot),
                                     (2, "output out", self.shared_out)):
-            if shared and (unshareable := window.unshareable(self.parity, which)):
-                raise CollectiveError(f"{self.describe}: {unshareable_message(what, unshareable)}")
+            if shared:
+                refuse_unshareable(window.unshareable(self.parity, which), what, self.describe)
 
     def _signal(self, k, epoch):
         """stream and kernel (the first fence): once the work before it has run, the
@@ -1257,10 +1257,13 @@ def check_shareable(descriptors, what, describe):
     rank's included) says its ``what`` cannot be shared: every rank reads the same rows,
     so every rank raises the same error, naming the ranks, before anyone opens or reads
     anything."""
-    unshareable = descriptors[:, _HANDLE_WORDS + 3] == _UNSHAREABLE
-    if unshareable.any():
-        which = np.flatnonzero(unshareable)
-        raise CollectiveError(f"{describe}: {unshareable_message(what, which.tolist())}")
+    refuse_unshareable(np.flatnonzero(descriptors[:, _HANDLE_WORDS + 3] == _UNSHAREABLE).tolist(), what, describe)
+
+
+def refuse_unshareable(which, what, describe):
+    """Raise naming the ranks ``which`` (a list) whose ``what`` cannot be shared, if any."""
+    if which:
+        raise CollectiveError(f"{describe}: {unshareable_message(what, which)}")
 
 
 def compare_signatures(window, parity, mine, describe):
