@@ -894,11 +894,9 @@ class Selector:
         self._why_not = [why if ok is False else None if self.in_use[i] else "another rank's machine or layout "
                          f"differs from the one {(table, device_table)[i].source} was measured on"
                          for i, (ok, why) in enumerate(here)]
-        # The GPUs the device table was measured on, where its entry names them: checked
-        # at the first call on a device (learn_gpu_stamp); a table of other GPUs is then
-        # put aside (a communicator is made without touching the device).
-        self._table_gpus = (device_table.stamp(f"{self.key} device") or {}).get(GPU) if self.in_use[1] else None
-        self._other_gpus = None  # why the device table was put aside: measured on other GPUs
+        # why the device table was put aside at the first call on a device: measured on
+        # other GPUs (learn_gpu_stamp; a communicator is made without touching the device)
+        self._other_gpus = None
         # No host table here: calibrate the cost model on this machine (every rank, or none).
         self.calibration = None
         if agreed & 16 and not self.in_use[0] and world_size > 1 and set(BUILDERS) - set(self.overrides):
@@ -919,11 +917,12 @@ class Selector:
         ``auto`` picks."""
         if not self.in_use[1]:
             return False
-        fits = self._table_gpus is None or stamp == self._table_gpus
+        measured_on = (self.device_table.stamp(f"{self.key} device") or {}).get(GPU)  # (None: it names none)
+        fits = measured_on is None or stamp == measured_on
         if (agree(fits) if agree is not None else fits):
             return False
         self.in_use[1] = False
-        self._other_gpus = (f"{self.device_table.source} was measured on GPUs {self._table_gpus}, these are {stamp}"
+        self._other_gpus = (f"{self.device_table.source} was measured on GPUs {measured_on}, these are {stamp}"
                             if not fits else "another rank's device table was measured on other GPUs")
         self._cache.clear()
         return True

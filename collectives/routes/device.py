@@ -37,9 +37,9 @@ def device_context(ctx: Any, backend: Any, timeout: float | None) -> Any:
         ctx.devices[backend] = device
         ctx.progress.backends.append(backend)
         def agree(fits):  # every rank's verdict on the device table, ANDed within the call's timeout
-            mine, everyone = np.array([fits], np.uint8), np.empty(1, np.uint8)
-            ctx.request("the device set-up", lambda: ctx.comm.Iallreduce(mine, everyone, op=MPI.BAND), timeout, 1)
-            return bool(everyone[0])
+            verdict = np.array([fits], np.uint8)
+            ctx.request("the device set-up", lambda: ctx.comm.Iallreduce(MPI.IN_PLACE, verdict, MPI.BAND), timeout, 1)
+            return bool(verdict[0])
 
         if ctx.selector.learn_gpu_stamp(device.gpus, agree):  # a device table of other GPUs: put aside
             ctx.call_kinds.clear()  # (every rank alike: the kinds resolved from it are resolved anew)
