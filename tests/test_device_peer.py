@@ -1472,6 +1472,8 @@ def test_the_benchmark_measures_tunes_and_reports_on_the_stand_in(mpi_comm, tmp_
                     problems.append(f"no {collective} {contender} row")
         if size > 1 and TuningTable.load(tuning, "device_tables").lookup("allreduce", 8, size) is None:
             problems.append("no device table for allreduce")
+        if peer.FENCED_MARK in open(tuning).read():  # a call cannot choose its fences
+            problems.append("the device tables name a stream-fenced contender")
         readme = f"{folder}/README.md"
         open(readme, "w").write("# results\n\nkept\n")
         for _ in range(2):
@@ -1486,6 +1488,9 @@ def test_the_benchmark_measures_tunes_and_reports_on_the_stand_in(mpi_comm, tmp_
                 problems.append(f"targets.md has no {needle!r}")
         judged = [line for line in targets.splitlines() if f"{size} ranks" in line
                   and re.search(r"\| (held|missed) \|$", line)]
+        floor = open(f"{folder}/sync-floor.md").read()
+        if not re.search(rf"\| {size} \| allreduce \| 8B \| \d+\.\d\d \|", floor):
+            problems.append(f"sync-floor.md sets no stream-fenced leader beside the host-fenced: {floor[-600:]}")
         if size in (2, 4) and not judged:  # (the stand-in's figures: the floor, the small allreduces, auto)
             problems.append(f"targets.md judges no target at {size} ranks: {targets[:600]}")
     agree(mpi_comm, problems)

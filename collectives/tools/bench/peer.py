@@ -26,6 +26,10 @@ What it measures, at the world size it runs at (``make bench-gpu`` runs 2 and 4 
   copies) and ``auto``, interleaved per size; each call ends with the device synchronized.
 - **allgather, broadcast, reduce_scatter** at 64 MiB: ``one_shot``, ``leader``, the ring
   (broadcast: ``binomial``) over IPC, staged, native.
+- every collective's ``leader`` once more on a communicator with stream fences
+  (``leader/stream``; the others' fences are auto's: host ones on a GPU the ranks
+  share): the report sets its whole calls beside the host-fenced ones', since the
+  floor times one fence and a call has two.
 
 The bounds beside the figures: the same GPU carries every rank's traffic, at most B
 bytes a second. Each rank of an allreduce must read its n bytes and write n (2pn in
@@ -163,10 +167,18 @@ BOUNDS = {"allreduce": lambda p, B: B * (p - 1) / p ** 2, "allgather": lambda p,
           "broadcast": lambda p, B: B / (2 * (p - 1)), "reduce_scatter": lambda p, B: B * (p - 1) / (p * (p + 1))}
 
 
+# The leader once more with stream fences: auto's communicator fences on the host on a
+# GPU the ranks share (the floor's choice, one fence), but a call has two, and the
+# second of stream fences is the devices' own (the H200's probe timed one_shot's whole
+# call 2-14% faster with them). Not in the device tables: a call cannot choose its fences.
+STREAM_FENCED, FENCED_MARK = ("leader",), "/stream"
+
+
 def contenders(collective):
     """(name, communicator key, algorithm) of every contender for ``collective``."""
     ring, peer_reads, auto = CONTENDERS[collective]
     names = [("one_shot", "ipc", "one_shot")] + [(name, "ipc", name) for name in peer_reads]
+    names += [(name + FENCED_MARK, "stream", name) for name in peer_reads if name in STREAM_FENCED]
     names += [(ring, "ipc", ring), ("staged", "staged", ring), ("native", "ipc", "native")]
     if auto:
         names.append(("auto", "ipc", "auto"))
@@ -256,7 +268,8 @@ def measure(args):
         tune_rows = [{"collective": r["collective"], "algorithm": r["contender"], "bytes": r["bytes"],
                       "time_us": r["p50_us"], "round_spread": r.get("round_spread", 0.0),
                       "world_size": r["world_size"]}
-                     for r in rows if r["measure"] == "collective" and r["contender"] not in ("staged", "auto")]
+                     for r in rows if r["measure"] == "collective" and r["contender"] not in ("staged", "auto")
+                     and not r["contender"].endswith(FENCED_MARK)]
         gpus = device.gpus(world)  # (collective)
         if world.Get_rank() == 0:
             from . import tune
@@ -276,7 +289,7 @@ def print_rows(rows):
             print(f"  copy   B = {r['B_GBps']:.1f} GB/s (read + write)")
         else:
             extra = f" -> {r['chosen']}" if "chosen" in r else ""
-            print(f"  {r['collective']:14s} {r['bytes']:>10d} B {r['contender']:9s} p50 {r['p50_us']:10.1f} us  "
+            print(f"  {r['collective']:14s} {r['bytes']:>10d} B {r['contender']:13s} p50 {r['p50_us']:10.1f} us  "
                   f"busbw {r['busbw_GBps']:8.2f} GB/s{extra}")
 
 
@@ -319,6 +332,7 @@ def report(folder):
               + ("; ".join(f"{chosen[p]} at {p} ranks" for p in sorted(chosen)) or "not measured")
               + ". Set it with COLLECTIVES_DEVICE_FENCE (auto picks host on a shared GPU, kernel across distinct "
               "GPUs)."]
+    lines += fence_lines(runs)
     (folder / "sync-floor.md").write_text("\n".join(lines) + "\n")
     targets = target_rows(runs, folder, chosen)
     table = ["# Issue 31's targets", "", "One interleaved run per world size on one GPU; B is the same run's device "
@@ -337,6 +351,25 @@ def report(folder):
     readme.write_text(text)
     print("\n".join(table))
     return 0
+
+
+def fence_lines(runs):
+    """The floor times one fence, a call has two: the leader's whole calls with host
+    fences against stream fences, the same run's p50s, per world size and size (none
+    where the run has no stream-fenced rows)."""
+    lines = []
+    for p in sorted(runs):
+        rows = [r for r in runs[p]["rows"] if r["measure"] == "collective"]
+        at = {(r["collective"], r["bytes"], r["contender"]): r["p50_us"] for r in rows}
+        pairs = [(c, n, at[(c, n, name)] / at[(c, n, name + FENCED_MARK)])
+                 for (c, n, name) in sorted(at) if name in STREAM_FENCED and (c, n, name + FENCED_MARK) in at]
+        if pairs:
+            if not lines:
+                lines = ["", "A call has two fences, the floor times one: the leader's whole calls, p50 with "
+                         "host fences / p50 with stream fences, the same run (above 1: stream fences faster).", "",
+                         "| ranks | collective | bytes | host / stream |", "|---|---|---|---|"]
+            lines += [f"| {p} | {c} | {human_bytes(n)} | {ratio:.2f} |" for c, n, ratio in pairs]
+    return lines
 
 
 TARGETS = ("allreduce 64-256 MiB, {p} ranks: busbw >= 40% of B(p-1)/p^2",
@@ -364,7 +397,7 @@ def target_rows(runs, folder, chosen):
         floor = next((r["p50_us"] for r in found if r["measure"] == "floor" and r["mechanism"] == chosen.get(p)),
                      None)
         coll = [r for r in found if r["measure"] == "collective"]
-        peers = ("one_shot", "two_shot", "leader", "auto")
+        peers = ("one_shot", "two_shot", "leader", "leader" + FENCED_MARK, "auto")
         measured = {}
         big = [r for r in coll if r["collective"] == "allreduce" and 64 * MiB <= r["bytes"] <= 256 * MiB
                and r["contender"] in peers]
@@ -380,8 +413,9 @@ def target_rows(runs, folder, chosen):
             limit = min(floor + 30, cap)
             measured[names[1]] = (f"{worst:.0f} us (the best peer read at the worst size)",
                                   f"floor {floor:.0f} us ({chosen.get(p)}): cap {limit:.0f} us", worst <= limit)
+        readers = ("one_shot", "leader", "leader" + FENCED_MARK)
         for name, collective in zip(names[2:5], OTHERS):
-            mine = [r for r in coll if r["collective"] == collective and r["contender"] in ("one_shot", "leader")
+            mine = [r for r in coll if r["collective"] == collective and r["contender"] in readers
                     and r["bytes"] >= 64 * MiB]
             if mine and B:
                 r = max(mine, key=lambda r: r["busbw_GBps"])  # the better peer read
