@@ -402,17 +402,24 @@ def target_rows(runs, folder, chosen):
         big = [r for r in coll if r["collective"] == "allreduce" and 64 * MiB <= r["bytes"] <= 256 * MiB
                and r["contender"] in peers]
         if big and B:
-            worst = min(max(r["busbw_GBps"] for r in big if r["bytes"] == n) for n in {r["bytes"] for r in big})
+            best = [max((r for r in big if r["bytes"] == n), key=lambda r: r["busbw_GBps"])
+                    for n in {r["bytes"] for r in big}]
+            worst = min(best, key=lambda r: r["busbw_GBps"])
             limit = bound("allreduce", p, B) / 1e9
-            measured[names[0]] = (f"{worst:.0f} GB/s (the best peer read at the worst size)",
-                                  f"{limit:.0f} GB/s (40%: {0.4 * limit:.0f})", worst >= 0.4 * limit)
+            measured[names[0]] = (f"{worst['busbw_GBps']:.0f} GB/s (the best peer read at the worst size: "
+                                  f"{worst['contender']}, {human_bytes(worst['bytes'])})",
+                                  f"{limit:.0f} GB/s (40%: {0.4 * limit:.0f})", worst["busbw_GBps"] >= 0.4 * limit)
         small = [r for r in coll if r["collective"] == "allreduce" and r["bytes"] <= 256 << 10
                  and r["contender"] in peers]
         if small and floor is not None:
-            worst = max(min(r["p50_us"] for r in small if r["bytes"] == n) for n in {r["bytes"] for r in small})
+            best = [min((r for r in small if r["bytes"] == n), key=lambda r: r["p50_us"])
+                    for n in {r["bytes"] for r in small}]
+            worst = max(best, key=lambda r: r["p50_us"])
             limit = min(floor + 30, cap)
-            measured[names[1]] = (f"{worst:.0f} us (the best peer read at the worst size)",
-                                  f"floor {floor:.0f} us ({chosen.get(p)}): cap {limit:.0f} us", worst <= limit)
+            measured[names[1]] = (f"{worst['p50_us']:.0f} us (the best peer read at the worst size: "
+                                  f"{worst['contender']}, {human_bytes(worst['bytes'])})",
+                                  f"floor {floor:.0f} us ({chosen.get(p)}): cap {limit:.0f} us",
+                                  worst["p50_us"] <= limit)
         readers = ("one_shot", "leader", "leader" + FENCED_MARK)
         for name, collective in zip(names[2:5], OTHERS):
             mine = [r for r in coll if r["collective"] == collective and r["contender"] in readers
@@ -426,8 +433,9 @@ def target_rows(runs, folder, chosen):
         for n in sorted({r["bytes"] for r in coll if r["collective"] == "allreduce"}):
             at = {r["contender"]: r["p50_us"] for r in coll if r["collective"] == "allreduce" and r["bytes"] == n}
             if "auto" in at:
-                # what auto could have picked: native too (staged), not the ring of a cuda_ipc=False communicator
-                fastest = min(t for c, t in at.items() if c not in ("auto", "staged"))
+                # what auto could have picked: native too (staged), not the ring of a cuda_ipc=False
+                # communicator, nor the leader of a stream-fenced one (fence_lines sets that beside)
+                fastest = min(t for c, t in at.items() if c not in ("auto", "staged") and not c.endswith(FENCED_MARK))
                 ratios.append((at["auto"] / fastest, n))
         if ratios:
             worst, n = max(ratios)
