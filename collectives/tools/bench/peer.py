@@ -170,7 +170,7 @@ BOUNDS = {"allreduce": lambda p, B: B * (p - 1) / p ** 2, "allgather": lambda p,
 # The leader once more with stream fences: auto's communicator fences on the host on a
 # GPU the ranks share (the floor's choice, one fence), but a call has two, and the
 # second of stream fences is the devices' own (the H200's probe timed one_shot's whole
-# call 2-14% faster with them). Not in the device tables: a call cannot choose its fences.
+# call 2-12% shorter with them). Not in the device tables: a call cannot choose its fences.
 STREAM_FENCED, FENCED_MARK = ("leader",), "/stream"
 
 
