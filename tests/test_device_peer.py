@@ -28,7 +28,7 @@ from mpi4py import MPI
 import collectives as cc
 from collectives import tuning
 from collectives.algorithms import PEER_READS, block_bounds
-from collectives.device import bfloat16
+from collectives.device import as_device_array, bfloat16
 from collectives.transport import device_node, local
 
 from conftest import (
@@ -1039,18 +1039,18 @@ def test_auto_runs_the_leader_only_where_the_ranks_share_one_gpu(mpi_comm, one_g
     one_shot instead (every rank launches its fold, not rank 0 alone), and from then on
     the model predicts for a GPU each: ``comm.choose`` says so, never names the leader,
     and the calls run what it names."""
-    comm = communicator("host")  # the device negotiated; no peer-read call yet
-    backend = next(iter(comm._ctx.devices.values())).backend
-    problems = []
-    x = D.asarray(rank_input(comm.rank, 64, "float32"))
-    want = sum(rank_input(r, 64, "float32") for r in range(comm.size))
-    before_learning = comm.choose("allreduce", x.nbytes, device=True)
-    if before_learning[0] != "leader" or "taken to share one GPU" not in before_learning[1]:
-        problems.append(f"before the first peer-read call: {tuple(before_learning)}")
+    x = D.asarray(rank_input(mpi_comm.rank, 64, "float32"))
+    backend = as_device_array(x).backend
     uuid = backend.uuid
-    if not one_gpu:
-        backend.uuid = f"{uuid}-rank-{comm.rank}"  # a GPU each
+    if not one_gpu:  # before the negotiation, which exchanges the ranks' GPUs
+        backend.uuid = f"{uuid}-rank-{mpi_comm.rank}"  # a GPU each
     try:
+        comm = communicator("host")  # the device negotiated; no peer-read call yet
+        problems = []
+        want = sum(rank_input(r, 64, "float32") for r in range(comm.size))
+        before_learning = comm.choose("allreduce", x.nbytes, device=True)
+        if before_learning[0] != "leader" or "taken to share one GPU" not in before_learning[1]:
+            problems.append(f"before the first peer-read call: {tuple(before_learning)}")
         for round_ in range(3):  # the general path, then the lean one
             before = backend.launches.copy()
             if differs(want, D.asnumpy(comm.allreduce(x))):

@@ -181,6 +181,7 @@ class DeviceContext:
         self.ipc_everywhere = ipc_everywhere
         self.ipc_refusals = {}  # peer -> why this rank could not open its IPC memory (negotiate's probe)
         self.gpus = None  # every rank's GPU, tuning.gpu_stamp (negotiate): its model, how many there are
+        self.node_gpus = None  # the node's ranks' GPUs, their uuids as bytes (negotiate; the same on every one)
         self.peer = None  # the peer-read calls' state (device_node.PeerNode), made at the first such call
         self.cuda_aware = cuda_aware  # MPI takes device memory (for native, and the non-IPC peers)
         self.paths = paths  # rank -> "staged" | "cuda-aware" | "ipc" ("self" for this rank)
@@ -384,6 +385,7 @@ def negotiate(comm, node_comm, backend, request, cuda_ipc=None, cuda_aware=None,
     named = [(row[:_NAME_BYTES], row[_NAME_BYTES:]) for row in (r[_PROBE_WORDS:].tobytes() for r in probes)]
     context.gpus = gpu_stamp([name.rstrip(b"\0").decode(errors="replace") for _, name in named],
                              [uuid for uuid, _ in named])  # every rank's GPU: the same everywhere
+    context.node_gpus = {named[q][0] for q in same_node}
     return context
 
 

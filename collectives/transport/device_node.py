@@ -317,7 +317,7 @@ class PeerNode:
         the node), for what the ranks settle at the start."""
         self.device, self.backend = device, device.backend
         self._described = {}  # where this rank's buffers lie -> their descriptor words (descriptor)
-        uuids = gpus_of_the_node(self.backend, exchange)
+        uuids = device.node_gpus  # (as the device negotiation exchanged them)
         self.gpus = len(uuids)  # the node's GPUs (its ranks' devices)
         # every rank of the node on one GPU: auto's leader runs there (else one_shot: routes.peer)
         self.one_gpu = self.gpus == 1
@@ -540,13 +540,6 @@ class _Sliced:
                 self.parts.clear()
             found = self.parts[(lo, hi)] = self.array[lo:hi]
         return found
-
-
-def gpus_of_the_node(backend, exchange):
-    """The set of the node's ranks' GPUs (their uuids, as bytes): collective, the same
-    on every rank."""
-    mine = np.frombuffer(backend.uuid.encode().ljust(64, b"\0")[:64], np.int64)
-    return {row.tobytes() for row in exchange(mine)}
 
 
 def choose_mechanism(uuids, ranks):
