@@ -106,12 +106,13 @@ _LINE = 96  # int64 words of one rank's line in the window (768 bytes: the rows 
 _EPOCH, _ANNOUNCED, _SIGNATURE, _DESCRIPTORS, _PID, _DIGEST = 0, 1, 2, 10, 88, 89
 _DESCRIPTOR = 13  # words of a buffer's descriptor: IPC handle (8), base, buffer id, offset, bytes, allocation size
 _HANDLE_WORDS = 8
+_BYTES_WORD = _HANDLE_WORDS + 3  # a descriptor's byte count
 _UNSHAREABLE = -1  # a descriptor's byte count where the rank's buffer cannot be exported
 _AHEAD = 1 << 20  # released waits: a value this far past the fences pending (cyclic comparison)
 _NOTHING = np.zeros(_DESCRIPTOR, np.int64)  # the descriptor of no buffer (read-only, as every descriptor)
 _NOTHING.flags.writeable = False
 _UNSHAREABLE_WORDS = _NOTHING.copy()  # the descriptor of a buffer the driver cannot export
-_UNSHAREABLE_WORDS[_HANDLE_WORDS + 3] = _UNSHAREABLE
+_UNSHAREABLE_WORDS[_BYTES_WORD] = _UNSHAREABLE
 _UNSHAREABLE_WORDS.flags.writeable = False
 
 
@@ -194,7 +195,7 @@ class PeerWindow:
 
     def unshareable(self, parity, which):
         """The ranks whose descriptor of buffer ``which`` says it cannot be shared."""
-        at = _DESCRIPTORS + (3 * parity + which) * _DESCRIPTOR + _HANDLE_WORDS + 3
+        at = _DESCRIPTORS + (3 * parity + which) * _DESCRIPTOR + _BYTES_WORD
         words = self.words
         return [q for q in range(self.size) if words[q * _LINE + at] == _UNSHAREABLE]
 
@@ -1250,7 +1251,7 @@ def check_shareable(descriptors, what, describe):
     rank's included) says its ``what`` cannot be shared: every rank reads the same rows,
     so every rank raises the same error, naming the ranks, before anyone opens or reads
     anything."""
-    refuse_unshareable(np.flatnonzero(descriptors[:, _HANDLE_WORDS + 3] == _UNSHAREABLE).tolist(), what, describe)
+    refuse_unshareable(np.flatnonzero(descriptors[:, _BYTES_WORD] == _UNSHAREABLE).tolist(), what, describe)
 
 
 def refuse_unshareable(which, what, describe):
