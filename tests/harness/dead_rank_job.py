@@ -32,6 +32,12 @@ algorithm = sys.argv[4] if len(sys.argv) > 4 else "ring"
 how = sys.argv[5] if len(sys.argv) > 5 else "kill"
 from mpi4py import MPI  # noqa: E402
 
+# MPICH's hydra, told to keep the survivors (-disable-auto-cleanup), sends SIGUSR1 to every
+# remaining rank a few milliseconds after any rank exits (its notice of a failed process);
+# a process with no handler for it dies. The survivors must live to time out, so this job
+# ignores it, as a program that keeps running after a failure must.
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
 # Each rank's stderr to a file: once a rank has died the launcher may stop forwarding it.
 _stderr = open(os.path.join(outdir, f"stderr-{MPI.COMM_WORLD.Get_rank()}.txt"), "w")
 os.dup2(_stderr.fileno(), 2)
