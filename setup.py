@@ -11,6 +11,7 @@ setup(
     "built on MPI point-to-point messages, in several algorithms each",
     long_description=(here / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
+    license="MIT",
     python_requires=">=3.10",
     # kernels/ (the CUDA sources) ships inside the package as collectives.kernels, so no
     # generic top-level module called `kernels` is installed.
