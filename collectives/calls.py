@@ -28,7 +28,8 @@ import numpy as np
 from mpi4py import MPI
 
 from . import ops
-from .algorithms import ORDERED, PEER_READS, SHARED_MEMORY, check_algorithm, check_ordered, cost_model_choice
+from .algorithms import ORDERED, PEER_READS, SHARED_MEMORY, check_algorithm, check_ordered
+from .auto import cost_model_choice
 from .call import Call
 from .device import DeviceArray, as_device_array
 from .device.array import is_own_array_type
