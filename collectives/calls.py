@@ -6,7 +6,7 @@ route that runs it.
         lean_call(...)                      a blocking call on plain arrays, of a kind seen
                                             before: its kept LeanEntry runs it at once
         Call(...); spec.arguments(...)      checks; shape, count, bytes auto sees
-        resolve(...)                        the algorithm (auto: tuning.Selector)
+        resolve(...)                        the algorithm (auto: auto.Selector)
         route_for(...)                      the first route that takes it (collectives.routes);
                                             resolve's and route_for's answers kept per kind of call
         gate(...)                           numbered; check mode compares the ranks' calls

@@ -30,7 +30,7 @@ class CostModel:
     ``message``, where set, is one more of ours in the same round, sent while the
     round's first is in flight (``direct``'s p - 1 at once): with more ranks than
     cores a step costs a wait for the peer to be scheduled, which the messages of one
-    round share, so it is less than ``alpha`` there (:mod:`collectives.calibration`
+    round share, so it is less than ``alpha`` there (:mod:`collectives.auto.calibration`
     measures both). None: ``alpha``, as the shipped model has it."""
 
     alpha: float = 20e-6
