@@ -1,10 +1,12 @@
-"""The short public names of the framework adapters.
+"""The short public names of the framework adapters, and the names of ``auto``'s modules.
 
 The adapters live in :mod:`collectives.adapters` (the core library, the adapters and the
 tools each have a folder of their own), but scripts import them by their short names:
-``import collectives.torch``, ``import collectives.horovod.torch as hvd``. This finder
-answers those names with the adapter modules themselves (one module object under both
-names, so there is one copy of its state), imported only when asked for.
+``import collectives.torch``, ``import collectives.horovod.torch as hvd``. ``auto`` lives
+in :mod:`collectives.auto`; ``collectives.tuning`` names that package (its public names)
+and ``collectives.calibration`` its calibration. This finder answers those names with
+the modules themselves (one module object under both names, so there is one copy of its
+state), imported only when asked for.
 """
 
 import importlib
@@ -18,6 +20,8 @@ ALIASES = {
     "collectives.torch_backend": "collectives.adapters.torch_backend",
     "collectives.horovod": "collectives.adapters.horovod",
     "collectives.ps": "collectives.adapters.ps",
+    "collectives.tuning": "collectives.auto",
+    "collectives.calibration": "collectives.auto.calibration",
 }
 
 

@@ -6,7 +6,7 @@ route that runs it.
         lean_call(...)                      a blocking call on plain arrays, of a kind seen
                                             before: its kept LeanEntry runs it at once
         Call(...); spec.arguments(...)      checks; shape, count, bytes auto sees
-        resolve(...)                        the algorithm (auto: tuning.Selector)
+        resolve(...)                        the algorithm (auto: auto.Selector)
         route_for(...)                      the first route that takes it (collectives.routes);
                                             resolve's and route_for's answers kept per kind of call
         gate(...)                           numbered; check mode compares the ranks' calls
@@ -28,7 +28,8 @@ import numpy as np
 from mpi4py import MPI
 
 from . import ops
-from .algorithms import ORDERED, PEER_READS, SHARED_MEMORY, check_algorithm, check_ordered, cost_model_choice
+from .algorithms import ORDERED, PEER_READS, SHARED_MEMORY, check_algorithm, check_ordered
+from .auto import cost_model_choice
 from .call import Call
 from .device import DeviceArray, as_device_array
 from .device.array import is_own_array_type

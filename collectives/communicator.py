@@ -38,7 +38,7 @@ class Communicator:
     broadcast (``COLLECTIVES_SEGMENT_SIZE``, else 256 KiB).
 
     ``algorithm="auto"`` (the default) picks per call from the collective, the buffer
-    size and the world size: see :mod:`collectives.tuning` for the measured table and
+    size and the world size: see :mod:`collectives.auto` for the measured table and
     the ``COLLECTIVES_<COLLECTIVE>_ALGORITHM`` overrides.
 
     Every collective also takes device arrays (CuPy, torch CUDA tensors, anything with

@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import calibration, calls, mpi_library
+from . import calls, mpi_library
 from . import topology as topology_module
+from .auto import LINK_TOLERANCE, Job, Selector, calibration
 from .cache import BoundedCache
 from .options import Options
 from .routes.base import finish_in_flight
@@ -26,7 +27,6 @@ from .transport.liveness import Liveness
 from .transport.mpi import RequestHandle
 from .transport.progress import Progress
 from .transport.retired import retire
-from .tuning import LINK_TOLERANCE, Selector
 
 
 def _nothing() -> None:
@@ -135,16 +135,16 @@ class Context:
         # their verdicts (one allreduce), so all of them choose alike. On several nodes
         # it may also measure the link between them, and where no table matches it
         # calibrates the cost model (collective; made last: calibrating times calls).
-        self.selector = Selector.from_environment(
-            self.size, deterministic=options.deterministic, topology=self.topology,
-            agree=lambda bits: self.comm.allreduce(bits, op=MPI.BAND), hint=self.rank == 0 and calibrate,
-            measure_link=self.measure_link,
-            calibrate=(lambda fingerprint, key, link: self.calibrate(fingerprint, key, link, nodes)) if calibrate
-            else None)
+        job = Job(self.size, self.topology, agree=lambda bits: self.comm.allreduce(bits, op=MPI.BAND),
+                  measure_link=self.measure_link,
+                  calibrate=(lambda fingerprint, key, link: self.calibrate(fingerprint, key, link, nodes))
+                  if calibrate else None)
+        self.selector = Selector.from_environment(job, deterministic=options.deterministic,
+                                                  hint=self.rank == 0 and calibrate)
 
     def calibrate(self, fingerprint: Any, key: Any, link: Any, nodes: Any = None) -> Any:
         """``auto``'s cost model calibrated for these ranks (collective; see
-        :mod:`collectives.calibration`), before any call: its own messages use the
+        :mod:`collectives.auto.calibration`), before any call: its own messages use the
         blocking calls' base tag on the private communicator; the calls it times run as
         a user's do, on a context of their own (made at the first, freed at the end:
         its caches and shared window go with it), with this one's options but check

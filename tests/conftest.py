@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-# auto's calibration (collectives.calibration) measures this machine when a Communicator
+# auto's calibration (collectives.auto.calibration) measures this machine when a Communicator
 # is made where no table matches: the suite keeps to what it used before, deterministic
 # choices and no measuring, unless a test asks for it (tests/test_calibration.py). Set
 # before the first Communicator; jobs the tests launch inherit it.

@@ -1,6 +1,7 @@
-"""The package's shape, checked from its source: no import circles, no module reaching
-into another module's private attributes, and ``import collectives`` loading the core
-library alone (the simulator, the framework adapters and the tools load on first use).
+"""The package's shape, checked from its source: its layers (docs/architecture.md), each
+import pointing down or within a layer, no import circles, no module reaching into
+another module's private attributes, and ``import collectives`` loading the core library
+alone (the simulator, the framework adapters and the tools load on first use).
 
 Serial: nothing here sends a message.
 """
@@ -117,6 +118,69 @@ def test_the_cycle_finder_finds_a_circle():
     assert _cycles(graph) == [["a", "b", "c"]]
 
 
+# The package's layers, bottom first (docs/architecture.md, "The layers"): a module may
+# import from its own layer and the ones below it, never from one above. A room is a
+# top-level module or a subpackage of collectives ("collectives" itself: the package's
+# __init__, the face users import).
+LAYERS = (
+    ("foundations", ("errors", "dtypes", "cache", "mpi_library", "topology", "schedule", "_aliases")),
+    ("arrays and ops", ("ops", "device", "arrays", "call")),
+    ("what a collective is", ("algorithms", "options", "reference", "specs")),
+    ("transport", ("transport",)),
+    ("auto", ("auto",)),
+    ("routes", ("routes",)),
+    ("call path", ("calls", "gate", "check", "registered", "point")),
+    ("communicator", ("context", "communicator", "collectives")),
+    ("simulator and adapters", ("sim", "adapters")),
+    ("tools", ("tools",)),
+)
+LAYER_OF = {room: depth for depth, (_, rooms) in enumerate(LAYERS) for room in rooms}
+
+
+def _room(module):
+    """The room of ``module``: ``collectives.transport.mpi`` -> ``transport``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _upward_imports(graph, layer_of):
+    """``(module, imported, its layer, the imported one's layer)`` for every import
+    from a layer below to one above it; a room ``layer_of`` leaves out counts as an
+    error of its own (``(module, None, None, None)``): every module has a place."""
+    found = []
+    for module in sorted(graph):
+        if _room(module) not in layer_of:
+            found.append((module, None, None, None))
+            continue
+        for imported in sorted(graph[module]):
+            here, there = layer_of[_room(module)], layer_of.get(_room(imported))
+            if there is not None and there > here:
+                found.append((module, imported, here, there))
+    return found
+
+
+def test_every_import_points_down_or_within_its_layer():
+    names = [name for name, _ in LAYERS]
+    assert [(module, imported, names[here] if here is not None else None, names[there] if there is not None else None)
+            for module, imported, here, there in _upward_imports(_graph(), LAYER_OF)] == []
+
+
+def test_the_layer_checker_finds_an_upward_import():
+    layer_of = {"low": 0, "mid": 1, "top": 2}
+    graph = {"collectives.low.a": {"collectives.low.b"}, "collectives.low.b": set(),
+             "collectives.mid": {"collectives.low.a", "collectives.top.x"},  # the second points up
+             "collectives.top.x": {"collectives.mid", "collectives.low.b"},
+             "collectives.nowhere": set()}
+    assert _upward_imports(graph, layer_of) == [("collectives.mid", "collectives.top.x", 1, 2),
+                                                ("collectives.nowhere", None, None, None)]
+
+
+def test_the_layers_name_every_room_once():
+    rooms = [room for _, rooms in LAYERS for room in rooms]
+    assert len(rooms) == len(set(rooms))
+    assert sorted(set(rooms)) == sorted({_room(module) for module in MODULES})
+
+
 def _defined_names(tree):
     """Private attribute and method names a module defines: ``self._x = ...``,
     ``def _x`` inside a class, class-level ``_x = ...`` and ``__slots__`` entries."""
@@ -178,4 +242,10 @@ def test_the_public_names_load_on_first_use():
             "assert cc.sim.run and cc.ps.ParameterServer and cc.training.GradientReducer; "
             "assert collectives.torch.__name__ == 'collectives.adapters.torch'")
     pytest.importorskip("torch")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_old_names_of_auto_are_its_modules():
+    code = ("import collectives.tuning as tuning, collectives.calibration as calibration, collectives.auto as auto; "
+            "assert tuning is auto and calibration is auto.calibration and tuning.Selector is auto.selector.Selector")
     subprocess.run([sys.executable, "-c", code], check=True)

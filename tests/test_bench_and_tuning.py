@@ -19,12 +19,13 @@ import numpy as np
 import pytest
 
 import collectives as cc
+import collectives.auto as auto
 import collectives.routes.base as routes_base
-import collectives.tuning as tuning
-from collectives.algorithms import PEER_READS, SHARED_MEMORY, cost_model_choice
+from collectives.algorithms import PEER_READS, SHARED_MEMORY
+from collectives.auto import Job, Selector, Settings, TuningTable, cost_model_choice
+from collectives.auto import table as auto_table
 from collectives.tools.bench import cli, timing, tune
 from collectives.tools.bench.cases import Case, bus_factor, element_count
-from collectives.tuning import Selector, TuningTable
 
 from conftest import agree, expected_result, rank_input, reference
 
@@ -74,10 +75,10 @@ def run_main(argv, problems, want=0):
 @pytest.fixture
 def no_default_table(monkeypatch, tmp_path):
     """Whatever the package ships in collectives/data/tuning.json, act as if it did not."""
-    monkeypatch.setattr(tuning, "DEFAULT_TABLE", tmp_path / "no-such-default.json")
+    monkeypatch.setattr(auto_table, "DEFAULT_TABLE", tmp_path / "no-such-default.json")
     for collective in cc.COLLECTIVES:
-        monkeypatch.delenv(tuning.override_variable(collective), raising=False)
-    monkeypatch.delenv(tuning.TUNING_ENV, raising=False)
+        monkeypatch.delenv(auto.override_variable(collective), raising=False)
+    monkeypatch.delenv(auto.TUNING_ENV, raising=False)
 
 
 @pytest.fixture
@@ -211,7 +212,7 @@ def test_unreadable_files_name_the_file(tmp_path):
 
 def conservative(collective, nbytes, size):
     """What the conservative rule picks where no table answers (one node)."""
-    return tuning.conservative_choice(collective, nbytes, size)[0]
+    return auto.conservative_choice(collective, nbytes, size)[0]
 
 
 @serial
@@ -219,7 +220,7 @@ def test_selector_precedence(tmp_path, no_default_table):
     path = write_tuning_file(tmp_path / "t.json", {"allreduce": {"4": [[0, "tree"]]},
                                                    "broadcast": {"4": [[0, "pipeline"]]}})
     environ = {"COLLECTIVES_TUNING": str(path), "COLLECTIVES_ALLREDUCE_ALGORITHM": "recursive_halving"}
-    selector = Selector.from_environment(4, environ)
+    selector = Selector.from_environment(Job(4), environ)
     # the override beats the table (which says tree)
     assert selector.explain("allreduce", 100) == ("recursive_halving", "forced by COLLECTIVES_ALLREDUCE_ALGORITHM")
     assert selector.explain("allreduce", 1 << 30) == ("recursive_halving", "forced by COLLECTIVES_ALLREDUCE_ALGORITHM")
@@ -232,7 +233,7 @@ def test_selector_precedence(tmp_path, no_default_table):
         assert choice == conservative(collective, nbytes, 4) == "native"
         assert why.startswith(f"conservative rule: {path} has no {collective} table for world size 4; native")
     # the table lacks world size 8: the rule again, override still wins
-    other = Selector.from_environment(8, environ)
+    other = Selector.from_environment(Job(8), environ)
     choice, why = other.explain("broadcast", 100)
     assert choice == conservative("broadcast", 100, 8) and why.startswith(
         "conservative rule: no measured table for this machine and layout (")
@@ -261,11 +262,11 @@ def test_cost_model_rule_matches_the_readme_table(no_default_table):
     own = [("allreduce", 100, 4, "recursive_doubling"), ("broadcast", 8, 3, "binomial"), ("gather", 8, 4, "binomial"),
            ("scatter", 4 << 20, 4, "binomial"), ("alltoall", 8192, 4, "bruck"), ("alltoall", 4 << 20, 3, "pairwise")]
     assert [cost_model_choice(c, n, p, own=True) for c, n, p, _ in own] == [want for *_, want in own]
-    selector = Selector(4, rule="cost-model")  # no table, no overrides; COLLECTIVES_AUTO_RULE=cost-model
+    selector = Selector(Job(4), Settings(rule="cost-model"))  # no table, no overrides; COLLECTIVES_AUTO_RULE=cost-model
     assert selector.explain("allreduce", 256 * 1024) == ("recursive_halving", "cost-model rule")
-    assert Selector.from_environment(4, {"COLLECTIVES_AUTO_RULE": "cost-model"}).explain("allreduce", 256 * 1024) \
+    assert Selector.from_environment(Job(4), {"COLLECTIVES_AUTO_RULE": "cost-model"}).explain("allreduce", 256 * 1024) \
         == ("recursive_halving", "cost-model rule")
-    assert Selector(4).explain("allreduce", 256 * 1024)[0] == "native"  # the conservative rule, by default
+    assert Selector(Job(4)).explain("allreduce", 256 * 1024)[0] == "native"  # the conservative rule, by default
 
 
 @serial
@@ -273,12 +274,12 @@ def test_packaged_default_table_is_used_when_present(tmp_path, monkeypatch, no_d
     tables = {"reduce": {"4": [[0, "binomial"]]}, "allgather": {"4": [[0, "bruck"]]}}
     default = tmp_path / "default.json"  # stamped with this machine's fingerprint, as --tune does
     default.write_text(json.dumps({"format": 1, "tables": tables,
-                                   "measured": {"4": {"fingerprint": tuning.fingerprint_for_key("4")}}}))
-    monkeypatch.setattr(tuning, "DEFAULT_TABLE", default)
-    assert Selector.from_environment(4, {}).explain("allgather", 10) == ("bruck", f"measured table {default}")
+                                   "measured": {"4": {"fingerprint": auto.fingerprint_for_key("4")}}}))
+    monkeypatch.setattr(auto_table, "DEFAULT_TABLE", default)
+    assert Selector.from_environment(Job(4), {}).explain("allgather", 10) == ("bruck", f"measured table {default}")
     # COLLECTIVES_TUNING replaces the default table entirely (a file without fingerprints: the user chose it)
     mine = write_tuning_file(tmp_path / "mine.json", {"allgather": {"4": [[0, "ring"]]}})
-    selector = Selector.from_environment(4, {"COLLECTIVES_TUNING": str(mine)})
+    selector = Selector.from_environment(Job(4), {"COLLECTIVES_TUNING": str(mine)})
     assert selector.explain("allgather", 10) == ("ring", f"measured table {mine}")
     choice, why = selector.explain("reduce", 10)
     assert choice == conservative("reduce", 10, 4) and why.startswith("conservative rule:")
@@ -287,7 +288,7 @@ def test_packaged_default_table_is_used_when_present(tmp_path, monkeypatch, no_d
 @serial
 def test_override_values(no_default_table):
     # "auto" and blanks mean no override; surrounding spaces are ignored
-    selector = Selector.from_environment(4, {"COLLECTIVES_ALLREDUCE_ALGORITHM": "auto",
+    selector = Selector.from_environment(Job(4), {"COLLECTIVES_ALLREDUCE_ALGORITHM": "auto",
                                              "COLLECTIVES_REDUCE_ALGORITHM": "  ",
                                              "COLLECTIVES_ALLGATHER_ALGORITHM": " native "})
     assert selector.overrides == {"allgather": "native"}
@@ -297,17 +298,17 @@ def test_override_values(no_default_table):
                             ("COLLECTIVES_ALLREDUCE_ALGORITHM", "fastest"),
                             ("COLLECTIVES_REDUCE_SCATTER_ALGORITHM", "RING")]:
         with pytest.raises(ValueError, match=f"{variable} must be one of .*; got {value!r}"):
-            Selector.from_environment(4, {variable: value})
+            Selector.from_environment(Job(4), {variable: value})
     names = ", ".join(a for a in cc.algorithms("broadcast") if a != "auto")  # the list, without auto
     with pytest.raises(ValueError, match=f"COLLECTIVES_BROADCAST_ALGORITHM must be one of {names}; got 'ring'"):
-        Selector.from_environment(4, {"COLLECTIVES_BROADCAST_ALGORITHM": "ring"})
+        Selector.from_environment(Job(4), {"COLLECTIVES_BROADCAST_ALGORITHM": "ring"})
 
 
 @serial
 def test_a_bad_tuning_path_raises_naming_it(tmp_path, no_default_table):
     missing = tmp_path / "nowhere.json"
     with pytest.raises(ValueError, match=f"cannot read tuning file {missing}"):
-        Selector.from_environment(4, {"COLLECTIVES_TUNING": str(missing)})
+        Selector.from_environment(Job(4), {"COLLECTIVES_TUNING": str(missing)})
 
 
 # == the Communicator reads the environment when it is created ==========================
@@ -318,7 +319,7 @@ FORCED = [("allreduce", "ring"), ("reduce_scatter", "recursive_halving"), ("allg
 
 @pytest.mark.parametrize("collective,algorithm", FORCED)
 def test_override_steers_auto(mpi_comm, monkeypatch, no_default_table, plans_used, collective, algorithm):
-    monkeypatch.setenv(tuning.override_variable(collective), algorithm)
+    monkeypatch.setenv(auto.override_variable(collective), algorithm)
     rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
     count = 1000  # 4000 bytes of float32: below 4 KiB the rule alone would say native
     xs = [rank_input(r, count, "float32") for r in range(size)]
@@ -329,7 +330,7 @@ def test_override_steers_auto(mpi_comm, monkeypatch, no_default_table, plans_use
         chosen = [comm.choose(collective, n) for n in (8, 4000, 1 << 20)]
         got = run_auto(comm, collective, x)
     problems = []
-    want = f"forced by {tuning.override_variable(collective)}"
+    want = f"forced by {auto.override_variable(collective)}"
     if chosen != [(algorithm, want)] * 3:
         problems.append(f"choose gave {chosen}")
     if plans_used != [(collective, algorithm)]:
@@ -984,11 +985,10 @@ def test_auto_keeps_float16_reductions_off_native_from_64_kib(comm):
     says native, auto hands MPI a float16 reduction only below FLOAT16_NATIVE_UP_TO bytes,
     and choose(dtype=) says so; an override to native is obeyed."""
     from collectives.calls import FLOAT16_NATIVE_UP_TO, resolve
-    from collectives.tuning import Selector
 
     always_native = comm.dup()
     try:
-        always_native._ctx.selector = Selector(comm.size, overrides={})
+        always_native._ctx.selector = Selector(Job(comm.size), Settings(overrides={}))
         always_native._ctx.selector.explain = lambda collective, nbytes, device=False: ("native", "stub table")
         always_native._ctx.selector.choose = lambda collective, nbytes, device=False: "native"
         big, f16 = FLOAT16_NATIVE_UP_TO, np.dtype("float16")

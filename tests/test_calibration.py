@@ -20,9 +20,11 @@ import pytest
 from mpi4py import MPI
 
 import collectives as cc
-import collectives.tuning as tuning
-from collectives import calibration
-from collectives.calibration import Calibration
+import collectives.auto as auto
+from collectives.algorithms import BUILDERS
+from collectives.auto import Job, calibration
+from collectives.auto import table as auto_table
+from collectives.auto.calibration import Calibration
 
 from conftest import agree
 
@@ -48,10 +50,10 @@ def calibrating(monkeypatch, tmp_path):
     folder = WORLD.bcast(str(tmp_path), root=0)
     monkeypatch.setenv(calibration.CALIBRATE_ENV, "1")
     monkeypatch.setenv(calibration.CACHE_ENV, folder)
-    monkeypatch.setattr(tuning, "DEFAULT_TABLE", tmp_path / "no-table.json")
-    for variable in (tuning.TUNING_ENV, tuning.RULE_ENV):
+    monkeypatch.setattr(auto_table, "DEFAULT_TABLE", tmp_path / "no-table.json")
+    for variable in (auto.TUNING_ENV, auto.RULE_ENV):
         monkeypatch.delenv(variable, raising=False)
-    monkeypatch.setenv(tuning.QUIET_ENV, "1")
+    monkeypatch.setenv(auto.QUIET_ENV, "1")
     return folder
 
 
@@ -153,28 +155,28 @@ def test_the_calibrated_choice():
     c = made_up()
     size = 4
     for collective in ("gather", "scatter", "alltoall", "alltoallv"):  # MPI's own: not timed, not modelled
-        assert tuning.calibrated_choice(c, collective, 64 << 20, size)[0] == "native"
-    choice, why = tuning.calibrated_choice(c, "allreduce", (64 << 10) - 1, size)
+        assert auto.calibrated_choice(c, collective, 64 << 20, size)[0] == "native"
+    choice, why = auto.calibrated_choice(c, "allreduce", (64 << 10) - 1, size)
     assert choice == "native" and "native below 64 KiB" in why
     assert why.startswith("calibrated model (Test CPU, 2 CPUs, MPICH 5.0.2, 1x4): this machine and layout")
     # Above: the fastest expected of ours against MPI's timed time, 1.1x needed.
     c.ours = {"allreduce": {"ring": [[64 << 10, 300e-6], [1 << 20, 1.5e-3], [8 << 20, 10e-3]],
                             "shm": [[64 << 10, 200e-6], [1 << 20, 0.9e-3], [8 << 20, 9e-3]]}}
-    model = tuning.CostModel(**c.parameters())
+    model = auto.CostModel(**c.parameters())
     for nbytes in (64 << 10, 1 << 20, 16 << 20):
-        ours = c.times("allreduce", nbytes, lambda k, b: tuning.predict(k, b, size, model=model)[1])
+        ours = c.times("allreduce", nbytes, lambda k, b: auto.predict(k, b, size, model=model)[1])
         modelled = {"ring", "direct", "recursive_doubling", "recursive_halving"}
         assert set(ours) == (modelled | {"shm"} if nbytes <= 8 << 20 else modelled)  # shm: not past its timings
         best = min(ours, key=ours.get)
         gain = c.native_time("allreduce", nbytes) / ours[best]
-        choice, why = tuning.calibrated_choice(c, "allreduce", nbytes, size)
+        choice, why = auto.calibrated_choice(c, "allreduce", nbytes, size)
         assert choice == (best if gain >= calibration.MARGIN else "native"), (nbytes, gain, why)
         assert f"({gain:.2f}x)" in why
-    assert tuning.calibrated_choice(c, "allreduce", 1 << 20, size)[0] == "shm"  # 1.1x faster than native's 1 ms
+    assert auto.calibrated_choice(c, "allreduce", 1 << 20, size)[0] == "shm"  # 1.1x faster than native's 1 ms
     slow_mpi = made_up(native={"allreduce": [[64 << 10, 1.0], [1 << 20, 16.0]]})
-    assert tuning.calibrated_choice(slow_mpi, "allreduce", 1 << 20, size)[0] != "native"
+    assert auto.calibrated_choice(slow_mpi, "allreduce", 1 << 20, size)[0] != "native"
     fast_mpi = made_up(native={"allreduce": [[64 << 10, 1e-9], [1 << 20, 2e-9]]})
-    assert tuning.calibrated_choice(fast_mpi, "allreduce", 1 << 20, size)[0] == "native"
+    assert auto.calibrated_choice(fast_mpi, "allreduce", 1 << 20, size)[0] == "native"
 
 
 @serial
@@ -255,25 +257,25 @@ def test_the_selector_calibrates_only_without_a_table_and_when_asked(tmp_path, m
         asked.append((fingerprint, key))
         return made_up()
 
-    monkeypatch.setattr(tuning, "DEFAULT_TABLE", tmp_path / "none.json")
-    plain = tuning.Selector.from_environment(4, {}, calibrate=calibrate)
+    monkeypatch.setattr(auto_table, "DEFAULT_TABLE", tmp_path / "none.json")
+    plain = auto.Selector.from_environment(Job(4, calibrate=calibrate), {})
     assert plain.calibration is not None and asked == [(plain.fingerprint, 4)]
     assert plain.explain("allreduce", 100)[1].startswith("calibrated model (")
-    assert tuning.Selector.from_environment(4, {calibration.CALIBRATE_ENV: "0"}, calibrate=calibrate).calibration \
+    assert auto.Selector.from_environment(Job(4, calibrate=calibrate), {calibration.CALIBRATE_ENV: "0"}).calibration \
         is None
-    assert tuning.Selector.from_environment(4, {tuning.RULE_ENV: "conservative"}, calibrate=calibrate).calibration \
+    assert auto.Selector.from_environment(Job(4, calibrate=calibrate), {auto.RULE_ENV: "conservative"}).calibration \
         is None  # a rule chosen: that rule
-    assert tuning.Selector.from_environment(1, {}, calibrate=calibrate).calibration is None  # one rank
-    forced = {tuning.override_variable(c): tuning._concrete(c)[0] for c in tuning.BUILDERS}
-    assert tuning.Selector.from_environment(4, forced, calibrate=calibrate).calibration is None  # nothing to choose
+    assert auto.Selector.from_environment(Job(1, calibrate=calibrate), {}).calibration is None  # one rank
+    forced = {auto.override_variable(c): auto.concrete(c)[0] for c in BUILDERS}
+    assert auto.Selector.from_environment(Job(4, calibrate=calibrate), forced).calibration is None  # nothing to choose
     # Another rank does not want it (the agreement's bit 16 cleared): nobody calibrates.
-    assert tuning.Selector(4, agree=lambda bits: bits & ~16, calibrate=calibrate).calibration is None
+    assert auto.Selector(Job(4, agree=lambda bits: bits & ~16, calibrate=calibrate)).calibration is None
     # A matching table: no calibration, the table decides.
     table = tmp_path / "t.json"
     table.write_text(json.dumps({"format": 1, "tables": {"allreduce": {"4": [[0, "ring"]]}},
-                                 "measured": {"4": {"fingerprint": tuning.fingerprint_for_key("4")}}}))
+                                 "measured": {"4": {"fingerprint": auto.fingerprint_for_key("4")}}}))
     asked.clear()
-    measured = tuning.Selector.from_environment(4, {tuning.TUNING_ENV: str(table)}, calibrate=calibrate)
+    measured = auto.Selector.from_environment(Job(4, calibrate=calibrate), {auto.TUNING_ENV: str(table)})
     assert measured.calibration is None and asked == []
     assert measured.explain("allreduce", 1 << 20) == ("ring", f"measured table {table}")
 
@@ -341,10 +343,10 @@ def test_no_calibration_where_switched_off_or_a_table_matches(calibrating, monke
     if WORLD.Get_rank() == 0:
         with open(table, "w") as f:
             json.dump({"format": 1, "tables": {"allreduce": {str(WORLD.Get_size()): [[0, "ring"]]}},
-                       "measured": {str(WORLD.Get_size()): {"fingerprint": tuning.fingerprint(
+                       "measured": {str(WORLD.Get_size()): {"fingerprint": auto.fingerprint(
                            world_size=WORLD.Get_size())}}}, f)
     WORLD.Barrier()
-    monkeypatch.setenv(tuning.TUNING_ENV, table)
+    monkeypatch.setenv(auto.TUNING_ENV, table)
     tuned = cc.Communicator()
     if tuned._ctx.selector.calibration is not None or tuned.choose("allreduce", 16 << 20) != ("ring",
                                                                                           f"measured table {table}"):

@@ -810,7 +810,7 @@ def test_a_device_table_of_other_gpus_is_put_aside_at_the_first_device_call(mpi_
     device learns every rank's GPU (the negotiation); where the table's are others, the
     device cost model answers from then on, on every rank alike, and comm.choose says
     why; on the same GPUs the table stays."""
-    from collectives import tuning
+    from collectives import auto
     from collectives.tools.bench.devices import BenchDevice
 
     probe = cc.Communicator()
@@ -824,11 +824,11 @@ def test_a_device_table_of_other_gpus_is_put_aside_at_the_first_device_call(mpi_
     size = mpi_comm.Get_size()
     path = tmp_path / "device-table.json"
     for measured_on, kept in ((ours, True), ("Another GPU x1", False)):
-        stamp = {**tuning.fingerprint_for_key(size), "gpu": measured_on}
+        stamp = {**auto.fingerprint_for_key(size), "gpu": measured_on}
         tables = {"allreduce": {str(size): [[0, "ring"]]}}
         path.write_text(json.dumps({"format": 1, "tables": {}, "device_tables": tables,
                                     "measured": {f"{size} device": {"fingerprint": stamp}}}))
-        monkeypatch.setenv(tuning.TUNING_ENV, str(path))
+        monkeypatch.setenv(auto.TUNING_ENV, str(path))
         comm = cc.Communicator()
         assert comm.choose("allreduce", 64, device=True)[0] == "ring"
         xs = [rank_input(r, 16, "float32") for r in range(size)]

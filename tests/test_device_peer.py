@@ -26,8 +26,8 @@ import pytest
 from mpi4py import MPI
 
 import collectives as cc
-from collectives import tuning
 from collectives.algorithms import PEER_READS, block_bounds
+from collectives.auto import device_model
 from collectives.device import as_device_array, bfloat16
 from collectives.transport import device_node, local
 
@@ -671,7 +671,7 @@ def test_every_phase_is_one_kernel_for_up_to_16_ranks():
         sixteens = -(-size // 16)
         if algorithm != "leader":
             return sixteens
-        return {"allreduce": sixteens * (2 if size > 16 else 1), "allgather": tuning._fanned_kernels(size),
+        return {"allreduce": sixteens * (2 if size > 16 else 1), "allgather": device_model._fanned_kernels(size),
                 "reduce_scatter": 1 if size <= 16 else size * sixteens}.get(collective, sixteens)
 
     for collective, algorithm in PEERS:
@@ -758,7 +758,7 @@ def test_a_call_launches_one_kernel_a_phase(mpi_comm):
     backend = next(iter(comm._ctx.devices.values())).backend
     problems = []
     n = 4 * comm.size + 3
-    fanned = tuning._fanned_kernels(comm.size)  # the allgather leader's: each input read once, 16 // p a kernel
+    fanned = device_model._fanned_kernels(comm.size)  # the allgather leader's: each input read once, 16 // p a kernel
     for collective, algorithm in PEERS:
         x = D.asarray(rank_input(comm.rank, n, "float32"))
         call(comm, collective, x, algorithm)  # warm: registered, plans made
@@ -1062,8 +1062,8 @@ def test_auto_runs_the_leader_only_where_the_ranks_share_one_gpu(mpi_comm, one_g
     finally:
         backend.uuid = uuid
     choice = comm.choose("allreduce", x.nbytes, device=True)
-    model = tuning.DeviceCostModel(shared=one_gpu, one_gpu=one_gpu)  # (host fences either way)
-    times = tuning.predict_device("allreduce", x.nbytes, comm.size, model)
+    model = device_model.DeviceCostModel(shared=one_gpu, one_gpu=one_gpu)  # (host fences either way)
+    times = device_model.predict_device("allreduce", x.nbytes, comm.size, model)
     said = "the node's ranks share one GPU" if one_gpu else "each of the node's ranks has a GPU of its own"
     if choice[0] != min(times, key=times.get) or said not in choice[1] or (choice[0] == "leader") != one_gpu:
         problems.append(f"once learnt: {tuple(choice)}, predicted {times}")
@@ -1176,7 +1176,7 @@ def test_auto_picks_a_peer_read_and_says_why(pcomm, mpi_comm):
         # leader (one process with device work) where there is one, else one_shot (at 2
         # ranks broadcast's one_shot ties with it: one rank copies either way)
         choice = comm.choose(collective, 4096, device=True)
-        times = tuning.predict_device(collective, 4096, comm.size)
+        times = device_model.predict_device(collective, 4096, comm.size)
         if comm.size > 1 and (choice[0] != min(times, key=times.get) or "device cost model" not in choice[1]):
             problems.append(f"{collective}: {tuple(choice)}, predicted {times}")
         if comm.size > 1 and choice[0] not in ("leader", "one_shot"):
@@ -1452,8 +1452,8 @@ def test_the_benchmark_measures_tunes_and_reports_on_the_stand_in(mpi_comm, tmp_
     every target of the issue (the ones without figures: not measured), the README's
     section replaced, not repeated, when it runs again."""
     stand_in_only("the benchmark's own check (make bench-gpu measures on a GPU)")
+    from collectives.auto import TuningTable
     from collectives.tools.bench import peer
-    from collectives.tuning import TuningTable
 
     folder = mpi_comm.bcast(str(tmp_path_factory.mktemp("bench")) if mpi_comm.rank == 0 else None)
     size = mpi_comm.Get_size()

@@ -15,7 +15,8 @@ from mpi4py import MPI
 from test_collectives import run_and_compare
 
 import collectives as cc
-import collectives.tuning as tuning
+from collectives.auto import fingerprint
+from collectives.auto import table as auto_table
 from collectives.topology import Topology
 
 from conftest import agree, counts_for, ops_for
@@ -180,7 +181,7 @@ def test_a_layout_table_is_used_only_over_its_link(mpi_comm, tmp_path, monkeypat
     key = topology.key()
     path = tmp_path / f"tuning-{mpi_comm.Get_rank()}.json"
     path.write_text(json.dumps({"format": 1, "tables": {"allreduce": {key: [[0, "ring"]]}},
-                                "measured": {key: {"fingerprint": {**tuning.fingerprint(topology),
+                                "measured": {key: {"fingerprint": {**fingerprint(topology),
                                                                    "link_MBps": 0.001}}}}))
     monkeypatch.setenv("COLLECTIVES_TUNING", str(path))
     problems = []
@@ -192,7 +193,7 @@ def test_a_layout_table_is_used_only_over_its_link(mpi_comm, tmp_path, monkeypat
         problems.append(f"a 0.001 MB/s table: {choice}, {why}")
     if not (rates[0] > 0 and len(set(rates)) == 1):
         problems.append(f"measured rates {rates}")
-    monkeypatch.setattr(tuning, "LINK_TOLERANCE", float("inf"))  # any link counts: the table is used
+    monkeypatch.setattr(auto_table, "LINK_TOLERANCE", float("inf"))  # any link counts: the table is used
     anything = cc.Communicator(mpi_comm, nodes=labels)
     got = anything.choose("allreduce", 1 << 20)
     anything.free()

@@ -20,7 +20,8 @@ import zlib
 from functools import lru_cache
 from typing import Any
 
-from ..algorithms import ORDERED, PEER_READS, cost_model_choice
+from ..algorithms import ORDERED, PEER_READS
+from ..auto import cost_model_choice
 from ..errors import CollectiveError
 from ..transport.lean import Patience
 from . import base

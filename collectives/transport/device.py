@@ -41,9 +41,9 @@ import os
 import numpy as np
 from mpi4py import MPI
 
+from ..device.gpus import GPU_NAME_BYTES, gpu_stamp
 from ..errors import MessageSizeError, TransportError
 from ..schedule import Copy, Reduce, ReduceMany, Send
-from ..tuning import GPU_NAME_BYTES, gpu_stamp
 from .device_node import peer_memory
 from .mpi import PlanHandle
 from .native import mismatch
@@ -180,7 +180,7 @@ class DeviceContext:
         # can run: transport.device_node); the same answer on every rank.
         self.ipc_everywhere = ipc_everywhere
         self.ipc_refusals = {}  # peer -> why this rank could not open its IPC memory (negotiate's probe)
-        self.gpus = None  # every rank's GPU, tuning.gpu_stamp (negotiate): its model, how many there are
+        self.gpus = None  # every rank's GPU, device.gpus.gpu_stamp (negotiate): its model, how many there are
         self.node_gpus = None  # the node's ranks' GPUs, their uuids as bytes (negotiate; the same on every one)
         self.peer = None  # the peer-read calls' state (device_node.PeerNode), made at the first such call
         self.cuda_aware = cuda_aware  # MPI takes device memory (for native, and the non-IPC peers)

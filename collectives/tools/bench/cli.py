@@ -22,10 +22,10 @@ from mpi4py import MPI
 from ... import Communicator
 from ...algorithms import COLLECTIVES, ORDERED, PEER_READS, SHARED_MEMORY, VARIABLE, algorithms
 from ...algorithms.shm import REGISTERED
+from ...auto import TuningTable
 from ...dtypes import SUPPORTED_DTYPES
 from ...ops import OPS, check_op
 from ...topology import measure_link
-from ...tuning import TuningTable
 from . import membound, report, timing, tune
 from .cases import GLOO, Case, bus_factor
 from .devices import BenchDevice

@@ -36,8 +36,8 @@ class BenchDevice:
 
     def gpus(self, world):
         """The GPUs of ``world``'s ranks as a device table is stamped with them
-        (:func:`~collectives.tuning.gpu_stamp`; collective)."""
-        from ...tuning import gpu_stamp
+        (:func:`~collectives.device.gpus.gpu_stamp`; collective)."""
+        from ...device.gpus import gpu_stamp
 
         everyone = world.allgather((self.backend.name, self.backend.uuid))
         return gpu_stamp([name for name, _ in everyone], [uuid for _, uuid in everyone])

@@ -1,5 +1,5 @@
 """From benchmark rows to a tuning table (the file ``auto`` reads; format in
-:mod:`collectives.tuning`).
+:mod:`collectives.auto.table`).
 
 Each contender's score at a measured size is its average time divided by the
 fastest one's there (``native`` included), averaged geometrically with the same
@@ -18,11 +18,11 @@ except that:
   difference is larger than what the machine's drift could make of it.
 
 A switch between two measured sizes takes effect at their geometric mean. Every
-entry of ``measured`` is stamped with the :func:`collectives.tuning.fingerprint` of
+entry of ``measured`` is stamped with the :func:`collectives.auto.fingerprints.fingerprint` of
 the machine and layout it was measured on, for several nodes the link between them,
-and for device tables the GPUs (:func:`collectives.tuning.gpu_stamp`) (``auto`` uses
+and for device tables the GPUs (:func:`collectives.device.gpus.gpu_stamp`) (``auto`` uses
 the entry only where that fingerprint is the job's, the link within
-``tuning.LINK_TOLERANCE``, the GPUs as the first call on a device finds them).
+``collectives.auto.LINK_TOLERANCE``, the GPUs as the first call on a device finds them).
 
 With the defaults (``--budget 0.05`` s per contender, size and run, ``--rounds 3``,
 8 B to 64 MiB by 2: 24 sizes, 35 contenders) a ``--tune`` run is about 1-2 minutes
@@ -41,7 +41,7 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from ...tuning import FORMAT, GPU, TuningTable, fingerprint_for_key
+from ...auto import FORMAT, GPU, TuningTable, fingerprint_for_key
 
 STICKINESS = 1.05
 NOISE_FLOOR = 0.05  # native keeps a size unless beaten by more than max(this, the rounds' spread)
@@ -134,7 +134,7 @@ def write(path, rows, settings, key="tables", link=None, gpus=None):
     ``"device_tables"`` for measurements on device arrays. ``link``: the node-to-node
     rate measured in the same job (bytes per second), which the fingerprint of a
     layout of several nodes holds; ``gpus``: the node's GPUs
-    (:func:`~collectives.tuning.gpu_stamp`), which a device table's fingerprint holds
+    (:func:`~collectives.device.gpus.gpu_stamp`), which a device table's fingerprint holds
     (auto uses the table only on the same GPUs)."""
     path = Path(path)
     data = {"format": FORMAT, "measured": {}, "tables": {}}

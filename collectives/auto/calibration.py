@@ -1,7 +1,7 @@
 """``auto`` on a machine with no measured table: the cost model calibrated here, once.
 
 Where no tuning table matches the job's machine and layout, a :class:`~collectives.Communicator`
-measures what the cost model (:class:`collectives.tuning.CostModel`) needs, on its own
+measures what the cost model (:class:`collectives.auto.host_model.CostModel`) needs, on its own
 ranks, when it is made (:func:`obtain`):
 
 - the library's cost per message, ``alpha``: its ring allreduce of a few hundred bytes
@@ -47,7 +47,7 @@ collectives are timed at their first two sizes all the same: they are the yardst
 and the model scales between two sizes at least). Measured
 at 2 and 4 ranks on one node of the 2-core machine: 0.27-0.32 s and 0.61-0.71 s
 (``bench/results/xeon-2vcpu-mpich5/issue33``).
-``collectives.tuning.calibrated_choice`` then chooses: below ``SMALL`` (64 KiB) and
+:func:`calibrated_choice` then chooses: below ``SMALL`` (64 KiB) and
 for gather, scatter, alltoall and alltoallv, ``native``; above, the library's
 algorithm expected fastest (:meth:`Calibration.times`: the model's prediction scaled
 by what that algorithm's timings say of it), where MPI's own, timed (interpolated
@@ -58,7 +58,7 @@ where the input is a registered buffer: see ``collectives.routes.shared``).
 
 The result is cached per user (``$COLLECTIVES_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/collectives``, else ``~/.cache/collectives``), one file per
-fingerprint and layout (:func:`collectives.tuning.fingerprint`), written to a
+fingerprint and layout (:func:`collectives.auto.fingerprints.fingerprint`), written to a
 temporary file and renamed into place, so two jobs writing at once leave one whole
 file. Rank 0 reads it and tells the others (their home may differ across nodes). It is
 used only where it was measured: the same fingerprint, and on several nodes a link
@@ -81,6 +81,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from .fingerprints import describe_fingerprint
+from .host_model import CostModel, predict
 
 CALIBRATE_ENV = "COLLECTIVES_CALIBRATE"
 CACHE_ENV = "COLLECTIVES_CACHE_DIR"
@@ -148,7 +151,7 @@ class Calibration:
     source: str = "measured now"  # or the cache file it was read from
 
     def parameters(self):
-        """The cost model's parameters measured (``collectives.tuning.CostModel``'s names;
+        """The cost model's parameters measured (:class:`~collectives.auto.host_model.CostModel`'s names;
         the network's only where the ranks span nodes)."""
         found = dict(alpha=self.alpha, mpi_alpha=self.mpi_alpha, beta=self.beta, gamma=self.gamma,
                      message=self.message)
@@ -234,6 +237,36 @@ class Calibration:
         return calibration
 
 
+# -- what it picks ------------------------------------------------------------------------
+
+def calibrated_choice(calibration, collective, nbytes, size, topology=None):
+    """``(algorithm, why)``: what the model calibrated on this machine picks
+    (this module): ``native`` below ``SMALL`` and for
+    the collectives whose MPI's own it did not time; else the library's algorithm
+    expected fastest (:meth:`Calibration.times`: the model's
+    prediction with the measured parameters, scaled by what that algorithm's timings
+    here say of it), where MPI's own, timed, takes at least ``MARGIN``
+    (1.1x) as long; else ``native``."""
+    small, margin = SMALL, MARGIN
+    where = f"calibrated model ({describe_fingerprint(calibration.fingerprint)}): {calibration.describe()}"
+    mpi = calibration.native_time(collective, nbytes)
+    if mpi is None:
+        return "native", f"{where}; native (MPI's own {collective}: not timed)"
+    if nbytes < small:
+        return "native", f"{where}; native below {small >> 10} KiB (MPI's latency)"
+    model = CostModel(**calibration.parameters())
+    ours = calibration.times(collective, nbytes, lambda c, b: predict(c, b, size, topology, model)[1])
+    if not ours:
+        return "native", f"{where}; native (none of the library's {collective} algorithms is modelled or timed)"
+    best = min(ours, key=ours.get)
+    gain = mpi / ours[best] if ours[best] > 0 else 1.0
+    said = (f"{best} expected to take {ours[best] * 1e6:.0f} us against MPI's own, timed, {mpi * 1e6:.0f} us "
+            f"({gain:.2f}x)")
+    if gain >= margin:
+        return best, f"{where}; {said}"
+    return "native", f"{where}; native, as {said} is under {margin:g}x"
+
+
 # -- whether, and the cache ---------------------------------------------------------------
 
 def wanted(environ=None):
@@ -309,7 +342,7 @@ def obtain(comm, topology, fingerprint, key, tag, timer, environ=None, link=None
 
     several = topology is not None and topology.node_count > 1
     if several and link is None:  # this job's link, to hold a cached calibration to
-        from .topology import measure_link
+        from ..topology import measure_link
 
         link = measure_link(comm, topology)
     path = cache_path(fingerprint, key, environ)
@@ -394,7 +427,7 @@ def measure(comm, topology, tag, timer, link=None, shares_memory=False):
             alpha, message = 0.0, None
         calibration = Calibration(alpha=alpha, beta=beta, gamma=gamma, mpi_alpha=mpi_alpha, message=message)
         if several:
-            from .topology import measure_link
+            from ..topology import measure_link
 
             rate = link if link is not None else measure_link(comm, topology)
             nodes, here = topology.nodes, topology.node_of[rank]
@@ -511,11 +544,11 @@ def _ring_time(comm, ring_comm, tag, algorithm="ring"):
     rank among the ranks of ``ring_comm`` (None: this rank takes no part), on the lean
     executor as a large call's messages go: for the ring 2(k - 1) messages in a row,
     for direct 2 rounds of k - 1 (collective over ``comm``)."""
-    from .algorithms import build
-    from .schedule import compile_plan
-    from .transport import lean
-    from .transport.buffers import Buffers
-    from .transport.scheduler import program_of
+    from ..algorithms import build
+    from ..schedule import compile_plan
+    from ..transport import lean
+    from ..transport.buffers import Buffers
+    from ..transport.scheduler import program_of
 
     if ring_comm is None:
         return _slowest(comm, lambda: None, 2 * REPEATS)
