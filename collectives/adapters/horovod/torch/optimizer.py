@@ -34,7 +34,7 @@ def _adapter_compression(compression):
 
 class _HorovodOptimizer(optimizer_wrapping.WrappedOptimizer):
     """Mixed into the user's optimizer class by :func:`DistributedOptimizer`: Horovod's
-    optimizer on this module's calls. Dense gradients go into the buckets of a
+    optimizer on this package's calls. Dense gradients go into the buckets of a
     :class:`collectives.training.GradientReducer` on a duplicate of the process set's
     communicator, laid out at the first :meth:`synchronize` (collective), once the
     ranks have agreed which gradients are sparse; sparse ones go through

@@ -1,4 +1,4 @@
-"""What :func:`~.basics.init` made on this process: the communicators, the registered
+"""What ``init`` made on this process: the communicators, the registered
 process sets, and the calls made but not finished (the queue that every wait starts).
 One state per process, None before ``init`` and after ``shutdown``."""
 
