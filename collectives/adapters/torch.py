@@ -28,8 +28,8 @@ import collections
 
 import torch
 
-from . import training
-from .tensors import to_array, torch_stream
+from . import optimizer_wrapping, training
+from .tensors import to_array
 from .training import TrainingError, default_communicator
 
 __all__ = ["DistributedOptimizer", "TrainingError", "broadcast_optimizer_state", "broadcast_parameters",
@@ -142,7 +142,7 @@ def broadcast_optimizer_state(optimizer, root=0, comm=None):
         optimizer.load_state_dict(state)
 
 
-class _Distributed:
+class _Distributed(optimizer_wrapping.WrappedOptimizer):
     """Mixed into the user's optimizer class by :func:`DistributedOptimizer`."""
 
     def _setup(self, named_parameters, comm, reducer_options):
@@ -160,13 +160,10 @@ class _Distributed:
             named = [(n, p) for n, p in named if id(p) in mine]
         self._reducer = training.GradientReducer(_named(named, "named_parameters"), comm, **reducer_options)
         self._synchronized = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(name)) for name, p in named]
+        self._hooks = optimizer_wrapping.hook_gradients(named, self._gradient)
 
-    def _make_hook(self, name):
-        def hook(param):  # after autograd accumulated this backward pass into param.grad
-            with torch_stream(param):
-                self._reducer.gradient_ready(name, to_array(param.grad, name, "grad"))
-        return hook
+    def _gradient(self, name, param):
+        optimizer_wrapping.hand_over(self._reducer, name, param, param.grad)
 
     def synchronize(self):
         """Wait for the averaged gradients (now in every ``.grad``; on a GPU, ready on
@@ -188,10 +185,6 @@ class _Distributed:
     def no_sync(self):
         """Backward passes inside accumulate into ``.grad`` without communicating."""
         return self._reducer.no_sync()
-
-    def add_param_group(self, param_group):
-        raise ValueError("add_param_group on a DistributedOptimizer: its gradients would never be averaged; add "
-                         "every parameter group to the optimizer before wrapping it")
 
     def close(self):
         """Remove the gradient hooks and free the reducer (collective)."""
@@ -217,20 +210,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, comm=None, *, backwar
     call backward k times per step; scale the loss by 1/k for a mean; ``op="sum"``
     sums the gradients instead of averaging them). Collective.
     """
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
-    if isinstance(optimizer, _Distributed) or "_reducer" in optimizer.__dict__:
-        raise ValueError("optimizer is already a DistributedOptimizer (or wrapped by one)")
-    if "step" in optimizer.__dict__:  # what an LR scheduler made before wrapping leaves behind
-        raise ValueError("optimizer.step was replaced on the instance (by an LR scheduler created before "
-                         "DistributedOptimizer?): its step would skip the gradient averaging; wrap the optimizer "
-                         "first, then create schedulers on the DistributedOptimizer")
-    base = type(optimizer)
-    cls = type(f"Distributed{base.__name__}", (_Distributed, base), {})
-    distributed = cls.__new__(cls)
-    # One attribute dict for both objects: param_groups, state and hooks stay shared even
-    # when load_state_dict replaces them (it assigns new ones).
-    distributed.__dict__ = optimizer.__dict__
+    optimizer_wrapping.check_wrappable(optimizer, _Distributed, "_reducer")
+    distributed = optimizer_wrapping.wrap(optimizer, _Distributed, f"Distributed{type(optimizer).__name__}")
     options = dict(backward_passes_per_step=backward_passes_per_step, compression=compression, algorithm=algorithm,
                    first_bucket_bytes=first_bucket_bytes, bucket_bytes=bucket_bytes, progress_thread=progress_thread,
                    poll_interval=poll_interval, deterministic=deterministic, op=op)

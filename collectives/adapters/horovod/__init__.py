@@ -2,6 +2,6 @@
 
 ``import collectives.horovod.torch as hvd`` in place of ``import horovod.torch as hvd``
 runs a Horovod PyTorch training script on this library (``mpiexec -n N python train.py``):
-see :mod:`collectives.horovod.torch` for what maps and what does not. Importing this
-package imports nothing else; the ``torch`` module needs PyTorch (extra ``torch``).
+docs/reference/horovod.md says what maps and what does not. Importing this package
+imports nothing else; the ``torch`` package needs PyTorch (extra ``torch``).
 """
