@@ -882,15 +882,17 @@ def test_main_on_the_stand_in_device(mpi_comm, tmp_path, monkeypatch, no_default
 
 
 def test_gpu_benchmark_runs_on_the_stand_in(mpi_comm, tmp_path):
-    """python -m collectives.tools.bench.gpu --quick on the stand-in: kernels against the copy,
-    pipelined against whole messages, IPC against staging, written as JSON."""
-    from collectives.tools.bench import gpu
+    """bench/gpu_paths.py --quick on the stand-in: kernels against the copy, pipelined
+    against whole messages, IPC against staging, written as JSON."""
+    from bench_scripts import load
+
+    gpu = load("gpu_paths")
 
     path = tmp_path / "gpu.json"
     problems = []
     with reported(problems):
         if gpu.main(["--device", "standin", "--quick", "--json", str(path)]) != 0:
-            problems.append("bench.gpu returned non-zero")
+            problems.append("bench/gpu_paths.py returned non-zero")
     if mpi_comm.Get_rank() == 0:
         with reported(problems):
             rows = json.loads(path.read_text())["rows"]

@@ -1447,13 +1447,16 @@ def test_a_broken_communicator_stops_its_fence_kernels(mpi_comm, monkeypatch):
 
 # -- make bench-gpu's tool, on the stand-in -----------------------------------------------------------
 def test_the_benchmark_measures_tunes_and_reports_on_the_stand_in(mpi_comm, tmp_path_factory):
-    """python -m collectives.tools.bench.peer --quick: the floor of every mechanism, the
-    copy, every contender; a device table auto can read; and --report's targets.md with
-    every target of the issue (the ones without figures: not measured), the README's
-    section replaced, not repeated, when it runs again."""
+    """bench/gpu_peer.py --quick: the floor of every mechanism, the copy, every
+    contender; a device table auto can read; and --report's targets.md with every
+    target (the ones without figures: not measured), its peer-report.md the same when it
+    runs again, and no other file of the folder touched (a README stays as it was)."""
     stand_in_only("the benchmark's own check (make bench-gpu measures on a GPU)")
-    from collectives.tools.bench import peer
     from collectives.tuning import TuningTable
+
+    from bench_scripts import load
+
+    peer = load("gpu_peer")
 
     folder = mpi_comm.bcast(str(tmp_path_factory.mktemp("bench")) if mpi_comm.rank == 0 else None)
     size = mpi_comm.Get_size()
@@ -1476,12 +1479,16 @@ def test_the_benchmark_measures_tunes_and_reports_on_the_stand_in(mpi_comm, tmp_
             problems.append("the device tables name a stream-fenced contender")
         readme = f"{folder}/README.md"
         open(readme, "w").write("# results\n\nkept\n")
+        reports = []
         for _ in range(2):
             peer.report(folder)
-        text = open(readme).read()
+            reports.append(open(f"{folder}/{peer.REPORT}").read())
+        text = reports[-1]
         targets = open(f"{folder}/targets.md").read()
-        if text.count(peer.MARK) != 1 or "kept" not in text or "| target | measured | bound |" not in text:
-            problems.append(f"README: {text[:300]}")
+        if open(readme).read() != "# results\n\nkept\n":
+            problems.append(f"--report changed README.md: {open(readme).read()[:300]}")
+        if reports[0] != reports[1] or text.count("| target | measured | bound |") != 1:
+            problems.append(f"{peer.REPORT}: {text[:300]}")
         for needle in ("allreduce 64-256 MiB, 4 ranks", "allreduce 8 B-256 KiB, 2 ranks", "DDP on a CUDA model",
                        "auto on device arrays", "not measured"):
             if needle not in targets:
@@ -1497,11 +1504,13 @@ def test_the_benchmark_measures_tunes_and_reports_on_the_stand_in(mpi_comm, tmp_
 
 
 def test_the_probe_of_a_calls_parts_runs_on_the_stand_in(mpi_comm, tmp_path_factory):
-    """python -m collectives.tools.bench.probe --quick: every probe's row, the token
+    """bench/gpu_probe.py --quick: every probe's row, the token
     rings going round (not stuck), each part of a one_shot and a leader call timed, by
     each mechanism, on a plain and on a registered array, and of a host-fenced barrier."""
     stand_in_only("the probe's own check (make probe-gpu measures on a GPU)")
-    from collectives.tools.bench import probe
+    from bench_scripts import load
+
+    probe = load("gpu_probe")
 
     folder = mpi_comm.bcast(str(tmp_path_factory.mktemp("probe")) if mpi_comm.rank == 0 else None)
     path = f"{folder}/probe-n{mpi_comm.size}.json"
