@@ -450,7 +450,7 @@ def test_thresholds_stickiness():
         ("binomial", 64, 1.04), ("pipeline", 64, 1.0),      # 4% slower: binomial keeps it
         ("binomial", 512, 1.045), ("pipeline", 512, 1.0),   # still within 5% of the best
         ("binomial", 4096, 1.10), ("pipeline", 4096, 1.0),  # 10% slower: pipeline takes over
-        ("binomial", 32768, 1.03), ("pipeline", 32768, 1.0),  # and now pipeline is sticky
+        ("binomial", 32768, 1.03), ("pipeline", 32768, 1.0),  # from here on pipeline is sticky
     ]]
     assert tune.thresholds(rows, window=0) == [[0, "binomial"], [switch(512, 4096), "pipeline"]]
     # stickiness is towards the previous winner only: a third contender within 5% does not win

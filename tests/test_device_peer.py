@@ -350,11 +350,11 @@ def test_the_users_stream_order(pcomm, mpi_comm):
 def test_peer_reads_in_flight_among_calls_of_the_other_routes(mpi_comm, mechanism):
     """Rounds of async calls of every device route at once (ring, direct and the peer
     reads, on strided inputs: packed into workspace, which they hand on to each other),
-    each right. The peer calls used to run on the stream the other routes' calls share:
-    their waits for the other ranks there (stream and kernel fences) held up work of an
-    earlier ring call that another rank had queued before them, which that rank's peer
-    call waited for: a deadlock across ranks (at 3 ranks and more, within a few rounds).
-    The calls' timeout makes that fail here instead of hanging."""
+    each right. Were the peer calls to run on the stream the other routes' calls share,
+    their waits for the other ranks there (stream and kernel fences) would hold up work
+    of an earlier ring call that another rank had queued before them, which that rank's
+    peer call waits for: a deadlock across ranks (at 3 ranks and more, within a few
+    rounds). The calls' timeout makes that fail here instead of hanging."""
     comm, problems = communicator(mechanism), []
     user = D.new_stream()
     with D.use_stream(user):
@@ -979,7 +979,7 @@ def test_mismatched_calls_raise_on_every_rank(mpi_comm, mechanism):
 def test_memory_that_cannot_be_shared_makes_every_rank_raise_alike(mpi_comm, mechanism):
     """Rank 0's input lies where no other process can open it (the stand-in: outside its
     pool; a GPU: managed memory, which CUDA IPC cannot export): every rank raises at the
-    first fence the same error, naming rank 0 and the argument, rank 0 too, which used to
+    first fence the same error, naming rank 0 and the argument, rank 0 too, rather than
     wait at the second fence for the ranks that had raised until its timeout (here 20 s:
     so that a regression fails instead of hanging). ``auto`` alike: it chooses a peer read
     there. Broken communicators are left unfreed (see above)."""
@@ -1354,7 +1354,7 @@ def test_the_workload_passes_with_every_synchronisation(mpi_comm):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
 def test_taking_out_any_synchronisation_makes_the_workload_fail(mpi_comm, monkeypatch, mutation):
-    """As issue 31 asks: with any one synchronisation of the new path taken out, the
+    """With any one synchronisation of the peer-read path taken out, the
     stand-in gives wrong results or the call fails (a missing signal: the others time
     out, naming the rank). Broken communicators are left unfreed (see above)."""
     stand_in_only("a GPU may run the racing work in time")
