@@ -241,13 +241,14 @@ test-gpu:
 	done; \
 	if [ -n "$$failed" ]; then echo "test-gpu: failed at$$failed rank(s): see $(GPU_LOGS)/"; exit 1; fi
 
-# Issue 31's GPU measurements, in one command (under 8 minutes on one GPU: each step has
-# a time limit, GPU_STEP_LIMITS, 7 minutes in all), into GPU_RESULTS: at each of
+# The device peer reads' measurements (bench/gpu_peer.py), in one command (under 8
+# minutes on one GPU: each step has a time limit, GPU_STEP_LIMITS, 7 minutes in all),
+# into GPU_RESULTS: at each of
 # GPU_BENCH_SIZES ranks the synchronisation floor of every fence mechanism, the device
 # copy, and the peer reads (one_shot, two_shot) against the ring over CUDA IPC, staged,
 # MPI on host copies and auto, with device tables for auto (tuning.json); DDP on a CUDA
 # model against gloo at 2 ranks; then sync-floor.*, targets.md (each target: measured,
-# bound, held, missed or not measured) and the README's section. A step that fails or
+# bound, held, missed or not measured) and peer-report.md (both). A step that fails or
 # runs out of time keeps what it measured (the JSON is written after every stage), the
 # report is written whatever happened, and the target fails afterwards if a step did.
 # Under `python -m mpi4py` an exception on one rank aborts the job instead of hanging it.
@@ -261,7 +262,7 @@ bench-gpu:
 	@set -- $(GPU_STEP_LIMITS); failed=""; \
 	for n in $(GPU_BENCH_SIZES); do \
 	  echo "== peer reads, sync floor, copy: $$n ranks (at most $$1 s)"; \
-	  timeout $$1 $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m mpi4py -m collectives.tools.bench.peer \
+	  timeout $$1 $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m mpi4py bench/gpu_peer.py \
 	    --json $(GPU_RESULTS)/peer-n$$n.json --tune $(GPU_RESULTS)/tuning.json || failed="$$failed peer-n$$n"; \
 	  shift; \
 	done; \
@@ -269,26 +270,26 @@ bench-gpu:
 	timeout $$1 $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 $(PYTHON) -m mpi4py -m collectives.tools.bench.training --ddp \
 	  --device cuda --bucket-mib 25 --compression none --steps 5 --rounds 3 --warmup 2 \
 	  --json $(GPU_RESULTS)/ddp-n2.json || failed="$$failed ddp-n2"; \
-	$(PYTHON) -m collectives.tools.bench.peer --report $(GPU_RESULTS) || failed="$$failed report"; \
+	$(PYTHON) bench/gpu_peer.py --report $(GPU_RESULTS) || failed="$$failed report"; \
 	if [ -n "$$failed" ]; then echo "bench-gpu: failed or cut short:$$failed"; exit 1; fi
 
-# Where a device call's time goes on a GPU the ranks share (collectives.tools.bench.probe):
+# Where a device call's time goes on a GPU the ranks share (bench/gpu_probe.py):
 # GPU round trips alone and together, host and stream token rings between the ranks, a
 # one_shot call timed in parts by each fence mechanism; at 2 and 4 ranks, into GPU_RESULTS.
 probe-gpu:
 	mkdir -p $(GPU_RESULTS)
 	@for n in $(GPU_BENCH_SIZES); do \
 	  echo "== where a call's time goes: $$n ranks"; \
-	  timeout 60 $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m mpi4py -m collectives.tools.bench.probe \
+	  timeout 60 $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m mpi4py bench/gpu_probe.py \
 	    --json $(GPU_RESULTS)/probe-n$$n.json || exit 1; \
 	done
 
 # The GPU machines lent to this project have CuPy, PyTorch and mpi4py but no MPI runtime
 # and no pytest-mpi, and no network. Here, `make gpu-wheels` saves them for their
 # Python 3.12 in .whl/ (ignored by git: carry it); there, `make gpu-session` installs
-# them and this package under /tmp/gpu-env and runs GPU_SESSION (bench-gpu first: its
-# figures are what the issue waits for, about a minute on the H200; then probe-gpu, under
-# two; then test-gpu), each step's log, its results and the test ranks' logs as one
+# them and this package under /tmp/gpu-env and runs GPU_SESSION (bench-gpu first, about
+# a minute on the H200; then probe-gpu, under two; then test-gpu), each step's log, its
+# results and the test ranks' logs as one
 # tarball each and a summary under OUT (tests/harness/gpu_session.sh).
 GPU_WHEELS    ?= mpich==5.0.2 pytest-mpi==0.6
 gpu-wheels:
@@ -300,12 +301,13 @@ GPU_SESSION   ?= bench probe test
 gpu-session:
 	tests/harness/gpu_session.sh $(GPU_SESSION)
 
-# The previous GPU issue's measurements (kernels vs the device copy, pipelined vs whole
-# messages, IPC vs staging) and collectives-bench on device buffers, at GPU_BENCH_RANKS.
+# The GPU path against its physical references (bench/gpu_paths.py: kernels vs the device
+# copy, pipelined vs whole messages, IPC vs staging) and collectives-bench on device
+# buffers, at GPU_BENCH_RANKS.
 GPU_BENCH_RANKS ?= 2
 bench-gpu-paths:
 	mkdir -p $(GPU_RESULTS)
-	$(MPIEXEC) $(MPIEXEC_FLAGS) -n $(GPU_BENCH_RANKS) $(PYTHON) -m mpi4py -m collectives.tools.bench.gpu --json $(GPU_RESULTS)/gpu-n$(GPU_BENCH_RANKS).json
+	$(MPIEXEC) $(MPIEXEC_FLAGS) -n $(GPU_BENCH_RANKS) $(PYTHON) -m mpi4py bench/gpu_paths.py --json $(GPU_RESULTS)/gpu-n$(GPU_BENCH_RANKS).json
 	$(MPIEXEC) $(MPIEXEC_FLAGS) -n $(GPU_BENCH_RANKS) $(PYTHON) -m mpi4py -m collectives.tools.bench --device cuda -c allreduce,allgather,broadcast \
 	  -b 64K -e 256M -f 4 --check --no-progress --json $(GPU_RESULTS)/bench-n$(GPU_BENCH_RANKS).json \
 	  --plot $(GPU_RESULTS)/bench-n$(GPU_BENCH_RANKS).png
@@ -383,7 +385,7 @@ bench-ps: install
 	    --json $(RESULTS)/latest-ps.json || exit 1; \
 	done
 
-# `auto` on this machine as on one with no tuning table (issue 33's check): at each of
+# `auto` on this machine as on one with no tuning table: at each of
 # AUTO_SIZES ranks, one interleaved run of AUTO_BENCH_ARGS with an empty table named (so
 # the packaged one is left out) and a fresh calibration (a cache folder of its own, kept
 # as calibration-nN.json), into AUTO_RESULTS; auto-vs-fastest.md: auto's time over the

@@ -95,7 +95,7 @@ def report(path):
             verdict(f"{c}: >= 3x faster than gloo, >= 64 KiB", low >= 3.0,
                     f"lowest {low:.2f}x (at {min(ratios, key=ratios.get)} B), highest {max(ratios.values()):.1f}x")
 
-    # Issue 17 (one node at the memory-bandwidth limit): 6. allreduce from 16 MiB within
+    # One node at the memory-bandwidth limit: 6. allreduce from 16 MiB within
     # 1.5x of the memory-traffic bound and >= 3x native; 7. broadcast and allgather
     # >= native from 64 KiB; 8. auto within 1.1x of the fastest at every size.
     rows = [(size, fastest(ours(algs), "time_us")[0], algs) for (c, size), algs in sorted(table.items())

@@ -37,7 +37,7 @@ buffer, and the plan says so. Messages between two ranks match in the order each
 lists them: a transport posts the sends to one peer in schedule order, and likewise
 the receives, so one tag per collective call is enough.
 
-Transports (MPI, in-process, later GPU) execute plans; they never know the algorithm.
+Transports (MPI, in-process, the device's) execute plans; they never know the algorithm.
 """
 
 from bisect import bisect_right

@@ -451,7 +451,7 @@ def test_thresholds_stickiness():
         ("binomial", 64, 1.04), ("pipeline", 64, 1.0),      # 4% slower: binomial keeps it
         ("binomial", 512, 1.045), ("pipeline", 512, 1.0),   # still within 5% of the best
         ("binomial", 4096, 1.10), ("pipeline", 4096, 1.0),  # 10% slower: pipeline takes over
-        ("binomial", 32768, 1.03), ("pipeline", 32768, 1.0),  # and now pipeline is sticky
+        ("binomial", 32768, 1.03), ("pipeline", 32768, 1.0),  # from here on pipeline is sticky
     ]]
     assert tune.thresholds(rows, window=0) == [[0, "binomial"], [switch(512, 4096), "pipeline"]]
     # stickiness is towards the previous winner only: a third contender within 5% does not win
@@ -883,15 +883,17 @@ def test_main_on_the_stand_in_device(mpi_comm, tmp_path, monkeypatch, no_default
 
 
 def test_gpu_benchmark_runs_on_the_stand_in(mpi_comm, tmp_path):
-    """python -m collectives.tools.bench.gpu --quick on the stand-in: kernels against the copy,
-    pipelined against whole messages, IPC against staging, written as JSON."""
-    from collectives.tools.bench import gpu
+    """bench/gpu_paths.py --quick on the stand-in: kernels against the copy, pipelined
+    against whole messages, IPC against staging, written as JSON."""
+    from bench_scripts import load
+
+    gpu = load("gpu_paths")
 
     path = tmp_path / "gpu.json"
     problems = []
     with reported(problems):
         if gpu.main(["--device", "standin", "--quick", "--json", str(path)]) != 0:
-            problems.append("bench.gpu returned non-zero")
+            problems.append("bench/gpu_paths.py returned non-zero")
     if mpi_comm.Get_rank() == 0:
         with reported(problems):
             rows = json.loads(path.read_text())["rows"]

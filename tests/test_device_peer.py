@@ -350,11 +350,11 @@ def test_the_users_stream_order(pcomm, mpi_comm):
 def test_peer_reads_in_flight_among_calls_of_the_other_routes(mpi_comm, mechanism):
     """Rounds of async calls of every device route at once (ring, direct and the peer
     reads, on strided inputs: packed into workspace, which they hand on to each other),
-    each right. The peer calls used to run on the stream the other routes' calls share:
-    their waits for the other ranks there (stream and kernel fences) held up work of an
-    earlier ring call that another rank had queued before them, which that rank's peer
-    call waited for: a deadlock across ranks (at 3 ranks and more, within a few rounds).
-    The calls' timeout makes that fail here instead of hanging."""
+    each right. Were the peer calls to run on the stream the other routes' calls share,
+    their waits for the other ranks there (stream and kernel fences) would hold up work
+    of an earlier ring call that another rank had queued before them, which that rank's
+    peer call waits for: a deadlock across ranks (at 3 ranks and more, within a few
+    rounds). The calls' timeout makes that fail here instead of hanging."""
     comm, problems = communicator(mechanism), []
     user = D.new_stream()
     with D.use_stream(user):
@@ -979,7 +979,7 @@ def test_mismatched_calls_raise_on_every_rank(mpi_comm, mechanism):
 def test_memory_that_cannot_be_shared_makes_every_rank_raise_alike(mpi_comm, mechanism):
     """Rank 0's input lies where no other process can open it (the stand-in: outside its
     pool; a GPU: managed memory, which CUDA IPC cannot export): every rank raises at the
-    first fence the same error, naming rank 0 and the argument, rank 0 too, which used to
+    first fence the same error, naming rank 0 and the argument, rank 0 too, rather than
     wait at the second fence for the ranks that had raised until its timeout (here 20 s:
     so that a regression fails instead of hanging). ``auto`` alike: it chooses a peer read
     there. Broken communicators are left unfreed (see above)."""
@@ -1354,7 +1354,7 @@ def test_the_workload_passes_with_every_synchronisation(mpi_comm):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
 def test_taking_out_any_synchronisation_makes_the_workload_fail(mpi_comm, monkeypatch, mutation):
-    """As issue 31 asks: with any one synchronisation of the new path taken out, the
+    """With any one synchronisation of the peer-read path taken out, the
     stand-in gives wrong results or the call fails (a missing signal: the others time
     out, naming the rank). Broken communicators are left unfreed (see above)."""
     stand_in_only("a GPU may run the racing work in time")
@@ -1447,13 +1447,16 @@ def test_a_broken_communicator_stops_its_fence_kernels(mpi_comm, monkeypatch):
 
 # -- make bench-gpu's tool, on the stand-in -----------------------------------------------------------
 def test_the_benchmark_measures_tunes_and_reports_on_the_stand_in(mpi_comm, tmp_path_factory):
-    """python -m collectives.tools.bench.peer --quick: the floor of every mechanism, the
-    copy, every contender; a device table auto can read; and --report's targets.md with
-    every target of the issue (the ones without figures: not measured), the README's
-    section replaced, not repeated, when it runs again."""
+    """bench/gpu_peer.py --quick: the floor of every mechanism, the copy, every
+    contender; a device table auto can read; and --report's targets.md with every
+    target (the ones without figures: not measured), its peer-report.md the same when it
+    runs again, and no other file of the folder touched (a README stays as it was)."""
     stand_in_only("the benchmark's own check (make bench-gpu measures on a GPU)")
     from collectives.auto import TuningTable
-    from collectives.tools.bench import peer
+
+    from bench_scripts import load
+
+    peer = load("gpu_peer")
 
     folder = mpi_comm.bcast(str(tmp_path_factory.mktemp("bench")) if mpi_comm.rank == 0 else None)
     size = mpi_comm.Get_size()
@@ -1476,12 +1479,16 @@ def test_the_benchmark_measures_tunes_and_reports_on_the_stand_in(mpi_comm, tmp_
             problems.append("the device tables name a stream-fenced contender")
         readme = f"{folder}/README.md"
         open(readme, "w").write("# results\n\nkept\n")
+        reports = []
         for _ in range(2):
             peer.report(folder)
-        text = open(readme).read()
+            reports.append(open(f"{folder}/{peer.REPORT}").read())
+        text = reports[-1]
         targets = open(f"{folder}/targets.md").read()
-        if text.count(peer.MARK) != 1 or "kept" not in text or "| target | measured | bound |" not in text:
-            problems.append(f"README: {text[:300]}")
+        if open(readme).read() != "# results\n\nkept\n":
+            problems.append(f"--report changed README.md: {open(readme).read()[:300]}")
+        if reports[0] != reports[1] or text.count("| target | measured | bound |") != 1:
+            problems.append(f"{peer.REPORT}: {text[:300]}")
         for needle in ("allreduce 64-256 MiB, 4 ranks", "allreduce 8 B-256 KiB, 2 ranks", "DDP on a CUDA model",
                        "auto on device arrays", "not measured"):
             if needle not in targets:
@@ -1497,11 +1504,13 @@ def test_the_benchmark_measures_tunes_and_reports_on_the_stand_in(mpi_comm, tmp_
 
 
 def test_the_probe_of_a_calls_parts_runs_on_the_stand_in(mpi_comm, tmp_path_factory):
-    """python -m collectives.tools.bench.probe --quick: every probe's row, the token
+    """bench/gpu_probe.py --quick: every probe's row, the token
     rings going round (not stuck), each part of a one_shot and a leader call timed, by
     each mechanism, on a plain and on a registered array, and of a host-fenced barrier."""
     stand_in_only("the probe's own check (make probe-gpu measures on a GPU)")
-    from collectives.tools.bench import probe
+    from bench_scripts import load
+
+    probe = load("gpu_probe")
 
     folder = mpi_comm.bcast(str(tmp_path_factory.mktemp("probe")) if mpi_comm.rank == 0 else None)
     path = f"{folder}/probe-n{mpi_comm.size}.json"

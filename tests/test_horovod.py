@@ -413,7 +413,7 @@ def test_mismatched_calls_raise_on_every_rank_with_horovods_words():
     odd = ME == last
     x = torch.ones(3)
     cases = [
-        (lambda: hvd.allreduce(torch.ones(5 if odd else 4)),  # the issue's [3,3,3,3,2]
+        (lambda: hvd.allreduce(torch.ones(5 if odd else 4)),  # the last rank's shape alone differs
          rf"Mismatched allreduce tensor shapes: rank\(s\) {_others(last)} sent a tensor of shape \[4\], but "
          rf"rank\(s\) {last} sent a tensor of shape \[5\]\."),
         (lambda: hvd.allreduce(torch.ones(3, dtype=torch.int32 if odd else torch.float32)),

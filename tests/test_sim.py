@@ -1110,8 +1110,8 @@ def test_uneven_blocks_and_ordered_calls_are_not_symmetric():
 
 
 def test_p_4096_with_the_algorithms_that_send_p_squared_messages():
-    # What made the projection stop at ~1024 ranks: now seconds, the counters still
-    # the closed forms (ring: 2(p-1) messages of n/p).
+    # p^2 messages at 4096 ranks, costed in seconds: the counters are still the closed
+    # forms (ring: 2(p-1) messages of n/p).
     p, count = 4096, 4096 * 16
     ring = sim.costs("allreduce", "ring", p, count)
     assert ring.messages_sent == [2 * (p - 1)] * p
@@ -1186,8 +1186,8 @@ def test_costs_use_the_rooted_closed_forms_only_above_the_simulated_sizes():
 
 @pytest.mark.parametrize("collective,algorithm", ROOTED_O_P2)
 def test_p_4096_with_the_rooted_algorithms_that_send_p_squared_messages(collective, algorithm):
-    # Over a minute each before the closed forms (16 million messages): now at once,
-    # against this file's own formulas (counters: the cost model's; time: closed_form).
+    # 16 million messages each, costed at once by the closed forms, against this file's
+    # own formulas (counters: the cost model's; time: closed_form).
     p, count, root = 4096, 4096 * 16, 5
     got = sim.costs(collective, algorithm, p, count, root=root)
     assert counters(got) == expected_counters(collective, algorithm, p, count, root=root)

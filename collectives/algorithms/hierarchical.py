@@ -42,7 +42,7 @@ Every step is a flat algorithm of this package run on a group of ranks (ring hel
 or :func:`collectives.schedule.embed` of a whole schedule): nothing is written twice.
 The node's steps are messages, which MPI carries over the node's shared memory. They
 do not use the ``shm`` executor (one window per node, fences): measured on one node of
-this machine from 1 MiB (bench/results/xeon-2vcpu-mpich5/issue17), plain ``shm``
+this machine from 1 MiB (bench/results/xeon-2vcpu-mpich5/algorithm-sweep), plain ``shm``
 allgather took 1.15-1.64x the best message algorithm's time at 2 ranks and, from 8
 MiB, 1.16-1.35x at 4; only its registered form, on buffers the caller registers, is
 faster, and a step's pieces are the library's own workspace.

@@ -46,7 +46,7 @@ stops, for the largest sizes left, once ``BUDGET`` (0.6 s) was spent on it (MPI'
 collectives are timed at their first two sizes all the same: they are the yardstick,
 and the model scales between two sizes at least). Measured
 at 2 and 4 ranks on one node of the 2-core machine: 0.27-0.32 s and 0.61-0.71 s
-(``bench/results/xeon-2vcpu-mpich5/issue33``).
+(``bench/results/xeon-2vcpu-mpich5/auto-vs-fastest``).
 :func:`calibrated_choice` then chooses: below ``SMALL`` (64 KiB) and
 for gather, scatter, alltoall and alltoallv, ``native``; above, the library's
 algorithm expected fastest (:meth:`Calibration.times`: the model's prediction scaled

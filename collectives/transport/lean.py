@@ -262,7 +262,7 @@ def _give_up(requests, owners, kinds, abandon):
 # A persistent program saves each message the making of its request (and mpi4py's reading
 # of its buffer), about 1.5 us, and costs a copy of the input in and of the result out. So
 # it pays up to a size that grows with the plan's messages: measured at 16-64 KiB
-# (bench/results/xeon-2vcpu-mpich5/issue32/), ring and recursive doubling allreduces ran
+# (bench/results/xeon-2vcpu-mpich5/call-path-latency/), ring and recursive doubling allreduces ran
 # 8-28% faster on it than on the lean executor at up to 8 KiB per message at 2 ranks,
 # 14-32% slower at 16 KiB per message (at 4 ranks on 2 cores, 9-30% faster up to 16).
 PERSISTENT_BYTES = 8 << 10  # calls on at most this many bytes per message of the plan (at least one)

@@ -1,9 +1,8 @@
 """Run every rank's plan of a collective inside one process, without MPI.
 
-Messages between two ranks match in posting order, as MPI's do on one tag. This is the
-seed of the simulator (``collectives.sim``, a later issue) and lets the tests check
-every algorithm at many world sizes in seconds. It runs the very same plans as the
-MPI transport.
+Messages between two ranks match in posting order, as MPI's do on one tag. It lets the
+tests check every algorithm at many world sizes in seconds, and it runs the very same
+plans as the MPI transport (as the simulator, ``collectives.sim``, times them).
 """
 
 from collections import deque

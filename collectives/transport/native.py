@@ -21,7 +21,7 @@ blocking broadcast) needs no agreement (:class:`RootSizeFirst`): only the ranks 
 receive can hold a wrong size, and they can learn the root's from the root. The
 agreement is a round trip, which a broadcast, one way, does not otherwise make: it
 took a small broadcast from 2.6 to 6.6 us at 2 ranks (MPICH,
-``bench/results/epyc-2vcpu-mpich5/issue33/latency-ab-broadcast-n2.txt``); the root's
+``bench/results/epyc-2vcpu-mpich5/auto-vs-fastest/latency-ab-broadcast-n2.txt``); the root's
 size sent ahead travels with the data up to ``HEADER - 8`` bytes (a 512-byte broadcast
 costs MPI what an 8-byte one does; the copies in and out, 0.7-0.9 us over the code
 before the checks at 8 B) and as a small broadcast beside a larger one. The root cannot

@@ -9,7 +9,7 @@
 # The default limits (150 + 120 + 300 s, and the install) fit the device tool's 600 s a
 # call, so that one call, one machine start, does all three: on the H200 bench-gpu took
 # 63 s. A second call must come within the machine's 30 s of idle or it starts anew.
-# The `auto` step uses no GPU: issue 33's check of `auto` with no tuning table (make
+# The `auto` step uses no GPU: the check of `auto` with no tuning table (make
 # bench-auto) on the lent machine's own cores, where every rank has one (this project's
 # own machine has 2), into OUT/auto.
 #

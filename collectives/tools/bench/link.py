@@ -15,7 +15,7 @@ Needs two nodes or more (``comm.topology``).
 ``--summary`` reads link files and ``collectives-bench --json`` files (matched by their
 ``layout``) and prints, per layout and size, each allreduce contender's bus bandwidth,
 its ratio to the link's measured rate, ``hierarchical`` over the flat ring and the best
-of the library over ``native``: the figures issue 16 asks for, each from one run.
+of the library over ``native``, each from one run.
 """
 
 import argparse

@@ -1,10 +1,10 @@
-"""``python -m collectives.tools.bench.gpu``: the GPU path against its physical references,
-every ratio from one interleaved run.
+"""``bench/gpu_paths.py`` (``make bench-gpu-paths``): the GPU path against its physical
+references, every ratio from one interleaved run.
 
-    mpiexec -n 2 python -m collectives.tools.bench.gpu --json gpu.json        # on a GPU
-    mpiexec -n 2 python -m collectives.tools.bench.gpu --device standin --quick
+    mpiexec -n 2 python -m mpi4py bench/gpu_paths.py --json gpu.json        # on a GPU
+    mpiexec -n 2 python -m mpi4py bench/gpu_paths.py --device standin --quick
 
-Three measurements (the targets of the GPU issue beside each):
+Three measurements (the target of each beside it):
 
 - **kernels** (rank 0 alone): the reduce kernel (``dst = a + b``, float32, float16,
   bfloat16) and the 4-input fold against the device's own device-to-device copy of
@@ -28,18 +28,18 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ... import Communicator
-from ...device import kernels as kernel_names
-from . import timing
-from .cli import parse_bytes
-from .devices import BenchDevice
-from .report import human_bytes
+from collectives import Communicator
+from collectives.device import kernels as kernel_names
+from collectives.tools.bench import timing
+from collectives.tools.bench.cli import parse_bytes
+from collectives.tools.bench.devices import BenchDevice
+from collectives.tools.bench.report import human_bytes
 
 _PATHS = {"staged": {"cuda_ipc": False}, "ipc": {"cuda_ipc": True}}
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m collectives.tools.bench.gpu", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="bench/gpu_paths.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "standin"), default="cuda")
     p.add_argument("--kernel-sizes", default="64M,256M,1G", help="buffer sizes of the kernel measurement")
     p.add_argument("--sizes", default="1M,16M,64M,256M", help="allreduce sizes of the pipeline and ipc measurements")
@@ -172,7 +172,7 @@ def main(argv=None):
     if world.Get_size() > 1:
         rows += collective_rows(device, args, world)
     if rank0:
-        print(f"# collectives.tools.bench.gpu: {world.Get_size()} ranks on {device.name}; "
+        print(f"# bench/gpu_paths.py: {world.Get_size()} ranks on {device.name}; "
               f"{args.rounds} interleaved rounds of {args.iters} calls; medians (kernels) and means (allreduce)")
         for row in rows:
             if row["measure"] == "kernels":

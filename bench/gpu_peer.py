@@ -1,15 +1,15 @@
-"""``python -m collectives.tools.bench.peer``: issue 31's measurements on a GPU, every
-ratio from one interleaved run on one machine.
+"""``bench/gpu_peer.py`` (``make bench-gpu``): the device peer reads on a GPU the ranks
+share, against their targets, every ratio from one interleaved run on one machine.
 
-    mpiexec -n 2 python -m collectives.tools.bench.peer --json peer-n2.json      # on a GPU
-    mpiexec -n 2 python -m collectives.tools.bench.peer --device standin --quick # checks the code runs
-    python -m collectives.tools.bench.peer --report DIR                          # sync-floor.*, targets.md
+    mpiexec -n 2 python -m mpi4py bench/gpu_peer.py --json peer-n2.json        # on a GPU
+    mpiexec -n 2 python -m mpi4py bench/gpu_peer.py --device standin --quick   # checks the code runs
+    python bench/gpu_peer.py --report DIR                  # sync-floor.*, targets.md, peer-report.md
 
 What it measures, at the world size it runs at (``make bench-gpu`` runs 2 and 4 ranks):
 
 - **the synchronisation floor**: an empty cross-process synchronisation, p50 and p99
   over ``--floor-iters`` of them (each the slowest rank's), by each mechanism:
-  (a) ``ipc``: today's handshake, a 4-byte device ``ring`` allgather through CUDA IPC
+  (a) ``ipc``: the message-based handshake, a 4-byte device ``ring`` allgather through CUDA IPC
   (an interprocess event and an MPI control message per step, and its acknowledgement)
   divided by its p-1 steps; (b) ``host``: ``comm.barrier(device=...)`` with host-watched
   epochs in the node's shared window; (c) ``stream``: the same with the first fence
@@ -40,10 +40,9 @@ busbw (p-1)/p·n/t at most B(p-1)/(p(p+1)).
 
 ``--tune FILE`` writes the device tables ``auto`` reads (``collectives.tools.bench.tune``)
 from the rows of the library's algorithms. ``--report DIR`` reads ``peer-n*.json`` and
-``ddp-n2.json`` there and writes ``sync-floor.json``, ``sync-floor.md`` and
-``targets.md`` (each target of the issue: the figure measured, the bound beside it,
-held or missed), and puts the same tables into ``README.md`` between the markers
-``<!-- issue-31 -->`` and ``<!-- /issue-31 -->``.
+``ddp-n2.json`` there and writes ``sync-floor.json``, ``sync-floor.md``, ``targets.md``
+(each target: the figure measured, the bound beside it, held or missed) and
+``peer-report.md`` (both tables under one heading); it writes no other file.
 """
 
 import argparse
@@ -54,19 +53,23 @@ from pathlib import Path
 
 import numpy as np
 
-from ...specs import SPECS
+from collectives import Communicator
+from collectives.specs import SPECS
+from collectives.tools.bench import timing, tune
+from collectives.tools.bench.cases import bus_factor
+from collectives.tools.bench.cli import parse_bytes
+from collectives.tools.bench.devices import BenchDevice
+from collectives.tools.bench.report import human_bytes
 
 MiB = 1 << 20
 MECHANISMS = ("host", "stream", "kernel")
 ALLREDUCE_SIZES = "8,64,512,4K,32K,256K,1M,4M,16M,64M,256M"
 OTHERS = ("allgather", "broadcast", "reduce_scatter")
-MARK, END = "<!-- issue-31 -->", "<!-- /issue-31 -->"
+REPORT = "peer-report.md"
 
 
 def parse_args(argv):
-    from .cli import parse_bytes
-
-    p = argparse.ArgumentParser(prog="python -m collectives.tools.bench.peer", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="bench/gpu_peer.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cuda", "standin"), default="cuda")
     p.add_argument("--sizes", default=ALLREDUCE_SIZES, help="allreduce sizes in bytes (K, M suffixes)")
@@ -78,7 +81,7 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true", help="small sizes, few calls: checks the code runs")
     p.add_argument("--json", help="write the rows here (rank 0)")
     p.add_argument("--tune", help="write the device tables auto reads into this tuning file")
-    p.add_argument("--report", metavar="DIR", help="no measuring: write DIR's sync-floor.*, targets.md and README")
+    p.add_argument("--report", metavar="DIR", help=f"no measuring: write DIR's sync-floor.*, targets.md and {REPORT}")
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.other_size, args.copy_size, args.floor_iters, args.rounds, args.budget = \
@@ -90,8 +93,6 @@ def parse_args(argv):
 
 # -- measuring ------------------------------------------------------------------------------------------
 def _stats(world, samples):
-    from . import timing
-
     return timing.combine(world, np.asarray(samples, np.float64))
 
 
@@ -187,9 +188,6 @@ def contenders(collective):
 
 def collective_rows(world, device, args, comms, collective, nbytes, copy_B):
     """Every contender of ``collective`` at ``nbytes``, interleaved."""
-    from . import timing
-    from .cases import bus_factor
-
     p, rank = world.Get_size(), world.Get_rank()
     spec = SPECS[collective]
     if spec.gathers:  # nbytes: the gathered result
@@ -227,8 +225,6 @@ def collective_rows(world, device, args, comms, collective, nbytes, copy_B):
 def measure(args):
     from mpi4py import MPI
 
-    from ... import Communicator
-    from .devices import BenchDevice
 
     world = MPI.COMM_WORLD
     device = BenchDevice(args.device, world.Get_rank())
@@ -272,9 +268,7 @@ def measure(args):
                      and not r["contender"].endswith(FENCED_MARK)]
         gpus = device.gpus(world)  # (collective)
         if world.Get_rank() == 0:
-            from . import tune
-
-            tune.write(args.tune, tune_rows, {"dtype": "float32", "tool": "collectives.tools.bench.peer"},
+            tune.write(args.tune, tune_rows, {"dtype": "float32", "tool": "bench/gpu_peer.py"},
                        key="device_tables", gpus=gpus)
     for comm in comms.values():
         comm.free()
@@ -294,19 +288,13 @@ def print_rows(rows):
 
 
 # -- the report -------------------------------------------------------------------------------------------
-def human_bytes(n):
-    from .report import human_bytes as human
-
-    return human(n)
-
-
 def bound(collective, p, B):
     """The same-GPU bound of ``collective``'s busbw (bytes/s), from B (module docstring)."""
     return BOUNDS[collective](p, B)
 
 
 def report(folder):
-    """sync-floor.json/.md, targets.md and the README section, from ``folder``'s JSON."""
+    """sync-floor.json/.md, targets.md and peer-report.md (both tables), from ``folder``'s JSON."""
     folder = Path(folder)
     runs = {}
     for path in sorted(folder.glob("peer-n*.json")):
@@ -318,7 +306,7 @@ def report(folder):
     (folder / "sync-floor.json").write_text(json.dumps({"rows": floors}, indent=1) + "\n")
     chosen = {}
     lines = ["# The synchronisation floor", "", "An empty cross-process synchronisation on one GPU, p50 and p99 "
-             "over the iterations (each the slowest rank's), by each mechanism (collectives.tools.bench.peer).", "",
+             "over the iterations (each the slowest rank's), by each mechanism (bench/gpu_peer.py).", "",
              "| ranks | mechanism | p50 µs | p99 µs |", "|---|---|---|---|"]
     for r in floors:
         lines.append(f"| {r['world_size']} | {r['mechanism']} | {r['p50_us']:.1f} | {r['p99_us']:.1f} |")
@@ -335,20 +323,14 @@ def report(folder):
     lines += fence_lines(runs)
     (folder / "sync-floor.md").write_text("\n".join(lines) + "\n")
     targets = target_rows(runs, folder, chosen)
-    table = ["# Issue 31's targets", "", "One interleaved run per world size on one GPU; B is the same run's device "
-             "copy rate (read plus write).", "", "| target | measured | bound | |", "|---|---|---|---|"]
+    table = ["# Targets of the peer reads on one GPU", "", "One interleaved run per world size on one GPU; B is "
+             "the same run's device copy rate (read plus write).", "", "| target | measured | bound | |",
+             "|---|---|---|---|"]
     verdict = {True: "held", False: "missed", None: "not measured"}
     table += [f"| {t} | {m} | {b} | {verdict[ok]} |" for t, m, b, ok in targets]
     (folder / "targets.md").write_text("\n".join(table) + "\n")
-    readme = folder / "README.md"
-    section = "\n".join([MARK, "## Issue 31: peer reads on one GPU (`make bench-gpu`)", ""] + table[2:] + [""]
-                        + lines[2:] + [END])
-    text = readme.read_text() if readme.exists() else ""
-    if MARK in text and END in text:
-        text = text[: text.index(MARK)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + ("\n\n" if text else "") + section + "\n"
-    readme.write_text(text)
+    report_lines = ["# Peer reads on one GPU (`make bench-gpu`)", ""] + table[2:] + [""] + lines[2:]
+    (folder / REPORT).write_text("\n".join(report_lines) + "\n")
     print("\n".join(table))
     return 0
 
@@ -381,7 +363,7 @@ TARGETS = ("allreduce 64-256 MiB, {p} ranks: busbw >= 40% of B(p-1)/p^2",
 
 
 def target_rows(runs, folder, chosen):
-    """``(target, measured, bound, held)`` for every target of the issue at 2 and 4
+    """``(target, measured, bound, held)`` for every target at 2 and 4
     ranks, in ``TARGETS``' order (``held`` None: not measured)."""
     rows = []
     for p in (2, 4):

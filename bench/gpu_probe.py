@@ -1,11 +1,11 @@
-"""``python -m collectives.tools.bench.probe``: where a device call's time goes on a GPU
-the ranks share (issue 31). The first GPU run (bench/results/NVIDIA-H200) found a fixed
-cost of about 440 us a call at 2 ranks and 820 us at 4, six times the synchronisation
-floor; these probes take it apart, each an empty or 4-byte operation, p50 and p99 over
-``--iters`` of the slowest rank's:
+"""``bench/gpu_probe.py`` (``make probe-gpu``): where a device call's time goes on a GPU
+the ranks share. ``make bench-gpu`` on an H200 on 2026-11-27 (bench/results/NVIDIA-H200)
+measured a fixed cost of about 440 us a call at 2 ranks and 820 us at 4, six times the
+synchronisation floor; these probes take it apart, each an empty or 4-byte operation,
+p50 and p99 over ``--iters`` of the slowest rank's:
 
-    mpiexec -n 2 python -m collectives.tools.bench.probe --json probe-n2.json   # on a GPU
-    mpiexec -n 2 python -m collectives.tools.bench.probe --device standin --quick
+    mpiexec -n 2 python -m mpi4py bench/gpu_probe.py --json probe-n2.json   # on a GPU
+    mpiexec -n 2 python -m mpi4py bench/gpu_probe.py --device standin --quick
 
 - ``kernel+sync, one rank``: rank 0 launches a one-element kernel and waits for its
   stream, the others idle: a GPU round trip with nobody else on the GPU.
@@ -41,11 +41,16 @@ from pathlib import Path
 
 import numpy as np
 
+from collectives import Communicator
+from collectives.tools.bench.devices import BenchDevice
+from collectives.tools.bench.timing import combine
+from collectives.transport import device_node
+
 RING_TIMEOUT = 10.0  # seconds a token ring may take before it is called stuck (and released)
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m collectives.tools.bench.probe", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="bench/gpu_probe.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "standin"), default="cuda")
     p.add_argument("--iters", type=int, default=400, help="timed repetitions of each probe")
     p.add_argument("--hops", type=int, default=200, help="rounds of each token ring")
@@ -59,8 +64,6 @@ def parse_args(argv):
 
 def _row(world, name, samples):
     """p50/p99 in us of the slowest rank's samples (every rank passes as many)."""
-    from .timing import combine
-
     stats = combine(world, np.asarray(samples, np.float64))
     return {"probe": name, "world_size": world.Get_size(), "p50_us": stats["p50_us"], "p99_us": stats["p99_us"],
             "iters": len(samples)}
@@ -183,7 +186,6 @@ class Probes:
         marks)`` meanwhile (they mark when the call got somewhere in ``marks``); ``run``
         returns the times it took after its call, ``split(marks, t0, *times)`` the
         call's parts, ``{part: seconds}``, each a row of ``rows``."""
-        from ...transport import device_node
 
         cls, marks, parts = device_node.PeerCall, {}, {}
         real = {method: getattr(cls, method) for method in wrappers}
@@ -271,8 +273,6 @@ class Probes:
 def measure(args):
     from mpi4py import MPI
 
-    from ... import Communicator
-    from .devices import BenchDevice
 
     world = MPI.COMM_WORLD
     device = BenchDevice(args.device, world.Get_rank())
