@@ -208,10 +208,7 @@ class Context:
         if self.progress.broken is None:
             finish_in_flight(self, sends_and_receives=True)  # shared-memory calls read the window freed below
         for program in self.persistent.values():
-            if program.broken:  # MPI may still match its receives: it keeps them, and their buffers
-                self.progress.abandon(program)
-            else:
-                program.free()
+            program.free()
         self.persistent.clear()
         for device in self.devices.values():
             device.free(self.comm, self.progress.broken is not None)

@@ -17,7 +17,9 @@ buffers differ from the root's raise.
 Runs under every world size; the serial tests check the tag layout and the MPI family.
 """
 
+import gc
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -25,7 +27,7 @@ from mpi4py import MPI
 
 import collectives as cc
 from collectives import mpi_library
-from collectives.transport import lean, tags
+from collectives.transport import lean, retired, tags
 
 from conftest import agree
 
@@ -340,3 +342,32 @@ def test_the_ucx_warning_is_quieted_only_where_osc_ucx_cannot_run(tmp_path, monk
     (tmp_path / "nvidia0").write_text("")
     monkeypatch.setattr(mpi_library, "UCX_DEVICE_DIRS", (str(tmp_path / "none"),))
     assert not mpi_library.quiet_ucx(environ) and environ == {}  # a GPU: UCX may use its IPC
+
+
+@pytest.mark.serial
+def test_a_receive_given_up_on_keeps_its_buffer_until_mpi_has_finished_with_it():
+    """A cancel does not take on a receive that has matched its message: MPI goes on
+    writing into its buffer. Given up on, the request (and so its buffer) is kept for
+    the process, not with its communicator, until MPI has finished with it."""
+    comm = MPI.COMM_SELF.Dup()
+    buffer = np.zeros(4)
+    alive = weakref.ref(buffer)
+    retired.abandon(comm.Irecv(buffer, source=0, tag=7))  # never cancelled: as one whose cancel did not take
+    del buffer
+    comm.Free()
+    gc.collect()
+    assert alive() is not None, "the buffer went while MPI could still write into it"
+    comm = MPI.COMM_SELF.Dup()
+    second = np.zeros(4)
+    finished = weakref.ref(second)
+    request = comm.Irecv(second, source=0, tag=7)
+    comm.Send(np.arange(4.0), dest=0, tag=7)  # this one finishes
+    retired.abandon(request)
+    assert np.array_equal(second, np.arange(4.0))
+    del request, second
+    cancelled = comm.Irecv(np.zeros(1), source=0, tag=8)
+    cancelled.Cancel()
+    retired.abandon(cancelled)  # each one kept lets go of those MPI has finished with
+    gc.collect()
+    assert finished() is None and alive() is not None
+    comm.Free()

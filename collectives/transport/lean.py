@@ -27,6 +27,7 @@ from mpi4py import MPI
 from ..errors import MessageSizeError, TransportError
 from ..ops import combine
 from ..schedule import Copy
+from . import retired
 from . import tags as tags_module
 from .buffers import Buffers
 from .progress import yield_cpu
@@ -323,7 +324,6 @@ class PersistentProgram:
         buffers = Buffers(self.inp, self.out, self.tmp)
         self.buffers = buffers
         self.comm, self.tag = comm, tag
-        self.abandoned = []  # run()'s requests given up on after a failure: their buffers are the program's
         if any(nbytes >= layout.large for nbytes in self.sizes):  # no persistent requests: run() runs it
             self.run = functools.partial(self._run_lean, comm, tag)
         else:
@@ -351,7 +351,7 @@ class PersistentProgram:
         if self.broken:
             raise TransportError(f"{describe()}: an earlier call on this program failed")
         try:
-            run(self.program, comm, tag, self.buffers, op_name, describe, self.abandoned.append, look)
+            run(self.program, comm, tag, self.buffers, op_name, describe, retired.abandon, look)
         except BaseException:
             self.broken = True
             raise
@@ -436,10 +436,13 @@ class PersistentProgram:
                     pass
 
     def free(self):
-        """Release the persistent requests (none may be active: the calls have ended)."""
-        if self.broken:
-            return  # some may be active still: MPI must keep them, and their buffers (ours)
-        for request in self.requests:
+        """Release the persistent requests. After a failure some may still be active:
+        those are kept instead, with their buffers, until MPI has finished with them
+        (:func:`.retired.abandon`)."""
+        for request in self.requests or ():
             if request is not None:
-                request.Free()
+                if self.broken:
+                    retired.abandon(request)
+                else:
+                    request.Free()
         self.requests = None  # freed: a lean-path entry that still names it makes a new one

@@ -25,7 +25,7 @@ from mpi4py import MPI
 
 from ..errors import CollectiveError, CollectiveTimeoutError, MessageSizeError, TransportError
 from ..options import check_timeout
-from . import tags
+from . import retired, tags
 from .liveness import DEFAULT_GRACE
 from .liveness import describe as describe_liveness
 
@@ -63,7 +63,7 @@ class Progress:
         self._owners = []  # (handle, token) for each entry of _requests
         self._statuses = []  # filled by Testsome: entry k is for the k-th finished request
         self._completed = 0  # entries of _requests that are REQUEST_NULL
-        self._abandoned = []  # requests given up on: MPI may still use their buffers
+        self._abandoned = 0  # requests given up on (kept by transport.retired: MPI may still use their buffers)
         self._next_look = 0.0  # when drain() next answers probes and reads failure notices
         self._device = []  # DeviceWait: device work the host waits for
         self.backends = []  # devices this communicator uses: polled while waiting (see device.standin)
@@ -82,7 +82,7 @@ class Progress:
         if live:
             found.append(f"{live} live requests in the engine's list")
         if self._abandoned:
-            found.append(f"{len(self._abandoned)} abandoned requests")
+            found.append(f"{self._abandoned} abandoned requests")
         if self.broken is not None:
             found.append(f"the engine is broken: {self.broken}")
         return found
@@ -93,9 +93,10 @@ class Progress:
         return len(self._requests)
 
     def abandon(self, request):
-        """Keep ``request`` (given up on after a failure) referenced: MPI may still use
-        its buffers."""
-        self._abandoned.append(request)
+        """Keep ``request`` (given up on after a failure) referenced for the life of the
+        process (:func:`.retired.abandon`): MPI may still use its buffers."""
+        self._abandoned += 1
+        retired.abandon(request)
 
     def device_work(self, handle):
         """How many device operations the host waits for on behalf of ``handle``."""
@@ -149,7 +150,7 @@ class Progress:
 
     def _probe_wrong(self, owner, got, request, source):
         handle, i = owner
-        self._abandoned.append(request)  # the message goes to a scratch buffer: MPI keeps it until it ends
+        self.abandon(request)  # the message goes to a scratch buffer: MPI keeps it until it ends
         error = handle._wrong_size(i, got, source)
         self.fail(error, culprit=handle)
         raise error
@@ -278,7 +279,7 @@ class Progress:
         for request, (handle, token) in zip(self._requests, self._owners):
             if request != MPI.REQUEST_NULL:
                 handle._cancel(request, token)
-                self._abandoned.append(request)  # holds the buffer: the cancel may not have taken
+                self.abandon(request)  # holds the buffer: the cancel may not have taken
         self._requests, self._owners, self._completed = [], [], 0
         self._device = []
         for handle in self.shm:  # their device work may wait on the others: let it through
