@@ -546,7 +546,7 @@ def _ring_time(comm, ring_comm, tag, algorithm="ring"):
     for direct 2 rounds of k - 1 (collective over ``comm``)."""
     from ..algorithms import build
     from ..schedule import compile_plan
-    from ..transport import lean
+    from ..transport import lean, retired
     from ..transport.buffers import Buffers
     from ..transport.scheduler import program_of
 
@@ -557,5 +557,6 @@ def _ring_time(comm, ring_comm, tag, algorithm="ring"):
     plan = compile_plan(build("allreduce", algorithm, rank, k, count))
     program = program_of(plan)
     x, out, tmp = np.ones(count, np.float32), np.empty(count, np.float32), np.empty(max(plan.tmp, 1), np.float32)
-    buffers, kept = Buffers(x, out, tmp), []
-    return _slowest(comm, lambda: lean.run(program, ring_comm, tag, buffers, "sum", str, kept.append), 2 * REPEATS)
+    buffers = Buffers(x, out, tmp)
+    return _slowest(comm, lambda: lean.run(program, ring_comm, tag, buffers, "sum", str, retired.abandon),
+                    2 * REPEATS)
