@@ -34,8 +34,8 @@ WORLD_SIZES   ?= 2 3 4 5 6 7 8
 # from it ("not serial and not long"); MPI_MARK, where set, at every world size instead.
 MPI_MARK      ?=
 # make test-impi: the tests run serially and under mpiexec at each of WORLD_SIZES.
-IMPI_TESTS    ?= tests/test_collectives.py tests/test_reliability.py tests/test_torch_backend.py tests/test_sizes.py \
-                 tests/test_dead_rank.py tests/test_lean_path.py tests/test_p2p.py
+IMPI_TESTS    ?= tests/mpi/test_collectives.py tests/mpi/test_reliability.py tests/adapters/test_torch_backend.py tests/mpi/test_sizes.py \
+                 tests/mpi/test_dead_rank.py tests/mpi/test_lean_path.py tests/mpi/test_p2p.py
 # Tests marked `long` (the long sweeps) run in `make test` serially and at world sizes
 # below LONG_FROM only; `make test-long` runs them at the others. CI runs both.
 LONG_FROM     ?= 5
@@ -43,7 +43,7 @@ LONG_FROM     ?= 5
 # lean paths, which must run at 1-8 ranks there) and `make test-long` the rest of the suite:
 # on 2 cores the whole suite at 5-8 ranks took 17 minutes, and make test must stay well
 # under 20 in all.
-WIDE_FILES    ?= tests/test_device_peer.py tests/test_device_lean.py
+WIDE_FILES    ?= tests/device/test_device_peer.py tests/device/test_device_lean.py
 # A hung run must fail, not stall CI: seconds per mpiexec run.
 RUN_TIMEOUT   ?= 900
 # torch for the gloo comparison (collectives-bench --peers gloo). Here pip finds a
@@ -67,8 +67,8 @@ SIM_ARGS      ?=
 # for the faults they drive from outside the job.
 MULTIHOST_LAYOUTS ?= 2x2 4x1 2x4
 MULTIHOST_RATE    ?= 1gbit
-MULTIHOST_SUITE   ?= tests/test_collectives.py tests/test_reliability.py tests/test_p2p.py tests/test_alltoallv.py
-MULTIHOST_TESTS   ?= tests/test_multihost.py tests/test_hierarchical.py
+MULTIHOST_SUITE   ?= tests/mpi/test_collectives.py tests/mpi/test_reliability.py tests/mpi/test_p2p.py tests/mpi/test_alltoallv.py
+MULTIHOST_TESTS   ?= tests/tools/test_multihost.py tests/mpi/test_hierarchical.py
 MULTIHOST_TIMEOUT ?= 300
 # make bench-multihost (root): the allreduce sweep (every algorithm, native, auto; one
 # interleaved run per layout) and the node-to-node link rate at each layout, then the
@@ -221,7 +221,7 @@ bench-multihost: install
 # it) a test past GPU_TEST_KILL s ends that world size's run, stacks written, rather than
 # leave the ranks in different tests. Every world size runs; the target fails if any did.
 GPU_SIZES     ?= 2 1 4 3
-GPU_TESTS     ?= tests/test_device.py tests/test_device_peer.py tests/test_device_lean.py tests/test_gpu.py tests/test_torch_backend_gpu.py
+GPU_TESTS     ?= tests/device/test_device.py tests/device/test_device_peer.py tests/device/test_device_lean.py tests/device/test_gpu.py tests/device/test_torch_backend_gpu.py
 GPU_LOGS      ?= gpu-logs
 GPU_TEST_TIMEOUT ?= 30
 GPU_TEST_STACKS  ?= 45

@@ -11,7 +11,7 @@ from pathlib import Path
 
 # auto's calibration (collectives.auto.calibration) measures this machine when a Communicator
 # is made where no table matches: the suite keeps to what it used before, deterministic
-# choices and no measuring, unless a test asks for it (tests/test_calibration.py). Set
+# choices and no measuring, unless a test asks for it (tests/auto/test_calibration.py). Set
 # before the first Communicator; jobs the tests launch inherit it.
 os.environ.setdefault("COLLECTIVES_CALIBRATE", "0")
 
@@ -27,6 +27,7 @@ from collectives.specs import SPECS
 # Job scripts and harness sources live in tests/harness/, apart from the test files; the
 # tests import its helper modules (device_under_test, torch_reference) by name.
 HARNESS = Path(__file__).resolve().parent / "harness"
+EXAMPLES = HARNESS.parent.parent / "examples"
 sys.path.insert(0, str(HARNESS))
 
 ALL_DTYPES = [d.name for d in cc.SUPPORTED_DTYPES]
@@ -146,15 +147,7 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` skip, with the reason, where no GPU can run them. The
-    ``shm`` cases of test_collectives.py's sweeps are ``long``: `make test` runs them
-    at 1-4 ranks, `make test-long` at 5-8 (each fence is a scheduling round when ranks
-    outnumber cores, which made `make test` pass 20 minutes)."""
-    for item in items:
-        callspec = getattr(item, "callspec", None)
-        if (callspec is not None and callspec.params.get("algorithm") == "shm"
-                and item.module.__name__ == "test_collectives"):
-            item.add_marker(pytest.mark.long)
+    """Tests marked ``gpu`` skip, with the reason, where no GPU can run them."""
     from device_under_test import gpu_reason
 
     marked = [item for item in items if "gpu" in item.keywords]
@@ -183,6 +176,17 @@ def runs_here(comm, collective, algorithm):
     if (collective, algorithm) in PEER_READS:
         return False
     return (collective, algorithm) not in SHARED_MEMORY or comm.shares_memory
+
+
+def shm_long(cases):
+    """``cases`` for ``parametrize`` (algorithms, or ``(collective, algorithm)`` pairs) with
+    the ``shm`` ones marked ``long``: `make test` runs them at 1-4 ranks, `make test-long`
+    at 5-8 (each fence is a scheduling round when ranks outnumber cores)."""
+    def algorithm(case):
+        return case[-1] if isinstance(case, tuple) else case
+
+    return [pytest.param(*(case if isinstance(case, tuple) else (case,)), marks=pytest.mark.long)
+            if algorithm(case) == "shm" else case for case in cases]
 
 
 def host_algorithms(collective):

@@ -127,7 +127,7 @@ TOPOLOGICAL = frozenset((collective, name) for collective, names in BUILDERS.ite
 # The simulator then times p ranks through rank 0's plan alone (a few, with nodes).
 # The deterministic (ordered) forms fold in rank order and are not symmetric; alltoallv
 # is symmetric where its counts are circulant (counts[i][j] depends on j - i mod p).
-# tests/test_sim.py checks each against the full simulation.
+# tests/unit/test_sim.py checks each against the full simulation.
 # The shared-memory and peer-read ones send nothing: rank r copies, folds and fences as
 # rank 0 does, on its own share (and slot) of each segment, so with equal shares every
 # rank's steps are rank 0's, at the same times (fences hold everyone alike).

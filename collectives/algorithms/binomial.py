@@ -12,7 +12,7 @@ the whole buffer: the choice for small messages. Reduce adds each child's buffer
 a running sum as it arrives (workspace: one receive buffer, plus the running sum on
 ranks other than the root).
 
-Cost per rank (tested in ``tests/test_sim.py``): a rank's children are vr + 2^k for the
+Cost per rank (tested in ``tests/unit/test_sim.py``): a rank's children are vr + 2^k for the
 2^k below vr's lowest set bit (the root: below p) with vr + 2^k < p; broadcast sends
 n to each child and receives n once (not the root): the root sends ⌈lg p⌉ messages,
 all ranks together (p-1)·n bytes. Reduce runs it backwards: n received and reduced per

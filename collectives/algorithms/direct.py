@@ -31,7 +31,7 @@ Workspace: the p-1 received contributions to one block, (p-1)/p·n (reduce_scatt
 allreduce); none for allgather and broadcast. Each block is reduced once, by its
 owner, so every rank gets the same bits.
 
-Cost per rank, p | count (tested in ``tests/test_sim.py``): allreduce 2(p-1) messages,
+Cost per rank, p | count (tested in ``tests/unit/test_sim.py``): allreduce 2(p-1) messages,
 2(p-1)/p·n sent and received, (p-1)/p·n reduced; reduce_scatter and allgather half of
 that (allgather reduces nothing); broadcast root 2(p-1) messages and 2(p-1)/p·n bytes,
 the others p-2 messages, (p-2)/p·n sent and n received; reduce: the reduce_scatter's,

@@ -13,7 +13,7 @@ is not a power of two is folded first (see ``Fold``): the even rank of each of t
 first 2·(p - p') ranks' pairs sends its data to the odd one and gets the result back
 at the end. Workspace: allreduce one buffer to receive into; allgather none.
 
-Cost per rank (tested in ``tests/test_sim.py``; p' = 2^⌊lg p⌋): allreduce, lg p'
+Cost per rank (tested in ``tests/unit/test_sim.py``; p' = 2^⌊lg p⌋): allreduce, lg p'
 messages of n bytes, each received and reduced; the pair's even rank sends n once and
 receives n; the odd rank adds n received and reduced (the fold) and one n-byte message
 back. Allgather, b = the gathered n/p: a rank sends K_v and receives n - w_v over

@@ -16,7 +16,7 @@ the whole buffer for allreduce). Workspace: half the buffer to receive into, plu
 whole buffer on ranks that receive a fold, plus (reduce_scatter only) the running sums.
 
 Cost per rank (n bytes, p | count so blocks are b = n/p; p' = 2^⌊lg p⌋, e = p - p';
-tested against these in ``tests/test_sim.py``). Virtual block v weighs w_v = 2b for
+tested against these in ``tests/unit/test_sim.py``). Virtual block v weighs w_v = 2b for
 v < e (a pair's two blocks), else b; W_d(v) is the weight of the aligned group of d
 virtual blocks holding v. A halving step at distance d keeps, receives and reduces
 W_d(v) and sends the other half, so over the lg p' steps a rank sends n - w_v and

@@ -9,7 +9,7 @@ Ranks are numbered relative to the root and the blocks are cut as
 of lg p · n, so this wins for large buffers: ≈ (lg p + p - 1)α + 2(p-1)/p·nβ. The
 binomial scatter skips subtrees past p, so any p works. No workspace.
 
-Cost per rank with p | count (blocks b = n/p; tested in ``tests/test_sim.py``): rank vr
+Cost per rank with p | count (blocks b = n/p; tested in ``tests/unit/test_sim.py``): rank vr
 receives its subtree's t = min(lowbit(vr), p - vr) blocks (the root has all p), sends
 (t - 1)·b to its children (one message each, as in ``binomial``), then p-1 ring
 messages of b each way. The root sends 2(p-1)·b = 2(p-1)/p·n.

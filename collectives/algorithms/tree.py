@@ -14,7 +14,7 @@ down); its depth-first latency is ≈ (2·depth + segments)·α. Workspace: two 
 child (double buffering). Every element is reduced once, at its way up, in one order
 (own, left child, right child), then copied down: all ranks get the same bits.
 
-Cost per rank (s segments; tested in ``tests/test_sim.py``): with c children and a
+Cost per rank (s segments; tested in ``tests/unit/test_sim.py``): with c children and a
 parent (not the root), s·(c + 1) messages and (c + 1)·n bytes sent and received, c·n
 reduced; the root s·c messages and c·n bytes.
 """

@@ -45,7 +45,7 @@ The random choices come from ``random.Random(seed)``; the seed is
 ``COLLECTIVES_STANDIN_SEED`` (default 0) plus the MPI rank, so a run can be repeated
 (message timing still varies). Kernels run as NumPy on the memory, through the same op
 layer as the CPU path; the CUDA kernels' own arithmetic is tested separately
-(``tests/test_kernels.py``).
+(``tests/device/test_kernels.py``).
 """
 
 import atexit

@@ -13,7 +13,7 @@ messages, and building every rank's plan alone would take minutes:
 
 For these, with equal blocks (p divides count) and folds in any order, this module
 gives every rank's counters and the call's time in closed form. The counters are
-each rank's, exact. ``tests/test_sim.py`` holds both equal to the simulation at every p
+each rank's, exact. ``tests/unit/test_sim.py`` holds both equal to the simulation at every p
 from 2 to 40 and at 63, 64 and 100, with four roots, in place and not, and random α, β
 and γ. ``costs`` uses
 them above ``SIMULATED_UP_TO`` ranks. Beyond that size a two-level model (``ranks_per_node``)

@@ -935,7 +935,7 @@ class PeerCall:
         return True
 
     # Each synchronisation of a call, one method each (the tests take them out one at a
-    # time and show a test failing for each: tests/test_device_peer.py).
+    # time and show a test failing for each: tests/device/test_device_peer.py).
     def _wait_for_user(self):
         """The stream waits for the user's work before the call (its event)."""
         self.backend.wait(self.node.stream, self.started)

@@ -1,4 +1,4 @@
-"""The job tests/test_multihost.py's fault tests launch on the testbed (at layout
+"""The job tests/tools/test_multihost.py's fault tests launch on the testbed (at layout
 HxR, host-major); the test itself, outside the job, cuts or throttles the last host's
 link once rank 0 has written OUTDIR/ready.
 

@@ -23,12 +23,13 @@ import pytest
 
 from collectives.device import kernels
 
+from conftest import HARNESS
+
 pytestmark = pytest.mark.serial
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
-HERE = Path(__file__).parent / "harness"
-KERNELS = HERE.parent.parent / "kernels"
+KERNELS = HARNESS.parent.parent / "kernels"
 DTYPES = [np.dtype(n) for n in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
                                 "float32", "float64", "complex64", "complex128")] + [BF16]
 UFUNC = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum,
@@ -42,7 +43,7 @@ def harness(tmp_path_factory):
         pytest.skip("no C++ compiler (g++) to build the host harness of kernels/elementwise.cuh")
     library = tmp_path_factory.mktemp("harness") / "harness.so"
     command = [compiler, "-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared", "-Wall", "-Werror",
-               f"-I{KERNELS}", str(HERE / "host_harness.cpp"), "-o", str(library)]
+               f"-I{KERNELS}", str(HARNESS / "host_harness.cpp"), "-o", str(library)]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stderr}"
     lib = ctypes.CDLL(str(library))

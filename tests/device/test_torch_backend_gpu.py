@@ -1,7 +1,7 @@
 """The torch.distributed backend "collectives" on CUDA tensors, and DDP on a CUDA model.
 
 The reference for every call is the same call on CPU tensors through the same backend,
-which tests/test_torch_backend.py holds equal to gloo bit for bit: a CUDA result must
+which tests/adapters/test_torch_backend.py holds equal to gloo bit for bit: a CUDA result must
 have the CPU result's dtype, shape and bits, and stay on the GPU. DDP on a CUDA model
 must equal single-process training on the global batch. Marked ``gpu``: skipped, with
 the reason, where no GPU can run them (``make test-gpu`` runs them).

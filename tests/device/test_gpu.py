@@ -2,7 +2,7 @@
 NumPy, torch CUDA tensors through every collective, a CUDA model trained through the
 training adapter, and torch's side streams. Marked ``gpu``: they skip, with the reason,
 where CuPy sees no GPU (as on the development machine and in CI). ``make test-gpu``
-runs them with the device suite (``tests/test_device.py --device cuda``) at 1-4 ranks
+runs them with the device suite (``tests/device/test_device.py --device cuda``) at 1-4 ranks
 sharing one GPU.
 """
 

@@ -2,7 +2,7 @@
 runs them, as root). Elsewhere every test here skips, saying why.
 
 - Under MPI, in a testbed job (``python -m collectives.tools.testbed run --layout HxR --
-  python -m pytest --with-mpi -m "not serial" tests/test_multihost.py``): MPI sees the
+  python -m pytest --with-mpi -m "not serial" tests/tools/test_multihost.py``): MPI sees the
   layout, and every allreduce algorithm across real, shaped links equals MPI's own
   Allreduce. The testbed's run checks that the bytes crossed the links.
 - Serially, from the root namespace, with the testbed up and
@@ -26,10 +26,10 @@ import collectives as cc
 from collectives.algorithms import PEER_READS
 from collectives.tools.testbed import parse_layout
 
-from conftest import agree, rank_input, same
+from conftest import HARNESS, agree, rank_input, same
 
 LAYOUT = os.environ.get("COLLECTIVES_TESTBED_LAYOUT")
-HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness")
+HERE = str(HARNESS)
 
 in_a_testbed_job = pytest.mark.skipif(
     not LAYOUT, reason="runs inside a testbed job only (make test-multihost; collectives.tools.testbed run sets "

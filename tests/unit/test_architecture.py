@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.serial
 
-PACKAGE = Path(__file__).resolve().parent.parent / "collectives"
+PACKAGE = Path(__file__).resolve().parents[2] / "collectives"
 PACKAGE_NAME = "collectives"
 
 

@@ -19,18 +19,19 @@ keep-survivors flag: hydra's ``-disable-auto-cleanup``, Open MPI's
 """
 
 import json
-import os
 import sys
 import time
 
 import launch
 import pytest
 
+from conftest import HARNESS
+
 pytestmark = pytest.mark.serial
 
 TIMEOUT = 3.0
 RANKS = 4
-JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness", "dead_rank_job.py")
+JOB = str(HARNESS / "dead_rank_job.py")
 
 # A ring allreduce of 4096 float32s: 4 KiB messages, which MPI sends eagerly, so
 # nothing tells MPI that the peer died and the timeout must. (With large messages MPI

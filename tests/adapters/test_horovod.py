@@ -9,7 +9,6 @@ examples/train_horovod.py, single-process PyTorch training on the global batch.
 
 import contextlib
 import functools
-import os
 import re
 import subprocess
 import sys
@@ -24,10 +23,10 @@ torch = pytest.importorskip("torch")
 import collectives.horovod.torch as hvd  # noqa: E402
 from collectives import CollectiveMismatchError  # noqa: E402
 
-from conftest import GLOBAL_BATCH, UFUNC, agree, identical_everywhere, rank_input, same  # noqa: E402
+from conftest import EXAMPLES, GLOBAL_BATCH, UFUNC, agree, identical_everywhere, rank_input, same  # noqa: E402
 from torch_reference import close  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+sys.path.insert(0, str(EXAMPLES))
 import train_horovod  # noqa: E402
 
 torch.set_num_threads(1)  # up to 8 ranks share 2 cores

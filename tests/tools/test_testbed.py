@@ -1,6 +1,6 @@
 """collectives.tools.testbed's parts that need neither root nor a network: parsing rates,
 layouts, host names and ssh-style arguments, and the one-line messages for a machine
-that lacks root or iproute2. (The testbed itself: tests/test_multihost.py under
+that lacks root or iproute2. (The testbed itself: tests/tools/test_multihost.py under
 `make test-multihost`.)"""
 
 import os

@@ -22,6 +22,7 @@ from conftest import (
     reference,
     runs_here,
     same,
+    shm_long,
 )
 
 # shm needs ranks that share memory: skipped in jobs across hosts, where it refuses (test_multihost.py)
@@ -85,7 +86,7 @@ def run_and_compare(comm, mpi, collective, algorithm, dtype, op, count, root=0, 
 ALGORITHMS = [(c, a) for c in cc.COLLECTIVES for a in host_algorithms(c)]
 
 
-@pytest.mark.parametrize("collective,algorithm", ALGORITHMS)
+@pytest.mark.parametrize("collective,algorithm", shm_long(ALGORITHMS))
 def test_every_count_against_mpi_and_numpy(comm, mpi_comm, collective, algorithm):
     problems = []
     roots = sorted({0, comm.size - 1}) if collective in ROOTED else [0]
@@ -98,7 +99,7 @@ def test_every_count_against_mpi_and_numpy(comm, mpi_comm, collective, algorithm
     agree(mpi_comm, problems)
 
 
-@pytest.mark.parametrize("collective,algorithm", [ca for ca in ALGORITHMS if ca[0] in REDUCING])
+@pytest.mark.parametrize("collective,algorithm", shm_long([ca for ca in ALGORITHMS if ca[0] in REDUCING]))
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 def test_every_dtype_and_op(comm, mpi_comm, collective, algorithm, dtype):
     problems = []
@@ -108,7 +109,7 @@ def test_every_dtype_and_op(comm, mpi_comm, collective, algorithm, dtype):
     agree(mpi_comm, problems)
 
 
-@pytest.mark.parametrize("collective,algorithm", [ca for ca in ALGORITHMS if ca[0] not in REDUCING])
+@pytest.mark.parametrize("collective,algorithm", shm_long([ca for ca in ALGORITHMS if ca[0] not in REDUCING]))
 def test_data_movement_every_dtype(comm, mpi_comm, collective, algorithm):
     problems = []
     for dtype in ALL_DTYPES:
@@ -116,7 +117,7 @@ def test_data_movement_every_dtype(comm, mpi_comm, collective, algorithm):
     agree(mpi_comm, problems)
 
 
-@pytest.mark.parametrize("algorithm", host_algorithms("allreduce"))
+@pytest.mark.parametrize("algorithm", shm_long(host_algorithms("allreduce")))
 def test_allreduce_in_place_and_into_out(comm, mpi_comm, algorithm):
     problems = []
     for count in counts_for(comm.size, large=False):
@@ -133,7 +134,7 @@ def test_allreduce_in_place_and_into_out(comm, mpi_comm, algorithm):
     agree(mpi_comm, problems)
 
 
-@pytest.mark.parametrize("algorithm", host_algorithms("reduce"))
+@pytest.mark.parametrize("algorithm", shm_long(host_algorithms("reduce")))
 def test_reduce_in_place_on_root(comm, mpi_comm, algorithm):
     problems = []
     for root in sorted({0, comm.size - 1}):
@@ -156,7 +157,7 @@ def noncontiguous(arr):
     return view
 
 
-@pytest.mark.parametrize("collective,algorithm", ALGORITHMS)
+@pytest.mark.parametrize("collective,algorithm", shm_long(ALGORITHMS))
 def test_noncontiguous_and_readonly_inputs_and_outputs(comm, mpi_comm, collective, algorithm):
     problems = []
     count = 3 * comm.size + 2
@@ -207,7 +208,7 @@ def test_out_overlapping_the_input_gets_a_snapshot(comm, mpi_comm):
     agree(mpi_comm, problems)
 
 
-@pytest.mark.parametrize("algorithm", [a for a in host_algorithms("allreduce") if a != "native"])
+@pytest.mark.parametrize("algorithm", shm_long([a for a in host_algorithms("allreduce") if a != "native"]))
 def test_allreduce_bits_identical_across_ranks(comm, mpi_comm, algorithm):
     rng = np.random.default_rng(1234 + comm.rank)
     problems = []
@@ -246,7 +247,7 @@ def test_blocking_native_while_some_ranks_have_calls_in_flight(comm, mpi_comm, c
     agree(mpi_comm, problems)
 
 
-@pytest.mark.parametrize("algorithm", cc.algorithms("scatter"))
+@pytest.mark.parametrize("algorithm", shm_long(cc.algorithms("scatter")))
 def test_scatter_with_no_x_on_the_other_ranks(comm, mpi_comm, algorithm):
     """The ranks other than the root may pass x=None and out (the row's shape and dtype)."""
     problems = []
