@@ -29,7 +29,7 @@ import collectives as cc
 from collectives import tuning
 from collectives.algorithms import PEER_READS, block_bounds
 from collectives.device import as_device_array, bfloat16
-from collectives.transport import device_node, local
+from collectives.transport import device_node, local, peer_memory, peer_phases
 
 from conftest import (
     ALL_DTYPES,
@@ -400,7 +400,7 @@ class Counting:
 
 def _peer_state(comm):
     device = next(iter(comm._ctx.devices.values()))
-    return device.peer, device_node.peer_memory(device.backend)
+    return device.peer, peer_memory.peer_memory(device.backend)
 
 
 @pytest.mark.parametrize("mechanism", MECHANISMS)
@@ -415,7 +415,7 @@ def test_a_warm_loop_opens_allocates_builds_and_sends_nothing(mpi_comm, mechanis
     from collectives.routes.base import compiled_plan
 
     comm = communicator(mechanism)
-    memory = device_node.peer_memory(next(iter(comm._ctx.devices.values())).backend)
+    memory = peer_memory.peer_memory(next(iter(comm._ctx.devices.values())).backend)
     comm.allreduce(D.asarray(np.ones(1, np.float32)), algorithm="one_shot")  # the peer state (kernel: the flags)
     gc.collect()
     D.free_all_blocks()  # what earlier tests freed: so x is a new allocation, not one the peers have open
@@ -652,7 +652,7 @@ def test_every_call_has_at_most_two_fences_at_any_size():
 
 
 def test_every_phase_is_one_kernel_for_up_to_16_ranks():
-    """As the device executor runs the plans (device_node.phases): every phase between
+    """As the device executor runs the plans (peer_phases.phases): every phase between
     fences launches one kernel or copy, for every rank of up to 16 (a fold of up to 16
     inputs, a copy of up to 16 peers' buffers, the leader's fold written into up to 16
     outputs, its reduce_scatter's p folds one kernel); beyond, one per 16 (the
@@ -662,10 +662,10 @@ def test_every_phase_is_one_kernel_for_up_to_16_ranks():
     copies one kernel per 16)."""
     from collectives.routes.base import compiled_plan
 
-    launches_of = {device_node._COPY: lambda specs: 1, device_node._REDUCE: lambda specs: 1,
-                   device_node._REDUCE_MANY: lambda specs: -(-(len(specs) - 1) // 16),
-                   device_node._COPY_KERNELS: lambda specs: len(specs),
-                   device_node._FOLD_TO_ALL: lambda specs: 1, device_node._FOLD_BLOCKS: lambda specs: 1}
+    launches_of = {peer_phases._COPY: lambda specs: 1, peer_phases._REDUCE: lambda specs: 1,
+                   peer_phases._REDUCE_MANY: lambda specs: -(-(len(specs) - 1) // 16),
+                   peer_phases._COPY_KERNELS: lambda specs: len(specs),
+                   peer_phases._FOLD_TO_ALL: lambda specs: 1, peer_phases._FOLD_BLOCKS: lambda specs: 1}
 
     def allowed(collective, algorithm, size):
         sixteens = -(-size // 16)
@@ -681,7 +681,7 @@ def test_every_phase_is_one_kernel_for_up_to_16_ranks():
                     count = 3 * size + 1
                     plan = compiled_plan(collective, algorithm, rank, size, count, root, 1, inplace, False, 0)
                     slot = plan.shm // size if plan.shm else 0
-                    for k, phase in enumerate(device_node.phases(plan, rank, count, slot)):
+                    for k, phase in enumerate(peer_phases.phases(plan, rank, count, slot)):
                         launches = sum(launches_of[kind](specs) for kind, specs in phase)
                         assert launches <= allowed(collective, algorithm, size), \
                             (collective, algorithm, size, inplace, rank, k, phase)
@@ -697,12 +697,12 @@ def test_the_copying_leaders_read_each_input_once():
         for size in (2, 3, 4, 5, 8, 16):
             count = 3 * size + 1
             plan = compiled_plan(collective, "leader", 0, size, count, 0, 1, False, False, 0)
-            made = device_node.phases(plan, 0, count, 0)
+            made = peer_phases.phases(plan, 0, count, 0)
             reads, writes = Counter(), Counter()
             for phase in made:
                 for kind, specs in phase:
-                    launches = specs if kind == device_node._COPY_KERNELS else \
-                        (((specs[0],), (specs[1],)),) if kind == device_node._COPY else ()
+                    launches = specs if kind == peer_phases._COPY_KERNELS else \
+                        (((specs[0],), (specs[1],)),) if kind == peer_phases._COPY else ()
                     assert launches or not specs, (collective, size, kind)
                     for dsts, srcs in launches:
                         assert len(dsts) <= 16 and len(dsts) % len(srcs) == 0, (collective, size, dsts, srcs)
@@ -726,20 +726,20 @@ def test_avg_divides_once_on_every_output_of_a_leader():
         for size in (2, 3, 16, 17, 40):
             count = 3 * size + 1
             plan = compiled_plan(collective, "leader", 0, size, count, 0, 1, False, False, 0)
-            made, written, final = device_node.phases_and_facts(plan, 0, count, 0)
+            made, written, final = peer_phases.phases_and_facts(plan, 0, count, 0)
             folds = {(k, i): entry for k, phase in enumerate(made) for i, entry in enumerate(phase)
-                     if entry[0] in (device_node._REDUCE, device_node._REDUCE_MANY, device_node._FOLD_TO_ALL,
-                                     device_node._FOLD_BLOCKS)}
+                     if entry[0] in (peer_phases._REDUCE, peer_phases._REDUCE_MANY, peer_phases._FOLD_TO_ALL,
+                                     peer_phases._FOLD_BLOCKS)}
             assert final and final <= set(folds), (collective, size, final)
 
             def outputs(entry):
                 kind, specs = entry
-                return specs[0] if kind in (device_node._FOLD_TO_ALL, device_node._FOLD_BLOCKS) else (specs[0],)
+                return specs[0] if kind in (peer_phases._FOLD_TO_ALL, peer_phases._FOLD_BLOCKS) else (specs[0],)
 
             divided = Counter((o[0], o[1]) for where in final for o in outputs(folds[where]))
             assert all(n == 1 for n in divided.values()), (collective, size, divided)
             assert ("out", -1) in divided, (collective, size, divided)
-            copied = {dst[:2] for phase in made for kind, specs in phase if kind == device_node._COPY_KERNELS
+            copied = {dst[:2] for phase in made for kind, specs in phase if kind == peer_phases._COPY_KERNELS
                       for dsts, _ in specs for dst in dsts}
             if collective == "reduce_scatter":  # every rank's block, its own fold
                 assert set(divided) == {("out", -1)} | {("rout", q) for q in range(1, size)}, (size, divided)

@@ -63,7 +63,7 @@ def register(ctx: Any, device: Any, array: Any, nbytes: int, timeout: float | No
         return
     import numpy as np
 
-    from ..transport.device_node import check_shareable
+    from ..transport.peer_window import check_shareable
 
     node = peer_node(ctx, device, timeout)
     mine = node.descriptor(array, nbytes)

@@ -44,9 +44,9 @@ from mpi4py import MPI
 from ..errors import MessageSizeError, TransportError
 from ..schedule import Copy, Reduce, ReduceMany, Send
 from ..tuning import GPU_NAME_BYTES, gpu_stamp
-from .device_node import peer_memory
 from .mpi import PlanHandle
 from .native import mismatch
+from .peer_memory import peer_memory
 from .progress import Handle, at
 from .retired import retire
 
@@ -155,7 +155,7 @@ class _Pool:
 
 class _Slot:
     """One IPC send buffer of this rank, an allocation of its own that the peers open as
-    any shared array (``device_node.PeerMemory``: one mapping per process, whatever
+    any shared array (``peer_memory.PeerMemory``: one mapping per process, whatever
     communicator asks), and the interprocess event that marks its data."""
 
     def __init__(self, backend, index, capacity):

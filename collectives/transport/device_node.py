@@ -78,233 +78,46 @@ that took registered arrays without asking raise the digests' mismatch instead).
 Registration: a rank's input is exported once per allocation (its base address and the
 driver's buffer id: CuPy's and torch's pools sub-allocate, so a buffer is base plus
 offset), and a peer opens an allocation once per owner process, base and buffer id
-(:class:`PeerMemory`, one per device and process): memory freed and allocated again at
-the same base gets a new buffer id, so it is opened anew and the old mapping closed,
-never read. A steady loop of calls on the same buffers opens nothing, allocates
+(:class:`~.peer_memory.PeerMemory`, one per device and process): memory freed and
+allocated again at the same base gets a new buffer id, so it is opened anew and the
+old mapping closed, never read. A steady loop of calls on the same buffers opens nothing, allocates
 nothing, makes no event and sends no MPI message (``PeerNode.counters`` and the
 device's say so).
 """
 
-import os
 import time
 import weakref
-import zlib
 from collections import Counter
 
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, MessageSizeError
-from ..schedule import Copy, Fence, Reduce, ReduceMany
+from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from .liveness import ranks
+from .peer_memory import Sliced, peer_memory
+from .peer_phases import _COPY, _COPY_KERNELS, _FOLD_BLOCKS, _FOLD_TO_ALL, _REDUCE_MANY, _fold_parts, phases_and_facts
+from .peer_window import (
+    _AHEAD,
+    _ANNOUNCED,
+    _DESCRIPTOR,
+    _EPOCH,
+    _HANDLE_WORDS,
+    _NOTHING,
+    _UNSHAREABLE,
+    _UNSHAREABLE_WORDS,
+    PeerWindow,
+    _placement,
+    call_digest,
+    check_shareable,
+    compare_signatures,
+    placement_crc,
+    refuse_unshareable,
+    unshareable_message,
+)
 from .progress import Handle
 
 MECHANISMS = ("host", "stream", "kernel")
 DEFAULT_KERNEL_LIMIT = 300.0  # seconds an in-kernel wait lasts at most where the call has no timeout
-_LINE = 96  # int64 words of one rank's line in the window (768 bytes: the rows after stay 128-byte aligned)
-# word offsets in a line; the descriptors: 3 buffers (input, window slot, output) for each parity of calls
-_EPOCH, _ANNOUNCED, _SIGNATURE, _DESCRIPTORS, _PID, _DIGEST = 0, 1, 2, 10, 88, 89
-_DESCRIPTOR = 13  # words of a buffer's descriptor: IPC handle (8), base, buffer id, offset, bytes, allocation size
-_HANDLE_WORDS = 8
-_BYTES_WORD = _HANDLE_WORDS + 3  # a descriptor's byte count
-_UNSHAREABLE = -1  # a descriptor's byte count where the rank's buffer cannot be exported
-_AHEAD = 1 << 20  # released waits: a value this far past the fences pending (cyclic comparison)
-_NOTHING = np.zeros(_DESCRIPTOR, np.int64)  # the descriptor of no buffer (read-only, as every descriptor)
-_NOTHING.flags.writeable = False
-_UNSHAREABLE_WORDS = _NOTHING.copy()  # the descriptor of a buffer the driver cannot export
-_UNSHAREABLE_WORDS[_BYTES_WORD] = _UNSHAREABLE
-_UNSHAREABLE_WORDS.flags.writeable = False
-
-
-class PeerWindow:
-    """The node's shared window of one communicator's peer-read calls (host memory,
-    ``MPI.Win.Allocate_shared``; collective to make): a line per rank (fence counter,
-    call counter, signatures, descriptors, process id, digests), a row of 32-bit words per rank,
-    which the other ranks' streams write (``stream`` and ``kernel`` fences), and one the
-    rank's own fence kernels write where a peer did not come in time (``late``)."""
-
-    def __init__(self, node_comm):
-        self.comm = node_comm
-        self.rank, self.size = node_comm.Get_rank(), node_comm.Get_size()
-        self.row = 32 * -(-self.size // 32)  # words per row: 128-byte rows
-        lines, rows = self.size * _LINE * 8, self.size * self.row * 4
-        nbytes = -(-(lines + 2 * rows) // 4096) * 4096
-        self.win = MPI.Win.Allocate_shared(nbytes if self.rank == 0 else 0, 1, comm=node_comm)
-        buffer, _ = self.win.Shared_query(0)
-        memory = np.frombuffer(buffer, np.uint8)[:nbytes]
-        self.lines = memory[:lines].view(np.int64).reshape(self.size, _LINE)
-        self.words = memoryview(memory[:lines]).cast("q")  # read and written word by word
-        self.inbox = memory[lines : lines + rows].view(np.uint32)  # rank r's row at r * row
-        self.late = memory[lines + rows : lines + 2 * rows].view(np.uint32)
-        self.win.Lock_all(MPI.MODE_NOCHECK)
-        if self.rank == 0:
-            memory[...] = 0
-        self.win.Sync()
-        node_comm.Barrier()  # nobody reads a word before it is zero
-        self.win.Sync()
-        self.words[self.rank * _LINE + _PID] = os.getpid()
-        self.win.Sync()
-        node_comm.Barrier()
-        self.win.Sync()
-        self.pids = [int(self.words[q * _LINE + _PID]) for q in range(self.size)]
-        self.fences = 0  # fences handed out to calls so far
-        self.calls = 0  # calls so far
-
-    def free(self):
-        if self.win is not None:
-            self.words.release()
-            self.win.Unlock_all()
-            self.win.Free()
-            self.win = None
-
-    # -- host fences ------------------------------------------------------------------------
-    def arrive(self, word, value):
-        self.win.Sync()  # what this rank wrote before (descriptors, signature) goes first
-        self.words[self.rank * _LINE + word] = value
-
-    def passed(self, word, value):
-        words = self.words
-        for q in range(word, self.size * _LINE, _LINE):
-            if words[q] < value:
-                return False
-        self.win.Sync()  # the others' words before what they wrote after
-        return True
-
-    def behind(self, word, value):
-        return [q for q in range(self.size) if self.words[q * _LINE + word] < value]
-
-    # -- what a call publishes at its first fence ------------------------------------------
-    def sign(self, parity, signature):
-        start = self.rank * _LINE + _SIGNATURE + 4 * parity
-        for k, value in enumerate(signature):
-            self.words[start + k] = value
-
-    def signature_of(self, rank, parity):
-        start = rank * _LINE + _SIGNATURE + 4 * parity
-        return tuple(self.words[start : start + 4])
-
-    def publish(self, parity, which, descriptor):
-        start = _DESCRIPTORS + (3 * parity + which) * _DESCRIPTOR
-        self.lines[self.rank, start : start + _DESCRIPTOR] = descriptor
-
-    def descriptor_of(self, rank, parity, which):
-        """Rank ``rank``'s descriptor of buffer ``which``, as bytes (what
-        :meth:`PeerNode.peer_buffer` looks buffers up by)."""
-        start = _DESCRIPTORS + (3 * parity + which) * _DESCRIPTOR
-        return self.lines[rank, start : start + _DESCRIPTOR].tobytes()
-
-    def unshareable(self, parity, which):
-        """The ranks whose descriptor of buffer ``which`` says it cannot be shared."""
-        at = _DESCRIPTORS + (3 * parity + which) * _DESCRIPTOR + _BYTES_WORD
-        words = self.words
-        return [q for q in range(self.size) if words[q * _LINE + at] == _UNSHAREABLE]
-
-    def publish_digest(self, parity, digest):
-        self.words[self.rank * _LINE + _DIGEST + parity] = digest
-
-    def digests(self, parity):
-        """Every rank's digest of its call of ``parity`` (0: it asked where the buffers are)."""
-        return [int(self.words[q * _LINE + _DIGEST + parity]) for q in range(self.size)]
-
-    def descriptors(self, parity, which):
-        """Every rank's descriptor of buffer ``which`` (a view: one row per rank)."""
-        start = _DESCRIPTORS + (3 * parity + which) * _DESCRIPTOR
-        return self.lines[:, start : start + _DESCRIPTOR]
-
-    # -- stream fences -------------------------------------------------------------------------
-    def word(self, owner, writer):
-        """The index (in ``inbox``) of the word ``writer`` writes into ``owner``'s row."""
-        return owner * self.row + writer
-
-    def behind_on_device(self, value):
-        """The ranks whose word in this rank's row has not reached ``value``."""
-        row = self.rank * self.row
-        return [q for q in range(self.size)
-                if q != self.rank and ((int(self.inbox[row + q]) - value) & 0xFFFFFFFF) >= 0x80000000]
-
-    def announced(self, number):
-        """The ranks whose line holds call ``number``'s signature and descriptors now
-        (its word ``_ANNOUNCED``, written after them), read after it."""
-        words = self.words
-        found = [q for q in range(self.size) if words[q * _LINE + _ANNOUNCED] == number]
-        self.win.Sync()  # (what they wrote before the word, read after it)
-        return found
-
-    def signalled(self, value):
-        """Whether every peer's stream has written ``value`` (or later) into this rank's
-        row; once so, what their hosts published before is read after it."""
-        if self.behind_on_device(value):
-            return False
-        self.win.Sync()
-        return True
-
-
-class PeerMemory:
-    """The other processes' device allocations this process has opened (CUDA IPC),
-    one per owner process, base address and buffer id; and this process's own
-    allocations exported so far. One per device backend and process, shared by its
-    communicators (CUDA opens a handle once per process)."""
-
-    def __init__(self, backend):
-        self.backend = backend
-        self.opened = {}  # (owner pid, base) -> (buffer id, the whole allocation, uint8)
-        self.exported = {}  # base -> (buffer id, handle)
-        self.counters = Counter()  # opened, closed, exported
-
-    def handle_of(self, base, buffer_id):
-        """This process's allocation at ``base`` as an IPC handle (exported once)."""
-        known = self.exported.get(base)
-        if known is None or known[0] != buffer_id:
-            known = self.exported[base] = (buffer_id, bytes(self.backend.export(base)))
-            self.counters["exported"] += 1
-        return known[1]
-
-    def view(self, pid, base, buffer_id, handle, size, offset, nbytes):
-        """Bytes ``[offset, offset + nbytes)`` of process ``pid``'s allocation at ``base``
-        (``size`` bytes, ``buffer_id``), opened here through ``handle`` unless it is open
-        already; a mapping of an older allocation at that base is closed first."""
-        key = (pid, base)
-        known = self.opened.get(key)
-        if known is None or known[0] != buffer_id:
-            if known is not None:  # freed and allocated again there: never read the old mapping
-                self.close(pid, base)
-            known = self.opened[key] = (buffer_id, self._open(pid, base, size, handle))
-            self.counters["opened"] += 1
-        return known[1][offset : offset + nbytes]
-
-    def close(self, pid, base):
-        """Close the mapping of process ``pid``'s allocation at ``base``, if one is open."""
-        known = self.opened.pop((pid, base), None)
-        if known is not None:
-            self.backend.close_allocation(known[1])
-            self.counters["closed"] += 1
-
-    def _open(self, pid, base, size, handle):
-        """Map ``pid``'s allocation ``[base, base + size)``. CUDA maps another process's
-        memory once per process: it refuses (cudaErrorAlreadyMapped) while a mapping
-        of ours overlaps the range, and one that does can only be of memory that
-        process has freed since (its live allocations never overlap), which we never
-        read again. So those are closed, and the opening tried once more."""
-        try:
-            return self.backend.open_allocation(handle, size)
-        except Exception as exc:
-            if not self.backend.already_mapped(exc):
-                raise
-        for key, (_, array) in list(self.opened.items()):
-            if key[0] == pid and key[1] < base + size and base < key[1] + array.nbytes:
-                self.close(*key)
-        return self.backend.open_allocation(handle, size)
-
-
-_MEMORY: dict = {}  # backend -> its PeerMemory
-
-
-def peer_memory(backend):
-    """The :class:`PeerMemory` of ``backend``'s device in this process."""
-    memory = _MEMORY.get(backend)
-    if memory is None:
-        memory = _MEMORY[backend] = PeerMemory(backend)
-    return memory
 
 
 class PeerNode:
@@ -427,14 +240,14 @@ class PeerNode:
 
     def peer_buffer(self, rank, described, what, storage):
         """Rank ``rank``'s buffer that ``described`` (its descriptor's bytes) describes,
-        typed ``storage`` (a :class:`_Sliced`; None for nothing). Kept: the same buffer
+        typed ``storage`` (a :class:`Sliced`; None for nothing). Kept: the same buffer
         in a later call costs a lookup, and its slices too (the peer's allocation stays
         open anyway)."""
         key = (rank, described, storage)
         found = self._buffers.get(key, False)
         if found is False:
             raw = self.open(rank, np.frombuffer(described, np.int64), what)
-            found = None if raw is None else _Sliced(raw.view(storage))
+            found = None if raw is None else Sliced(raw.view(storage))
             if len(self._buffers) >= 256:
                 self._buffers.clear()
             self._buffers[key] = found
@@ -506,290 +319,12 @@ def _ptr(array):
     return array.ptr if hasattr(array, "ptr") else array.data.ptr
 
 
-def _placement(descriptor):
-    """Where a descriptor's buffer is: (base, buffer id, offset, bytes)."""
-    return tuple(int(v) for v in descriptor[_HANDLE_WORDS : _HANDLE_WORDS + 4])
-
-
-def placement_crc(descriptors):
-    """A CRC of where every rank's buffer is (base, buffer id, offset, bytes of each
-    rank's descriptor), the same on every rank that sees the same."""
-    return zlib.crc32(np.ascontiguousarray(descriptors[:, _HANDLE_WORDS : _HANDLE_WORDS + 4]).tobytes())
-
-
-def call_digest(signature, placement):
-    """The 32-bit digest of a call that the fence kernels compare at the first fence:
-    its signature (number, code, bytes, root) and where every rank's input is."""
-    return zlib.crc32(np.asarray(signature, np.int64).tobytes(), placement) or 1
-
-
-class _Sliced:
-    """A device array and the slices of it asked for so far (slicing a CuPy array costs
-    microseconds; a peer's buffer is sliced alike call after call)."""
-
-    __slots__ = ("array", "parts")
-
-    def __init__(self, array):
-        self.array, self.parts = array, {}
-
-    def part(self, lo, hi):
-        if lo == 0 and hi == self.array.size:
-            return self.array
-        found = self.parts.get((lo, hi))
-        if found is None:
-            if len(self.parts) >= 64:
-                self.parts.clear()
-            found = self.parts[(lo, hi)] = self.array[lo:hi]
-        return found
-
-
 def choose_mechanism(uuids, ranks):
     """``device_fence="auto"``: in-kernel flags where every one of the node's ``ranks``
     has a GPU of its own (``uuids``: the node's GPUs; whose kernels can spin on a flag
     without holding the others' off the device), else the host's epochs (on a shared
     GPU a spinning kernel would hold the others off for its whole time slice)."""
     return "kernel" if len(uuids) == ranks and ranks > 1 else "host"
-
-
-# -- one call's plan, as phases between fences --------------------------------------------------
-_COPY, _REDUCE, _REDUCE_MANY, _COPY_MANY, _FOLD_TO_ALL, _FOLD_BLOCKS, _COPY_KERNELS = 0, 1, 2, 3, 4, 5, 6
-_MAX_COPIES = 16  # destinations a copy kernel writes (kernels/collectives.cu's copy_n)
-
-
-def _overlap(a, b, apart=False):
-    """Whether slice specs ``a`` and ``b`` may share memory: this rank's ``in`` and
-    ``out`` may (in place, or a row of the result as the input), and so may a peer's
-    (``reg``, ``rout``), unless the plan's outputs are ``apart`` from their inputs
-    (``Plan.outputs_apart``); a peer's window slot only itself."""
-    if a[0] != b[0] or a[1] != b[1]:
-        if apart:
-            return False
-        if a[1] == b[1] and {a[0], b[0]} == {"reg", "rout"}:
-            return True
-        return a[0] in ("in", "out") and b[0] in ("in", "out")
-    return a[2] < b[3] and b[2] < a[3]
-
-
-def _gathered(entries, apart=False):
-    """``entries`` (a phase) with every run of two or more copies that do not touch each
-    other's memory (no destination overlaps another copy's source or destination) made
-    one ``_COPY_MANY`` entry: one kernel, not one copy each (allgather's reads of the
-    peers, two_shot's copies out of the slots)."""
-    made, run = [], []
-
-    def touches(pair, others):
-        dst, src = pair
-        return any(_overlap(dst, d, apart) or _overlap(dst, s, apart) or _overlap(src, d, apart) for d, s in others)
-
-    def close():
-        if len(run) > 1:
-            made.append((_COPY_MANY, tuple(run)))
-        else:
-            made.extend((_COPY, pair) for pair in run)
-        run.clear()
-
-    for kind, specs in entries:
-        if kind == _COPY and not touches(specs, run):
-            run.append(specs)
-            continue
-        close()
-        if kind == _COPY:
-            run.append(specs)
-        else:
-            made.append((kind, specs))
-    close()
-    return made
-
-
-def _folded_to_all(entries):
-    """``entries`` (a phase, gathered) with a fold followed by copies of its result (the
-    leader's into every rank's output) made one ``_FOLD_TO_ALL`` entry ``(outputs,
-    inputs)``: one kernel writes the fold into every output. Only where no copy's
-    destination shares memory with the fold's inputs other than their very elements (in
-    place: a peer's output is its input), which the kernel reads before it writes."""
-    made = []
-    for kind, specs in entries:
-        last = made[-1] if made else None
-        if last is not None and last[0] in (_REDUCE, _REDUCE_MANY, _FOLD_TO_ALL) and kind in (_COPY, _COPY_MANY):
-            outputs, inputs = last[1] if last[0] == _FOLD_TO_ALL else ((last[1][0],), last[1][1:])
-            pairs = (specs,) if kind == _COPY else specs
-            apart = all(not _overlap(dst, x) or (dst[1] == x[1] and dst[2:] == x[2:]) for dst, _ in pairs
-                        for x in inputs)
-            if all(src == outputs[0] for _, src in pairs) and apart and len(outputs) + len(pairs) <= _MAX_COPIES \
-                    and not any(_overlap(dst, out) for dst, _ in pairs for out in outputs):
-                made[-1] = (_FOLD_TO_ALL, (outputs + tuple(dst for dst, _ in pairs), inputs))
-                continue
-        made.append((kind, specs))
-    return made
-
-
-def _fold_parts(entry):
-    """``(outputs, inputs)`` of a fold entry of :func:`phases` (a reduction, a fold into
-    several outputs, folds over blocks: their inputs' spans), None for a copy."""
-    kind, specs = entry
-    if kind in (_REDUCE, _REDUCE_MANY):
-        return (specs[0],), specs[1:]
-    if kind in (_FOLD_TO_ALL, _FOLD_BLOCKS):
-        return specs[0], specs[1]
-    return None
-
-
-def _later_reads(made, apart):
-    """``read_later(k, i, spec)``: whether a fold after entry ``i`` of phase ``k`` of
-    ``made`` reads memory ``spec`` may share (:func:`_overlap`)."""
-    reads = [(k, i, x) for k, phase in enumerate(made) for i, entry in enumerate(phase)
-             if (parts := _fold_parts(entry)) is not None for x in parts[1]]  # in order
-    return lambda k, i, spec: any(_overlap(spec, x, apart) for k2, i2, x in reads if (k2, i2) > (k, i))
-
-
-def _folded_in_blocks(entries, apart, read_later):
-    """``entries`` (a phase) with every run of two or more folds of the same inputs,
-    each over a block of its own at the same offset in every input, into outputs that
-    share no memory with any of the run's inputs or with each other, made one
-    ``_FOLD_BLOCKS`` entry ``(outputs, inputs, offsets)``: one kernel, not one per fold
-    (a leader's reduce_scatter, every rank's block). ``inputs``: each input's span over
-    the run's blocks; ``offsets``: each block's start in it. Only folds whose outputs no
-    later fold reads (``read_later(index, spec)``) join a run: they are the call's
-    results, and a run divides alike (avg)."""
-    made, run = [], []  # run: the folds joined so far, (entry, output, inputs)
-
-    def joins(index, dst, inputs):
-        if read_later(index, dst) or len(run) >= _MAX_COPIES:
-            return False
-        if not run:
-            return True
-        first = run[0][2]
-        if len(inputs) != len(first) or any(x[:2] != y[:2] for x, y in zip(inputs, first)):
-            return False
-        shift = inputs[0][2] - first[0][2]
-        if any(x[2] - y[2] != shift for x, y in zip(inputs, first)):
-            return False
-        outputs = [dst] + [o for _, o, _ in run]
-        reads = list(inputs) + [x for _, _, xs in run for x in xs]
-        return not any(_overlap(o, x, apart) for o in outputs for x in reads) and \
-            not any(_overlap(a, b, apart) for n, a in enumerate(outputs) for b in outputs[n + 1:])
-
-    def close():
-        if len(run) > 1:
-            spans = tuple((x[0], x[1], min(xs[i][2] for _, _, xs in run), max(xs[i][3] for _, _, xs in run))
-                          for i, x in enumerate(run[0][2]))
-            offsets = tuple(xs[0][2] - spans[0][2] for _, _, xs in run)
-            made.append((_FOLD_BLOCKS, (tuple(o for _, o, _ in run), spans, offsets)))
-        else:
-            made.extend(entry for entry, _, _ in run)
-        run.clear()
-
-    for index, entry in enumerate(entries):
-        if entry[0] not in (_REDUCE, _REDUCE_MANY):
-            close()
-            made.append(entry)
-            continue
-        (dst,), inputs = _fold_parts(entry)
-        if not joins(index, dst, inputs):
-            close()
-        if joins(index, dst, inputs):
-            run.append((entry, dst, inputs))
-        else:
-            made.append(entry)
-    close()
-    return made
-
-
-def _copy_kernels(pairs):
-    """The ``copy_n`` kernels of a run of copies (a ``_COPY_MANY`` entry's pairs), each
-    ``(destinations, sources)``: where every source has as many destinations, m (a
-    leader writing each input into m ranks' outputs), each source is read once into all
-    of its, 16 // m sources a kernel; else a pair each, 16 a kernel."""
-    fans = {}
-    for dst, src in pairs:
-        fans.setdefault(src, []).append(dst)
-    widths = {len(dsts) for dsts in fans.values()}
-    if len(widths) == 1 and (m := widths.pop()) <= _MAX_COPIES:
-        rows, per = list(fans.items()), _MAX_COPIES // m
-        return tuple((tuple(d for _, dsts in rows[at : at + per] for d in dsts),
-                      tuple(src for src, _ in rows[at : at + per])) for at in range(0, len(rows), per))
-    return tuple((tuple(d for d, _ in pairs[at : at + _MAX_COPIES]), tuple(s for _, s in pairs[at : at + _MAX_COPIES]))
-                 for at in range(0, len(pairs), _MAX_COPIES))
-
-
-def _outputs_written(made):
-    """The other ranks whose outputs ``made`` (:func:`phases`) writes."""
-    written = set()
-    for phase in made:
-        for entry in phase:
-            kind, specs = entry
-            outputs = (specs[0],) if kind == _COPY else tuple(dst for dst, _ in specs) if kind == _COPY_MANY else \
-                _fold_parts(entry)[0]
-            written.update(o[1] for o in outputs if o[0] == "rout")
-    return frozenset(written)
-
-
-def _final_folds(made, apart):
-    """``{(phase, entry)}`` of the folds in ``made`` (:func:`phases`) that write an
-    output (this rank's or, on a leader, another's) which no later fold reads: the
-    call's results, where avg's division goes when the fold divides. ``apart``: the
-    plan's outputs share no memory with its inputs (:func:`_overlap`)."""
-    read_later = _later_reads(made, apart)
-    return {(k, i) for k, phase in enumerate(made) for i, entry in enumerate(phase)
-            if (parts := _fold_parts(entry)) is not None and parts[0][0][0] in ("out", "rout")
-            and not any(read_later(k, i, o) for o in parts[0])}
-
-
-def phases(plan, rank, stride, slot):
-    """``plan``'s operations in phases between its fences (kept beside the plan): each
-    an ``(kind, slices)`` list, a slice ``(buffer, peer, lo, hi)`` with ``reg``,
-    ``rout`` and ``shm`` slices made into a peer's input or output (``peer`` >= 0;
-    ``stride`` elements per rank) or window slot (``slot`` elements per rank),
-    ``lo``/``hi`` within it."""
-    return phases_and_facts(plan, rank, stride, slot)[0]
-
-
-def phases_and_facts(plan, rank, stride, slot):
-    """``(phases, written, final)``: :func:`phases`, the other ranks whose outputs they
-    write (:func:`_outputs_written`) and their final folds (:func:`_final_folds`), made
-    once per plan and rank (kept beside the plan: a call looks them up)."""
-    key = ("_peer_phases", rank, stride, slot)
-    found = plan.__dict__.get(key[0])
-    if found is not None and found[0] == key:
-        return found[1]
-
-    def spec(s):
-        if s.buf == "reg":
-            q = s.lo // stride
-            buf = "in" if q == rank else "reg"
-            return (buf, q, s.lo - q * stride, s.hi - q * stride)
-        if s.buf == "shm":
-            q = s.lo // slot
-            return ("shm", q, s.lo - q * slot, s.hi - q * slot)
-        if s.buf == "rout":  # (laid out by the plan's own stride)
-            q = s.lo // plan.rout_stride
-            lo, hi = s.lo - q * plan.rout_stride, s.hi - q * plan.rout_stride
-            return ("out", -1, lo, hi) if q == rank else ("rout", q, lo, hi)
-        return (s.buf, -1, s.lo, s.hi)
-
-    made = [[]]
-    for op in plan.ops:
-        if isinstance(op, Fence):
-            made.append([])
-        elif isinstance(op, Copy):
-            made[-1].append((_COPY, (spec(op.dst), spec(op.src))))
-        elif isinstance(op, Reduce):
-            made[-1].append((_REDUCE, (spec(op.dst), spec(op.a), spec(op.b))))
-        elif isinstance(op, ReduceMany):
-            made[-1].append((_REDUCE_MANY, (spec(op.dst),) + tuple(spec(x) for x in op.srcs)))
-        else:
-            raise ValueError(f"the peer-read executor cannot run {op!r}")
-    apart = plan.outputs_apart
-    made = [_gathered(phase, apart) for phase in made]
-    later = _later_reads(made, apart)
-    made = [_folded_to_all(_folded_in_blocks(phase, apart, lambda i, dst, k=k: later(k, i, dst)))
-            for k, phase in enumerate(made)]
-    written, final = _outputs_written(made), _final_folds(made, apart)
-    made = [[(_COPY_KERNELS, _copy_kernels(specs)) if kind == _COPY_MANY else (kind, specs) for kind, specs in phase]
-            for phase in made]  # (the same places: final's indices hold)
-    facts = (made, written, final)
-    object.__setattr__(plan, key[0], (key, facts))  # the plan is frozen; a cache beside it
-    return facts
 
 
 class PeerCall:
@@ -840,7 +375,7 @@ class PeerCall:
         # (the leader's other ranks touch the device once a call, not three times)
         self.unrecorded = True
         self.end_covered = False  # the last fence's event covers the call's end: end_event not recorded
-        self.peers = None  # rank -> (its input, its window slot, its output), each a _Sliced typed device array
+        self.peers = None  # rank -> (its input, its window slot, its output), each a Sliced typed device array
         self.mine = None  # this rank's input's descriptor, as published
         self.assumed = False  # kernel: the peers' inputs taken as registered counterparts (no host wait)
         self.digest = 0  # kernel: the call's digest, which the first fence kernels compare
@@ -1147,7 +682,7 @@ class PeerCall:
                                               "this rank needs one (a different call there, or a broken exchange)")
             self.peers[q] = (inp, slot, out)
         if self.slot:
-            self.own_slot = _Sliced(node.slot[: self.slot * storage.itemsize].view(storage))
+            self.own_slot = Sliced(node.slot[: self.slot * storage.itemsize].view(storage))
 
     def _view(self, spec):
         buf, q, lo, hi = spec
@@ -1233,45 +768,6 @@ class PeerCall:
             if late:
                 return f" (at fence {k} of {self.fences} it waits for {ranks(late)} to arrive)"
         return ""
-
-
-def unshareable_message(what, which):
-    """What every rank says where the ranks ``which`` published a ``what`` that cannot be
-    shared (the same words on every rank)."""
-    return (f"the {what} of {ranks(which)} {'is' if len(which) == 1 else 'are'} in device memory this library "
-            "cannot share through CUDA IPC (an allocation the driver cannot export: managed memory, a "
-            "stream-ordered pool such as cudaMallocAsync's, torch's expandable segments). The peer reads "
-            "('one_shot', 'two_shot', 'leader') cannot read it, and 'auto' chooses them for device arrays of one node: "
-            "name a message-based algorithm (algorithm='ring') for such arrays, or allocate them where they can "
-            "be shared (Communicator.empty(device=...), CuPy's default pool, torch's caching allocator)")
-
-
-def check_shareable(descriptors, what, describe):
-    """Raise where some rank's descriptor (a row of ``descriptors`` per rank, this
-    rank's included) says its ``what`` cannot be shared: every rank reads the same rows,
-    so every rank raises the same error, naming the ranks, before anyone opens or reads
-    anything."""
-    refuse_unshareable(np.flatnonzero(descriptors[:, _BYTES_WORD] == _UNSHAREABLE).tolist(), what, describe)
-
-
-def refuse_unshareable(which, what, describe):
-    """Raise naming the ranks ``which`` (a list) whose ``what`` cannot be shared, if any."""
-    if which:
-        raise CollectiveError(f"{describe}: {unshareable_message(what, which)}")
-
-
-def compare_signatures(window, parity, mine, describe):
-    """Raise on every rank where some rank signed another call (its size, or anything else)."""
-    for rank in range(window.size):
-        theirs = window.signature_of(rank, parity)
-        if theirs == mine:
-            continue
-        if theirs[0] == mine[0] and theirs[1] == mine[1] and theirs[3] == mine[3]:
-            raise MessageSizeError(f"{describe}: rank {rank} called it with {theirs[2]} B where this rank has "
-                                   f"{mine[2]} B; the ranks called it with buffers of different sizes")
-        raise CollectiveMismatchError(f"{describe}: rank {rank} is in a different call (call #{theirs[0]}, or "
-                                      "another collective, algorithm, dtype, op or root); every rank must call "
-                                      "the same collectives in the same order")
 
 
 class PeerHandle(Handle):
