@@ -29,7 +29,7 @@ import collectives as cc
 from collectives import tuning
 from collectives.algorithms import PEER_READS, block_bounds
 from collectives.device import as_device_array, bfloat16
-from collectives.transport import device_node, local, peer_memory, peer_phases
+from collectives.transport import device_node, local, peer_fences, peer_memory, peer_phases
 
 from conftest import (
     ALL_DTYPES,
@@ -1191,39 +1191,44 @@ def test_auto_picks_a_peer_read_and_says_why(pcomm, mpi_comm):
 
 # -- every synchronisation is needed: take each out in turn, and a test fails ----------------------
 def _only_at(fence, value):
-    """A replacement for a fence step of PeerCall that returns ``value`` at fence
-    ``fence`` (None: does nothing) and behaves as before at the other."""
+    """A replacement for a fence step (a method of a fence mechanism, given the call,
+    the fence and its number) that returns ``value`` at fence ``fence`` (None: does
+    nothing) and behaves as before at the other."""
     def replace(real):
-        def patched(self, k, epoch):
-            return value if k == fence else real(self, k, epoch)
+        def patched(self, call, k, epoch):
+            return value if k == fence else real(self, call, k, epoch)
         return patched
     return replace
 
 
 def _passes(real):
-    return lambda self, epoch: True  # the host goes on as if every peer's stream had signalled
+    return lambda self, call, epoch: True  # the host goes on as if every peer's stream had signalled
 
 
 def _give_the_event_back(real):
     return lambda self: self.node.give_event(self.started)  # the stream no longer waits for the user's work
 
 
-MUTATIONS = {  # name: (mechanism, PeerCall method, its replacement given the real one)
-    "host: arrive before this rank's own work has run": ("host", "_work_done", lambda real: lambda self: True),
-    "host: pass fence 1 without the others": ("host", "_others_arrived", _only_at(1, True)),
-    "host: pass fence 2 without the others": ("host", "_others_arrived", _only_at(2, True)),
-    "stream: pass fence 1 without the others' signals": ("stream", "_others_signalled", _passes),
-    "stream: no signal at fence 1": ("stream", "_signal", _only_at(1, None)),
-    "stream: no signal at fence 2": ("stream", "_signal", _only_at(2, None)),
-    "stream: no wait at fence 2": ("stream", "_wait_for_others", _only_at(2, None)),
-    "host: the call does not wait for the user's stream": ("host", "_wait_for_user", _give_the_event_back),
-    "stream: the call does not wait for the user's stream": ("stream", "_wait_for_user", _give_the_event_back),
-    "kernel: pass fence 1 without the others' signals": ("kernel", "_others_signalled", _passes),
-    "kernel: no signal at fence 1": ("kernel", "_signal", _only_at(1, None)),
-    "kernel: no fence kernel at fence 2": ("kernel", "_fence_kernel", _only_at(2, None)),
-    "kernel, registered arrays: no fence kernel at fence 1": ("kernel", "_fence_kernel", _only_at(1, None)),
-    "kernel: the call does not wait for the user's stream": ("kernel", "_wait_for_user", _give_the_event_back),
-    "no wait for the other routes' calls before": ("host", "_wait_for_other_routes", lambda real: lambda self: None),
+HOST, STREAM, KERNEL = peer_fences.HostFences, peer_fences.StreamFences, peer_fences.KernelFences
+CALL = device_node.PeerCall
+MUTATIONS = {  # name: (mechanism, the class of the step, the step, its replacement given the real one)
+    "host: arrive before this rank's own work has run": ("host", HOST, "_work_done",
+                                                         lambda real: lambda self, call: True),
+    "host: pass fence 1 without the others": ("host", HOST, "_others_arrived", _only_at(1, True)),
+    "host: pass fence 2 without the others": ("host", HOST, "_others_arrived", _only_at(2, True)),
+    "stream: pass fence 1 without the others' signals": ("stream", STREAM, "_others_signalled", _passes),
+    "stream: no signal at fence 1": ("stream", STREAM, "_signal", _only_at(1, None)),
+    "stream: no signal at fence 2": ("stream", STREAM, "_signal", _only_at(2, None)),
+    "stream: no wait at fence 2": ("stream", STREAM, "_wait_for_others", _only_at(2, None)),
+    "host: the call does not wait for the user's stream": ("host", CALL, "_wait_for_user", _give_the_event_back),
+    "stream: the call does not wait for the user's stream": ("stream", CALL, "_wait_for_user", _give_the_event_back),
+    "kernel: pass fence 1 without the others' signals": ("kernel", KERNEL, "_others_signalled", _passes),
+    "kernel: no signal at fence 1": ("kernel", KERNEL, "_signal", _only_at(1, None)),
+    "kernel: no fence kernel at fence 2": ("kernel", KERNEL, "_fence_kernel", _only_at(2, None)),
+    "kernel, registered arrays: no fence kernel at fence 1": ("kernel", KERNEL, "_fence_kernel", _only_at(1, None)),
+    "kernel: the call does not wait for the user's stream": ("kernel", CALL, "_wait_for_user", _give_the_event_back),
+    "no wait for the other routes' calls before": ("host", CALL, "_wait_for_other_routes",
+                                                   lambda real: lambda self: None),
 }
 WORKLOAD = [("allreduce", "one_shot"), ("allreduce", "two_shot"), ("reduce_scatter", "one_shot"),
             ("allgather", "one_shot"), ("broadcast", "one_shot"), ("reduce", "one_shot")]
@@ -1358,9 +1363,9 @@ def test_taking_out_any_synchronisation_makes_the_workload_fail(mpi_comm, monkey
     stand-in gives wrong results or the call fails (a missing signal: the others time
     out, naming the rank). Broken communicators are left unfreed (see above)."""
     stand_in_only("a GPU may run the racing work in time")
-    mechanism, method, replacement = MUTATIONS[mutation]
+    mechanism, owner, method, replacement = MUTATIONS[mutation]
     comm = communicator(mechanism)
-    monkeypatch.setattr(device_node.PeerCall, method, replacement(getattr(device_node.PeerCall, method)))
+    monkeypatch.setattr(owner, method, replacement(getattr(owner, method)))
     wrong, error = WORKLOAD_OF.get(mutation, _workload)(comm, mpi_comm, 6)
     monkeypatch.undo()
     assert wrong or error, f"{mutation}: every result right, no error: the stand-in let it pass"
@@ -1379,9 +1384,9 @@ def test_taking_out_any_synchronisation_makes_the_leaders_fail(mpi_comm, monkeyp
     path, whose outputs another rank writes, and the ring call's workspace is
     one_shot's case alone.)"""
     stand_in_only("a GPU may run the racing work in time")
-    mechanism, method, replacement = MUTATIONS[mutation]
+    mechanism, owner, method, replacement = MUTATIONS[mutation]
     comm = communicator(mechanism)
-    monkeypatch.setattr(device_node.PeerCall, method, replacement(getattr(device_node.PeerCall, method)))
+    monkeypatch.setattr(owner, method, replacement(getattr(owner, method)))
     wrong, error = _workload(comm, mpi_comm, 6, collectives=LEADERS, held=comm.size - 1)
     monkeypatch.undo()
     assert wrong or error, f"{mutation}: every result right, no error: the stand-in let it pass"
@@ -1397,8 +1402,7 @@ def test_an_in_kernel_wait_gives_up_and_names_the_rank(mpi_comm, monkeypatch):
     comm = communicator("kernel")
     comm.allreduce(D.asarray(np.ones(10, np.float32)), algorithm="one_shot")
     if comm.rank == 0:
-        monkeypatch.setattr(device_node.PeerCall, "_fence_kernel",
-                            _only_at(2, None)(device_node.PeerCall._fence_kernel))
+        monkeypatch.setattr(KERNEL, "_fence_kernel", _only_at(2, None)(KERNEL._fence_kernel))
     x = D.asarray(np.ones(1000, np.float32))
     if comm.rank == 0:
         comm.allreduce(x, algorithm="one_shot", timeout=20)  # it waits for nobody at fence 2
@@ -1416,14 +1420,14 @@ def test_a_broken_communicator_stops_its_fence_kernels(mpi_comm, monkeypatch):
     look at), and their stream runs on within seconds, not minutes."""
     comm = communicator("kernel")
     comm.allreduce(D.asarray(np.ones(10, np.float32)), algorithm="one_shot")
-    real = device_node.PeerCall._fence_kernel
+    real = KERNEL._fence_kernel
     if comm.rank == 0:
-        monkeypatch.setattr(device_node.PeerCall, "_fence_kernel", _only_at(2, None)(real))
+        monkeypatch.setattr(KERNEL, "_fence_kernel", _only_at(2, None)(real))
     else:
-        def patient(self, k, epoch):
-            self.limit = 300.0
-            return real(self, k, epoch)
-        monkeypatch.setattr(device_node.PeerCall, "_fence_kernel", patient)
+        def patient(self, call, k, epoch):
+            call.limit = 300.0
+            return real(self, call, k, epoch)
+        monkeypatch.setattr(KERNEL, "_fence_kernel", patient)
     x = D.asarray(np.ones(1000, np.float32))
     problems = []
     if comm.rank == 0:

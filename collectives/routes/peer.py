@@ -48,7 +48,7 @@ def peer_node(ctx: Any, device: Any, timeout: float | None) -> Any:
         # auto's device choices from now on know the node's GPUs and fences (the kinds
         # of call resolved before did not: made anew)
         peer = device.peer
-        ctx.selector.learn_gpus(peer.gpus, ctx.node_comm.Get_size(), peer.mechanism)
+        ctx.selector.learn_gpus(peer.gpus, ctx.node_comm.Get_size(), peer.fence.name)
         ctx.call_kinds.clear()
     return device.peer
 

@@ -28,38 +28,10 @@ synchronisations between the ranks, whatever the fence mechanism.
     host fences an event is recorded only where work was queued since the last one,
     so the leader's other ranks record one a call, at the first fence)
 
-A fence is one of three mechanisms, chosen per communicator (``device_fence``,
-``COLLECTIVES_DEVICE_FENCE``; ``make bench-gpu`` measures them):
-
-- ``host``: the host waits (polling an event) for its device work before the fence,
-  then writes the fence's number into its counter in the node's shared window and
-  waits until every rank's counter has reached it; then it launches the next phase.
-- ``stream``: at the first fence (every input ready, and where it is) the host
-  publishes where its buffers are, then its stream writes the fence's number into a
-  word of each peer's row of the window (``cuStreamWriteValue32``, once the work
-  before it has run), and the host waits until every peer's stream has written it
-  into this rank's row: it has then seen both where the peers' inputs are and that
-  they are ready, and enqueues the rest of the call at once. The second fence is the
-  devices' alone: the stream writes its number as at the first and waits until every
-  peer has (``cuStreamWaitValue32``); the host does not wait for it.
-- ``kernel`` (ranks on distinct GPUs): at the second fence a small kernel writes the
-  fence's number into every peer's flags (device memory) and spins on its own, at most
-  a time limit. At the first the host waits as with ``stream`` to see where the peers'
-  inputs are, unless this rank's input is a whole registered array
-  (``Communicator.empty(device=)``) and the call needs no window slot: then it takes
-  every peer's input to be that peer's array of the same ``empty``, no host waits for
-  another, and a first fence kernel waits as the second does, comparing a digest of
-  the call and of where every rank's input is. Ranks whose digests differ (one passed
-  another array or made another call) mark each other, and every rank raises (any two
-  that disagree make every rank see a difference). Such ranks publish their digest in
-  the window: a rank that asked compares them at its hosts' meeting, and signals the
-  first fence on the devices (a kernel that only writes; before raising, every fence
-  left), so that their kernels pass.
-
-The first fence is where the hosts must meet unless they know where the buffers are
-(a host can only launch a read of a peer's buffer once it knows where that buffer is),
-so it also carries the device's readiness: one synchronisation, not a hosts' meeting
-beside a device fence.
+A fence is one of three mechanisms, chosen per communicator (``device_fence``):
+``host`` (the hosts meet at every fence), ``stream`` (stream memory operations) or
+``kernel`` (fence kernels, ranks on distinct GPUs); :mod:`.peer_fences` has a class
+for each and says how each meets.
 
 Whatever the mechanism, a call finishes once its last event has completed: so its
 result is ready for anything the user queues afterwards (the user's stream needs no
@@ -85,39 +57,30 @@ nothing, makes no event and sends no MPI message (``PeerNode.counters`` and the
 device's say so).
 """
 
-import time
 import weakref
 from collections import Counter
 
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
-from .liveness import ranks
+from ..errors import CollectiveError, CollectiveMismatchError
+from .peer_fences import DEFAULT_KERNEL_LIMIT, fence_mechanism
 from .peer_memory import Sliced, peer_memory
 from .peer_phases import _COPY, _COPY_KERNELS, _FOLD_BLOCKS, _FOLD_TO_ALL, _REDUCE_MANY, _fold_parts, phases_and_facts
 from .peer_window import (
-    _AHEAD,
-    _ANNOUNCED,
     _DESCRIPTOR,
-    _EPOCH,
     _HANDLE_WORDS,
     _NOTHING,
     _UNSHAREABLE,
     _UNSHAREABLE_WORDS,
     PeerWindow,
     _placement,
-    call_digest,
-    check_shareable,
     compare_signatures,
     placement_crc,
     refuse_unshareable,
     unshareable_message,
 )
 from .progress import Handle
-
-MECHANISMS = ("host", "stream", "kernel")
-DEFAULT_KERNEL_LIMIT = 300.0  # seconds an in-kernel wait lasts at most where the call has no timeout
 
 
 class PeerNode:
@@ -126,40 +89,25 @@ class PeerNode:
     calls need, old ones kept while a peer may still hold them), pooled events, and
     counters. Made (collectively) at the first such call."""
 
-    def __init__(self, device, node_comm, mechanism, exchange):
-        """``exchange(words)``: every node rank's int64 ``words`` (a timed allgather over
-        the node), for what the ranks settle at the start."""
+    def __init__(self, device, node_comm, device_fence, exchange):
+        """``device_fence``: the option's value (``auto``, ``host``, ``stream``,
+        ``kernel``); ``exchange(words)``: every node rank's int64 ``words`` (a timed
+        allgather over the node), for what the ranks settle at the start."""
         self.device, self.backend = device, device.backend
         self._described = {}  # where this rank's buffers lie -> their descriptor words (descriptor)
         uuids = device.node_gpus  # (as the device negotiation exchanged them)
         self.gpus = len(uuids)  # the node's GPUs (its ranks' devices)
         # every rank of the node on one GPU: auto's leader runs there (else one_shot: routes.peer)
         self.one_gpu = self.gpus == 1
-        if mechanism == "auto":
-            mechanism = choose_mechanism(uuids, node_comm.Get_size())
-        if mechanism not in MECHANISMS:
-            raise ValueError(f"device_fence must be auto or one of {', '.join(MECHANISMS)}; got {mechanism!r}")
-        self.mechanism = mechanism
+        fences = fence_mechanism(device_fence, uuids, node_comm.Get_size())
         self.window = PeerWindow(node_comm)
         self.memory = peer_memory(self.backend)
-        # (stream and kernel: every stream signals the first fence in the window's rows)
-        self.inbox = self.backend.map_host(self.window.inbox) if mechanism != "host" else None
-        self.late = self.backend.map_host(self.window.late) if mechanism == "kernel" else None
         # A stream of its own, which holds the peer calls only, in call order on every
         # rank: their device-side waits for the other ranks (stream and kernel fences)
         # must not hold up work of the other routes' calls in flight, which each rank
         # queues on the shared streams in an order of its own (a deadlock across ranks).
         self.stream = self.backend.stream("peer")
-        if mechanism == "kernel":  # every rank's inbox of flags, in its device memory, opened by the others
-            window = self.window  # (2 words a rank: the fence it reached, and its digest of the call)
-            self.flags = self.backend.empty(2 * window.size, np.uint32)
-            self.backend.copy(self.flags, np.zeros(2 * window.size, np.uint32), self.stream)
-            self.backend.synchronize_stream(self.stream)
-            everyone = exchange(self.descriptor(self.flags, self.flags.nbytes))
-            check_shareable(everyone, "fence flags", "the peer-read set-up")
-            inboxes = [self.flags if q == window.rank else self.open(q, everyone[q], "fence flags").view(np.uint32)
-                       for q in range(window.size)]
-            self.table = self.backend.pointer_table(inboxes)
+        self.fence = fences(self, exchange)  # the fence mechanism (peer_fences)
         self._events = []  # pooled events, recorded and waited for again and again
         self.fence_event = self.backend.event()
         self.end_event = self.backend.event()
@@ -170,7 +118,6 @@ class PeerNode:
         # buffer id, offset, bytes) -> (the array, weakly: registered while it lives;
         # every rank's descriptor of its own; their placement_crc) (remember, counterparts)
         self._registered = {}
-        self._flag_stream = None  # kernel: where flags_now copies the flags out
         # calls; fences (the plans': two a call, the ranks' only synchronisations); host
         # meetings (fences a host waits at for the others: both with host fences, the
         # first with stream and kernel ones)
@@ -228,16 +175,6 @@ class PeerNode:
         return self.memory.view(self.window.pids[rank], base, buffer_id & (2 ** 64 - 1),
                                 words[:_HANDLE_WORDS].tobytes(), size, offset, nbytes)
 
-    def flags_now(self):
-        """kernel: this rank's flags as they are now, on the host (for messages; the copy
-        runs on a stream of its own beside the fence kernel that spins on them)."""
-        if self._flag_stream is None:
-            self._flag_stream = self.backend.stream("flags")
-        host = np.empty(self.window.size, np.uint32)
-        self.backend.copy(host, self.flags[: self.window.size], self._flag_stream)
-        self.backend.synchronize_stream(self._flag_stream)
-        return host
-
     def peer_buffer(self, rank, described, what, storage):
         """Rank ``rank``'s buffer that ``described`` (its descriptor's bytes) describes,
         typed ``storage`` (a :class:`Sliced`; None for nothing). Kept: the same buffer
@@ -287,18 +224,9 @@ class PeerNode:
 
     def release(self):
         """Let this rank's stream pass every fence it may wait at (after a failure, so
-        that its queued work does not wait for ever): ``stream``, the words it waits
-        for, written far ahead; ``kernel``, the rank's own word of its row of ``late``
-        (which no fence kernel writes: they write the peers' words) set, which its fence
-        kernels read as they spin and then stop, within a tenth of a millisecond, instead
-        of spinning to their time limit (up to 300 s). For good: a call starting
-        afterwards does not clear it (a broken communicator starts none)."""
-        window = self.window
-        row = window.rank * window.row
-        if self.mechanism == "stream":
-            window.inbox[row : row + window.size] = (window.fences + _AHEAD) & 0xFFFFFFFF
-        elif self.mechanism == "kernel":
-            window.late[row + window.rank] = 1
+        that its queued work does not wait for ever; :meth:`Fences.release`). For good: a
+        call starting afterwards does not undo it (a broken communicator starts none)."""
+        self.fence.release()
 
     def free(self, broken=False):
         """Release the window (collective over the node). Every call has finished its
@@ -308,23 +236,13 @@ class PeerNode:
         self.release()
         if not self.window.comm.allreduce(not broken, op=MPI.LAND):
             return
-        for mapping in (self.inbox, self.late):
-            if mapping is not None:
-                self.backend.unmap_host(mapping)
+        self.fence.free()
         self.window.free()
         self._slots, self.slot = [], None
 
 
 def _ptr(array):
     return array.ptr if hasattr(array, "ptr") else array.data.ptr
-
-
-def choose_mechanism(uuids, ranks):
-    """``device_fence="auto"``: in-kernel flags where every one of the node's ``ranks``
-    has a GPU of its own (``uuids``: the node's GPUs; whose kernels can spin on a flag
-    without holding the others' off the device), else the host's epochs (on a shared
-    GPU a spinning kernel would hold the others off for its whole time slice)."""
-    return "kernel" if len(uuids) == ranks and ranks > 1 else "host"
 
 
 class PeerCall:
@@ -397,8 +315,7 @@ class PeerCall:
             self._end()
             moved = True
         if self.end_covered or self.backend.query(self.node.end_event):
-            if self.node.mechanism == "kernel":
-                self._check_late()
+            self.node.fence.finished(self)
             self.done = True
             return True
         return moved
@@ -408,69 +325,21 @@ class PeerCall:
         self._wait_for_other_routes()
         if self.before is not None:
             self.before(self.node.stream)
-        if self.node.mechanism == "kernel":  # the previous call's fence kernels have all run
-            window, row = self.window, self.window.rank * self.window.row
-            window.late[row : row + window.rank] = 0  # (not the rank's own word: release's, see PeerNode.release)
-            window.late[row + window.rank + 1 : row + window.size] = 0
+        self.node.fence.start(self)
         self.phase = 0
         self.node.counters["calls"] += 1
         self._enqueue(0)
 
     def _fence(self, k):
-        """Fence ``k`` (1-based) of this call: True once passed (host fences, and the
-        first of stream and kernel ones) or enqueued (their second)."""
-        node, window = self.node, self.window
-        epoch = self.base + k
-        if node.mechanism == "host":
-            if not self.arrived:
-                if not self._work_done():
-                    return False
-                if k == 1:
-                    self._publish()
-                window.arrive(_EPOCH, epoch)
-                self.arrived = True
-            if not self._others_arrived(k, epoch):
-                return False
-            self.arrived = False
-            node.counters["host meetings"] += 1  # the fence is the hosts' meeting
-            if k == 1:
-                self._meet()
-        elif k == 1:  # where the inputs are, and that they are ready: the host sees both
-            if not self.arrived:
-                self._publish()
-                if node.mechanism == "kernel":
-                    self._assume()
-                    window.publish_digest(self.parity, self.digest if self.assumed else 0)
-                window.arrive(_ANNOUNCED, self.number)  # (nobody waits for it: see _check_announced)
-                self._signal(k, epoch)
-                self.arrived = True
-            if self.assumed:  # the devices meet alone
-                self._fence_kernel(k, epoch)
-            elif node.mechanism != "kernel":
-                if not self._others_signalled(epoch):
-                    self._check_announced()
-                    return False
-                node.counters["host meetings"] += 1
-                self._meet()
-            else:  # kernel, a rank that asks: ranks that did not may wait for it on their devices
-                if not self._others_signalled(epoch):
-                    self._signalling_if_it_raises(self._check_announced, 1)
-                    return False
-                node.counters["host meetings"] += 1
-                self._signal_fences((1,))  # first: so that they go on while this host opens buffers
-                self._signalling_if_it_raises(self._meet_having_asked, 2)
-            self.arrived = False
-        else:  # the devices' own: the host enqueues it and goes on
-            if node.mechanism == "stream":
-                self._signal(k, epoch)
-                self._wait_for_others(k, epoch)
-            else:
-                self._fence_kernel(k, epoch)
-        node.counters["fences"] += 1
+        """Fence ``k`` (1-based) of this call: True once passed, or queued on the
+        devices (the node's fence mechanism says which)."""
+        if not self.node.fence.fence(self, k):
+            return False
+        self.node.counters["fences"] += 1
         return True
 
-    # Each synchronisation of a call, one method each (the tests take them out one at a
-    # time and show a test failing for each: tests/test_device_peer.py).
+    # The call's synchronisations with the user's and the other routes' work, one method
+    # each, as the fences' (the tests take them out one at a time: tests/test_device_peer.py).
     def _wait_for_user(self):
         """The stream waits for the user's work before the call (its event)."""
         self.backend.wait(self.node.stream, self.started)
@@ -482,33 +351,10 @@ class PeerCall:
         if self.previous is not None:
             self.backend.wait(self.node.stream, self.previous)
 
-    def _work_done(self):
-        """host: whether this rank's device work before the fence has run (recording
-        the event that says so the first time, unless nothing was queued since the last
-        fence's, which has run)."""
-        if not self.waiting:
-            if not self.unrecorded:
-                return True
-            self.backend.record(self.node.fence_event, self.node.stream)
-            self.waiting = True
-        if not self.backend.query(self.node.fence_event):
-            return False
-        self.waiting = self.unrecorded = False
-        return True
-
-    def _others_arrived(self, k, epoch):
-        """host: whether every rank has arrived at fence ``k``."""
-        return self.window.passed(_EPOCH, epoch)
-
-    def _others_signalled(self, epoch):
-        """stream and kernel, the first fence: whether every peer's stream has signalled
-        it (so its input is ready, and where it is has been published)."""
-        return self.window.signalled(epoch & 0xFFFFFFFF)
-
-    def _check_announced(self):
+    def check_announced(self):
         """stream and kernel, waiting at the first fence: once every rank has published
         this call, raise at once where one signed another call or gave a buffer that
-        cannot be shared, as :meth:`_meet` would. A host publishes as it makes the call,
+        cannot be shared, as :meth:`meet` would. A host publishes as it makes the call,
         but its stream signals only once its device work before the call has run, and a
         rank that passes the fence and raises first breaks the communicator: the others
         must not learn of the mismatch only from its notice, but raise the same error
@@ -528,127 +374,7 @@ class PeerCall:
             if shared:
                 refuse_unshareable(window.unshareable(self.parity, which), what, self.describe)
 
-    def _signal(self, k, epoch):
-        """stream and kernel (the first fence): once the work before it has run, the
-        stream writes fence ``k``'s number into every peer's row."""
-        node, window, value = self.node, self.window, epoch & 0xFFFFFFFF
-        for q in range(window.size):
-            if q != window.rank:
-                self.backend.write_value(node.stream, node.inbox, window.word(q, window.rank), value)
-
-    def _fence_kernel(self, k, epoch):
-        """kernel: one small kernel writes fence ``k``'s number (and the call's digest)
-        into every peer's flags and waits for theirs in its own, at most ``limit``
-        seconds; at the first fence (a rank that took the peers' registered arrays
-        without asking) it compares the peers' digests with this rank's."""
-        self._launch_fence(epoch, wait=True, check=k == 1)
-
-    def _launch_fence(self, epoch, wait, check=False):
-        """The fence kernel at ``epoch`` with this call's digest: waiting, or only signalling."""
-        node, window = self.node, self.window
-        self.backend.fence_kernel(node.stream, node.table, node.flags, window.rank, epoch & 0xFFFFFFFF, self.limit,
-                                  node.late, window.rank * window.row, digest=self.digest, wait=wait, check=check)
-
-    def _meet_having_asked(self):
-        """kernel: :meth:`_meet`, then the published digests compared with this rank's."""
-        self._meet()
-        self._compare_digests()
-
-    def _signal_fences(self, fences):
-        """kernel, a rank whose host asked where the buffers are: where a rank took its
-        registered array without asking (it published a digest), its fence kernels wait
-        for this rank's on its device, so write this rank's digest and the numbers of
-        ``fences`` into the peers' flags, waiting for nothing (the first fence, or every
-        one left before raising: their kernels then see the digest, pass, and raise too).
-        Where every rank asked, no device waits at the first fence: no kernel. True if it
-        signalled."""
-        window = self.window
-        if not any(window.digests(self.parity)):
-            return False
-        self.digest = call_digest(self.signature, placement_crc(window.descriptors(self.parity, 0)))
-        for k in fences:
-            self._launch_fence(self.base + k, wait=False)
-        return True
-
-    def _signalling_if_it_raises(self, check, first):
-        """Run ``check``; if it raises a disagreement (a :class:`CollectiveError`: another
-        call, a buffer that cannot be shared, another digest; this rank's digest then
-        differs from theirs, so they raise too), first signal fences ``first`` … the
-        call's last (:meth:`_signal_fences`) and let this rank's stream run up to there,
-        within a few seconds (a GPU runs what was queued anyway; the stand-in runs its
-        streams only while someone waits). Another error (a driver's) leaves the digests
-        alike: the others are not let past fences whose reads of this rank's input its
-        caller may overwrite once it has raised; they time out, naming it."""
-        try:
-            check()
-        except CollectiveError:
-            if self._signal_fences(range(first, self.fences + 1)):
-                backend, event = self.backend, self.node.fence_event
-                backend.record(event, self.node.stream)
-                until = time.monotonic() + min(self.limit, 10.0)
-                while not backend.query(event) and time.monotonic() < until:
-                    time.sleep(1e-4)
-            raise
-
-    def _compare_digests(self):
-        """kernel, past the first fence's hosts' meeting: the ranks that took the
-        buffers without asking published their digest; raise if one differs from this
-        rank's (which names the call and where every rank's input is). This rank's fence
-        kernel has signalled already, with its own digest, so those ranks' kernels pass
-        and see the difference too, and every rank raises (:meth:`_meet`'s errors too)."""
-        differ = [q for q, d in enumerate(self.window.digests(self.parity)) if d and d != self.digest]
-        if differ:
-            raise CollectiveMismatchError(
-                f"{self.describe}: {ranks(differ)} passed a whole registered array (Communicator.empty(device=)) "
-                "and so read this rank's array of the same empty() without asking, but this rank passed another "
-                "buffer or made another call: on whole registered arrays every rank must pass its own alike")
-
-    def _assume(self):
-        """kernel, the first fence: where this rank's input is a whole registered array
-        (``Communicator.empty(device=)``) and the call needs no window slot, take every
-        peer's input to be its counterpart, its array of the same ``empty`` (so the host
-        need not wait to see where they are: the devices then meet alone). The digest
-        the fence kernels compare names where every rank's input is, so a rank that
-        passed another array makes every rank raise."""
-        if self.slot or self.shared_out or not self.arrays["in"].nbytes:
-            return
-        found = self.node.counterparts(self.mine)
-        if found is None:
-            return
-        rows, placement = found
-        node, storage = self.node, self.arrays["in"].dtype
-        self.peers = {q: (node.peer_buffer(q, rows[q].tobytes(), "input", storage), None, None)
-                      for q in range(self.window.size) if q != self.window.rank}
-        self.digest = call_digest(self.signature, placement)
-        self.assumed = True
-        node.counters["registered calls"] += 1
-
-    def _check_late(self):
-        """kernel: raise naming the ranks a fence kernel gave up on, or whose digest of
-        the call differed from this rank's."""
-        window = self.window
-        row = window.late[window.rank * window.row : window.rank * window.row + window.size]
-        differ = [q for q in range(window.size) if row[q] == 2 and q != window.rank]  # (its own word: release's)
-        if differ:  # (first: ranks that called something else may well be late too)
-            raise CollectiveMismatchError(
-                f"{self.describe}: {ranks(differ)} made another call, or passed another buffer: a call on a whole "
-                "registered array (Communicator.empty(device=)) reads every rank's array of the same empty() "
-                "without asking where it is, so every rank must pass its own alike (the result is undefined)")
-        late = [q for q in range(window.size) if row[q] == 1 and q != window.rank]
-        if late:
-            raise CollectiveTimeoutError(f"{self.describe}: its in-kernel fences waited {self.limit:g} s for "
-                                         f"{ranks(late)} to arrive, and gave up (the call's timeout, else "
-                                         f"{DEFAULT_KERNEL_LIMIT:g} s: a kernel cannot be stopped from outside)")
-
-    def _wait_for_others(self, k, epoch):
-        """stream: the stream waits until every peer has written fence ``k``'s number
-        into this rank's row."""
-        node, window, value = self.node, self.window, epoch & 0xFFFFFFFF
-        for q in range(window.size):
-            if q != window.rank:
-                self.backend.wait_value(node.stream, node.inbox, window.word(window.rank, q), value)
-
-    def _publish(self):
+    def publish(self):
         """Sign the call and say where this rank's input, window slot and (where
         another rank writes it) output are."""
         window, node = self.window, self.node
@@ -660,7 +386,7 @@ class PeerCall:
         window.publish(self.parity, 1, node.descriptor(slot, slot.nbytes) if slot is not None else _NOTHING)
         window.publish(self.parity, 2, node.descriptor(out, out.nbytes) if self.shared_out else _NOTHING)
 
-    def _meet(self):
+    def meet(self):
         """Past the first fence: compare the signatures; check that every rank's buffers
         (this rank's too) can be shared, so that where one cannot, every rank raises
         alike, none waiting at the second fence for ranks that raised; open the peers'."""
@@ -725,7 +451,7 @@ class PeerCall:
         if self.after is not None:
             self.after(stream)
             self.unrecorded = True
-        if node.mechanism == "host" and not self.unrecorded:
+        if node.fence.covers_end(self):
             self.end_covered = True  # the last fence's event ran after all of this call's work
         else:
             self.backend.record(node.end_event, stream)
@@ -736,38 +462,11 @@ class PeerCall:
 
     # -- what it waits for ----------------------------------------------------------------------
     def outstanding(self):
-        window, k = self.window, self.phase + 1
         if self.phase < 0:
             return "not started (a call before it on this communicator is running)"
-        if self.ended or k > self.fences:
-            late = self._late_on_device()
-            return f"its device work runs{late}"
-        if self.node.mechanism == "host":
-            if self.arrived:
-                return (f"waiting at fence {k} of {self.fences} for {ranks(window.behind(_EPOCH, self.base + k))} "
-                        "to arrive")
-            return f"waiting for this rank's device work before fence {k} of {self.fences}"
-        return (f"waiting at fence {k} of {self.fences} for {ranks(window.behind_on_device(self.base + k))} "
-                f"to arrive")
-
-    def _late_on_device(self):
-        """Which ranks this rank's device waits for, read from the words the others
-        write (stream) or from its flags (kernel: copied to the host, on a stream of
-        their own)."""
-        mechanism, window = self.node.mechanism, self.window
-        if mechanism == "host":
-            return ""
-        flags = self.node.flags_now() if mechanism == "kernel" else None
-        for k in range(1 if self.assumed else 2, self.fences + 1):  # (the host saw the first passed, unless assumed)
-            epoch = (self.base + k) & 0xFFFFFFFF
-            if flags is None:
-                late = window.behind_on_device(epoch)
-            else:
-                late = [q for q in range(window.size)
-                        if q != window.rank and ((int(flags[q]) - epoch) & 0xFFFFFFFF) >= 0x80000000]
-            if late:
-                return f" (at fence {k} of {self.fences} it waits for {ranks(late)} to arrive)"
-        return ""
+        if self.ended or self.phase + 1 > self.fences:
+            return f"its device work runs{self.node.fence.late_on_device(self)}"
+        return self.node.fence.waiting(self, self.phase + 1)
 
 
 class PeerHandle(Handle):
