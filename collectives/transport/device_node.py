@@ -80,7 +80,7 @@ from .peer_window import (
     refuse_unshareable,
     unshareable_message,
 )
-from .progress import Handle
+from .progress import QueuedHandle
 
 
 class PeerNode:
@@ -469,30 +469,9 @@ class PeerCall:
         return self.node.fence.waiting(self, self.phase + 1)
 
 
-class PeerHandle(Handle):
+class PeerHandle(QueuedHandle):
     """A peer-read call in flight: the progress engine runs it in its queue of
     shared-memory calls (oldest first) whenever it polls."""
-
-    def __init__(self, progress, describe, finish, call, timeout=None, sequence=0):
-        super().__init__(progress, describe, finish, timeout, sequence)
-        self._run = call
-
-    def start(self):
-        self._progress.shm.append(self)
-        self._begin()
-        return self
-
-    def step(self):
-        moved = self._run.step()
-        if self._run.done:
-            self._check_done()
-        return moved
-
-    def _is_done(self):
-        return self._run.done
-
-    def _outstanding(self):
-        return self._run.outstanding()
 
     def _on_break(self):
         self._run.node.release()
