@@ -59,6 +59,9 @@ device's say so).
 
 import weakref
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -245,24 +248,38 @@ def _ptr(array):
     return array.ptr if hasattr(array, "ptr") else array.data.ptr
 
 
+@dataclass(slots=True)
+class PeerWork:
+    """What one peer-read call is asked to do (a :class:`PeerCall` runs it)."""
+
+    plan: Any  # the compiled plan (schedule.Plan)
+    arrays: dict  # the flat device buffers "in", "out", "tmp"
+    stride: int  # elements of each rank's part of the plan's peer buffers
+    op: str
+    dtype: np.dtype  # the logical dtype the folds compute in
+    # four integers every rank must give alike: the call's number, a code of the
+    # collective, algorithm, dtype and op, the size in bytes, the root
+    signature: tuple
+    describe: str  # the call, for messages
+    started: Any  # an event recorded on the user's stream at the call
+    before: Callable | None = None  # before(stream): work beside the plan before it (packing a strided input)
+    after: Callable | None = None  # after(stream): work after it (the average's division, unpacking)
+    limit: float | None = None  # seconds an in-kernel wait lasts at most (None: DEFAULT_KERNEL_LIMIT)
+    # avg on a plan whose outputs are shared (a leader's): the folds that write them
+    # divide by it as they write, so the other ranks launch no division
+    divisor: int | None = None
+
+
 class PeerCall:
-    """One call's plan on the device, run step by step by :class:`PeerHandle` in the
-    order the calls were made (see the module's docstring).
+    """One call's plan (:class:`PeerWork`) on the device, run step by step by
+    :class:`PeerHandle` in the order the calls were made (see the module's docstring)."""
 
-    ``arrays``: the flat device buffers ``in``, ``out``, ``tmp``; ``signature``: four
-    integers every rank must give alike (call number, a code of collective, algorithm,
-    dtype and op, the size in bytes, the root); ``started``: an event recorded on the
-    user's stream at the call; ``before(stream)`` and ``after(stream)``: work of the call
-    beside the plan (packing a strided input; the average's division, unpacking);
-    ``divisor``: avg on a plan whose outputs are shared (a leader's): the folds that
-    write them divide by it as they write, so the other ranks launch no division."""
-
-    def __init__(self, node, plan, arrays, stride, op, dtype, signature, describe, started, before=None, after=None,
-                 limit=None, divisor=None):
+    def __init__(self, node, work):
         self.node, self.backend, self.window = node, node.backend, node.window
-        self.arrays, self.op, self.dtype, self.describe = arrays, op, dtype, describe
-        self.signature = tuple(int(v) for v in signature)
-        self.started, self.before, self.after = started, before, after
+        plan, stride, limit, divisor = work.plan, work.stride, work.limit, work.divisor
+        self.arrays, self.op, self.dtype, self.describe = work.arrays, work.op, work.dtype, work.describe
+        self.signature = tuple(int(v) for v in work.signature)
+        self.started, self.before, self.after = work.started, work.before, work.after
         # The other routes' calls that ended before this call was made (their workspace,
         # which this call may have taken, is free once it has run): their last event now,
         # not at the start, which may come after later calls' (they must not be waited for).
