@@ -34,7 +34,7 @@ def peer_node(ctx: Any, device: Any, timeout: float | None) -> Any:
     if device.peer is None:
         import numpy as np
 
-        from ..transport.device_node import PeerNode
+        from ..transport.peer_node import PeerNode
 
         def exchange(words):  # every node rank's words, within the call's timeout
             everyone = np.empty((ctx.node_comm.Get_size(), words.size), np.int64)

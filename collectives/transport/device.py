@@ -185,7 +185,7 @@ class DeviceContext:
         self.ipc_refusals = {}  # peer -> why this rank could not open its IPC memory (negotiate's probe)
         self.gpus = None  # every rank's GPU, tuning.gpu_stamp (negotiate): its model, how many there are
         self.node_gpus = None  # the node's ranks' GPUs, their uuids as bytes (negotiate; the same on every one)
-        self.peer = None  # the peer-read calls' state (device_node.PeerNode), made at the first such call
+        self.peer = None  # the peer-read calls' state (peer_node.PeerNode), made at the first such call
         self.cuda_aware = cuda_aware  # MPI takes device memory (for native, and the non-IPC peers)
         self.paths = paths  # rank -> "staged" | "cuda-aware" | "ipc" ("self" for this rank)
         self.ack_comm = ack_comm  # IPC acknowledgements travel here (their own matching)

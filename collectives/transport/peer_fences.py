@@ -52,7 +52,7 @@ DEFAULT_KERNEL_LIMIT = 300.0  # seconds an in-kernel wait lasts at most where th
 
 
 class Fences:
-    """A fence mechanism of one node's peer-read calls (one per :class:`~.device_node.PeerNode`,
+    """A fence mechanism of one node's peer-read calls (one per :class:`~.peer_node.PeerNode`,
     made with it). A call (:class:`~.device_node.PeerCall`) hands each of its fences
     here; what a call keeps between its steps (arrived, waiting ...) stays on the call."""
 
