@@ -44,7 +44,6 @@ import numpy as np
 from collectives import Communicator
 from collectives.tools.bench.devices import BenchDevice
 from collectives.tools.bench.timing import combine
-from collectives.transport import device_node
 
 RING_TIMEOUT = 10.0  # seconds a token ring may take before it is called stuck (and released)
 
@@ -180,14 +179,13 @@ class Probes:
         self.world.Barrier()
         return elapsed / rounds
 
-    def _in_parts(self, wrappers, run, split, rows, name):
+    def _in_parts(self, cls, wrappers, run, split, rows, name):
         """``run()`` timed ``--iters`` times after a warm-up, each after a barrier of the
-        ranks, with PeerCall's methods ``wrappers`` names replaced by ``wrap(real,
+        ranks, with the methods of ``cls`` that ``wrappers`` names replaced by ``wrap(real,
         marks)`` meanwhile (they mark when the call got somewhere in ``marks``); ``run``
         returns the times it took after its call, ``split(marks, t0, *times)`` the
         call's parts, ``{part: seconds}``, each a row of ``rows``."""
-
-        cls, marks, parts = device_node.PeerCall, {}, {}
+        marks, parts = {}, {}
         real = {method: getattr(cls, method) for method in wrappers}
         for method, wrap in wrappers.items():
             setattr(cls, method, wrap(real[method], marks))
@@ -210,12 +208,13 @@ class Probes:
     def barrier_parts(self, comm, x, rows, name):
         """``comm.barrier(device=x)`` with host fences, timed in parts: to this rank's
         device work seen done (the event its stream recorded), to every rank seen
-        arrived, to the return; marked through PeerCall's own steps."""
+        arrived, to the return; marked through the host fences' own steps."""
+        from collectives.transport.peer_fences import HostFences
 
         def marking(key):  # marks when the step first says yes
             def wrap(real, marks):
-                def step(call, *args):
-                    result = real(call, *args)
+                def step(*args):
+                    result = real(*args)
                     if result:
                         marks.setdefault(key, time.perf_counter())
                     return result
@@ -231,8 +230,8 @@ class Probes:
             b = marks.get("arrived", a)
             return {"own work seen done": a - t0, "every rank seen": b - a, "return": t1 - b, "whole": t1 - t0}
 
-        self._in_parts({"_work_done": marking("done"), "_others_arrived": marking("arrived")}, run, split, rows,
-                       name)
+        self._in_parts(HostFences, {"_work_done": marking("done"), "_others_arrived": marking("arrived")}, run, split,
+                       rows, name)
 
     def _reset(self):
         self.world.Barrier()
@@ -243,6 +242,7 @@ class Probes:
         """``algorithm``'s allreduce on ``x``, in place: when each fence passed (the host
         went on to the next phase), the return, the sync; marked through PeerCall's own
         steps."""
+        from collectives.transport.device_node import PeerCall
 
         def wrap_enqueue(real, marks):
             def enqueue(call, k):
@@ -267,7 +267,7 @@ class Probes:
             f2 = marks.get("end", f1)
             return {"fence 1": f1 - t0, "fence 2": f2 - f1, "return": t1 - f2, "sync": t2 - t1, "whole": t2 - t0}
 
-        self._in_parts({"_enqueue": wrap_enqueue, "_end": wrap_end}, run, split, rows, name)
+        self._in_parts(PeerCall, {"_enqueue": wrap_enqueue, "_end": wrap_end}, run, split, rows, name)
 
 
 def measure(args):

@@ -66,14 +66,14 @@ SHIPPED_DEVICE_MODEL = DeviceCostModel()
 
 def _kernels(inputs):
     """Kernels a phase of the peer reads launches over ``inputs`` buffers: a fold or a
-    copy kernel takes 16 (``collectives.transport.device_node``)."""
+    copy kernel takes 16 (``collectives.transport.peer_phases``)."""
     return -(-inputs // 16)
 
 
 def _fanned_kernels(p):
     """Kernels of the allgather leader's copies: each of the p inputs read once into the p
     outputs, 16 // p inputs a kernel; past 16 ranks a copy each, 16 a kernel
-    (``collectives.transport.device_node``)."""
+    (``collectives.transport.peer_phases``)."""
     return -(-p // (16 // p)) if p <= 16 else _kernels(p * p)
 
 

@@ -9,36 +9,12 @@ bits is passed as :func:`bfloat16` ``(x)``. Importing this module imports neithe
 CuPy nor torch; they are imported when such an array is first seen.
 
 The device interface (a *backend*: one object per device) is what the executor may
-use, and all it may use:
-
-- memory: ``empty(shape, dtype, stream=None)`` (device, from the pool),
-  ``dedicated(shape, dtype)`` (device, an allocation of its own), ``pinned(nbytes)``
-  (page-locked host, a NumPy uint8 array), ``storage_dtype(dtype)`` (what it stores a
-  dtype in: CuPy keeps bfloat16 in uint16);
-- streams and events: ``stream()``, ``current_stream()``, ``event(interprocess)``,
-  ``record(event, stream)``, ``wait(stream, event)`` (the GPU waits, not the host),
-  ``query(event)``, ``synchronize(event)``, ``synchronize_stream(stream)``, ``poll()``;
-- asynchronous copies on a stream: ``copy(dst, src, stream)``, device or pinned host
-  on either side, contiguous;
-- kernel launches on a stream, one method per kernel of ``kernels/collectives.cu``:
-  ``reduce2``, ``reduce_n``, ``divide``, ``cast_divide``, ``pack``, ``unpack``; and
-  ``prepare(dtype)``, which compiles a dtype's kernels ahead of their first launch;
-- MPI and IPC: ``mpi_buffer(array)`` (what a CUDA-aware MPI is given),
-  ``ipc_event_handle(event)``, ``ipc_open_event(handle)``, ``ipc_close_event(event)``,
-  ``can_access_peer(uuid)``, and the attributes
-  ``kind``, ``id``, ``name``, ``uuid``, ``ipc_capable``;
-- any array shared where it lies (the peer-read algorithms): ``allocation(array)``
-  (base, size and buffer id of the allocation it lies in), ``export(base)`` (its IPC
-  handle), ``open_allocation(handle, nbytes)``, ``close_allocation(array)``,
-  ``already_mapped(error)`` (whether an opening failed as CUDA's
-  cudaErrorAlreadyMapped: a mapping the process holds overlaps it);
-- synchronisation without the host: ``map_host(words)`` / ``unmap_host(mapping)``
-  (uint32 host memory the device writes and waits on), ``write_value(stream, mapping,
-  index, value)`` and ``wait_value(...)`` (stream memory operations),
-  ``pointer_table(arrays)`` and ``fence_kernel(stream, table, flags, rank, epoch,
-  limit, late, late_index)`` (the in-kernel fence of distinct GPUs).
-
-Two backends implement it: :mod:`.cupy_backend` (a real GPU) and :mod:`.standin`.
+use, and all it may use: memory (device, pooled or dedicated; pinned host), streams and
+events, asynchronous copies, the kernels of ``kernels/collectives.cu``, MPI and IPC
+buffers and events, any allocation shared where it lies (the peer reads), and
+synchronisation without the host (stream memory operations, the fence kernel). Its
+signatures are :class:`~.contract.DeviceBackend` (:mod:`.contract`), which mypy checks
+both backends against: :mod:`.cupy_backend` (a real GPU) and :mod:`.standin`.
 """
 
 from ..dtypes import BFLOAT16 as _BFLOAT16

@@ -22,6 +22,8 @@ import contextlib
 import ctypes
 import threading
 from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import cupy
 import numpy as np
@@ -30,6 +32,7 @@ from cupy.cuda import runtime
 from ..dtypes import EXTRA_DTYPES
 from . import kernels
 from .array import DeviceArray
+from .contract import Array, DeviceBackend, DTypeLike, Event, HostWords, Shape, Stream
 
 _BFLOAT16 = next((d for d in EXTRA_DTYPES if d.name == "bfloat16"), None)
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
@@ -46,7 +49,7 @@ _backends: dict = {}  # device id -> its backend
 _lock = threading.Lock()
 
 
-def backend(device_id):
+def backend(device_id: int) -> "CupyDevice":
     """The backend of CUDA device ``device_id`` (one per device and process)."""
     with _lock:
         if device_id not in _backends:
@@ -156,7 +159,7 @@ class CupyDevice:
         return f"<cuda:{self.id} {self.name}>"
 
     # -- memory ---------------------------------------------------------------------------------
-    def empty(self, shape, dtype, stream=None):
+    def empty(self, shape: Shape, dtype: DTypeLike, stream: Stream = None) -> Array:
         """Device memory from CuPy's pool. ``stream``: the stream it is used on, if not
         the library's long-lived buffers: the pool hands freed memory out again only in
         that stream's order, so a temporary freed while its work is queued stays safe."""
@@ -164,7 +167,7 @@ class CupyDevice:
         with cupy.cuda.Device(self.id), (stream if stream is not None else contextlib.nullcontext()):
             return cupy.empty(shape, dtype)
 
-    def dedicated(self, shape, dtype):
+    def dedicated(self, shape: Shape, dtype: DTypeLike) -> Array:
         """Device memory in an allocation of its own (``cudaMalloc``, not CuPy's pool,
         which carves arrays out of shared chunks): what ``Communicator.empty(device=)``
         returns, which the node's ranks open whole. ``cudaFree`` when it is gone. Whole
@@ -178,31 +181,31 @@ class CupyDevice:
             memory = cupy.cuda.Memory(-(-max(int(nbytes), 1) // _PAGE_2M) * _PAGE_2M)
             return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
 
-    def prepare(self, dtype):
+    def prepare(self, dtype: DTypeLike) -> None:
         """Compile ``dtype``'s kernels now (NVRTC, at the first call on a dtype), before
         the call sends anything, not inside the progress engine."""
         self._module(np.dtype(dtype))
 
-    def storage_dtype(self, dtype):
+    def storage_dtype(self, dtype: DTypeLike) -> np.dtype:
         """CuPy has no bfloat16: its bits live in uint16."""
         dtype = np.dtype(dtype)
         return np.dtype(np.uint16) if dtype.name == "bfloat16" else dtype
 
-    def pinned(self, nbytes):
+    def pinned(self, nbytes: int) -> np.ndarray:
         self.counters["pinned"] += 1
         memory = cupy.cuda.alloc_pinned_memory(max(int(nbytes), 1))
         return np.frombuffer(memory, np.uint8, int(nbytes))  # keeps the pinned block alive
 
     # -- streams and events -----------------------------------------------------------------------
-    def stream(self, name="stream"):
+    def stream(self, name: str = "stream") -> Stream:
         with cupy.cuda.Device(self.id):
             return cupy.cuda.Stream(non_blocking=True)
 
-    def current_stream(self):
+    def current_stream(self) -> Stream:
         with cupy.cuda.Device(self.id):
             return cupy.cuda.get_current_stream()
 
-    def event(self, interprocess=False):
+    def event(self, interprocess: bool = False) -> Event:
         self.counters["events"] += 1
         with cupy.cuda.Device(self.id):
             return cupy.cuda.Event(block=False, disable_timing=True, interprocess=interprocess)
@@ -210,31 +213,31 @@ class CupyDevice:
     # Each under this device: a stream handle 0 (CuPy's and torch's default stream) means
     # the null stream of the calling thread's current device, and a progress thread
     # starts on device 0.
-    def record(self, event, stream):
+    def record(self, event: Event, stream: Stream) -> None:
         with cupy.cuda.Device(self.id):
             runtime.eventRecord(event.ptr, stream.ptr)
 
-    def wait(self, stream, event):
+    def wait(self, stream: Stream, event: Event) -> None:
         with cupy.cuda.Device(self.id):
             runtime.streamWaitEvent(stream.ptr, event.ptr, 0)
 
-    def query(self, event):
+    def query(self, event: Event) -> bool:
         with cupy.cuda.Device(self.id):
             return runtime.eventQuery(event.ptr) == 0
 
-    def synchronize(self, event):
+    def synchronize(self, event: Event) -> None:
         with cupy.cuda.Device(self.id):
             runtime.eventSynchronize(event.ptr)
 
-    def synchronize_stream(self, stream):
+    def synchronize_stream(self, stream: Stream) -> None:
         with cupy.cuda.Device(self.id):
             runtime.streamSynchronize(stream.ptr)
 
-    def poll(self):
+    def poll(self) -> None:
         """A GPU progresses by itself: nothing to do."""
 
     # -- copies and kernels -----------------------------------------------------------------------------
-    def copy(self, dst, src, stream):
+    def copy(self, dst: Array, src: Array, stream: Stream) -> None:
         nbytes = _nbytes(dst)
         if nbytes != _nbytes(src):
             raise ValueError(f"copy of {_nbytes(src)} bytes into {nbytes}")
@@ -243,7 +246,7 @@ class CupyDevice:
             with cupy.cuda.Device(self.id):  # the stream's device (a progress thread starts on device 0)
                 runtime.memcpyAsync(_ptr(dst), _ptr(src), nbytes, _MEMCPY_DEFAULT, stream.ptr)
 
-    def copy_n(self, stream, dsts, srcs):
+    def copy_n(self, stream: Stream, dsts: Sequence[Array], srcs: Sequence[Array]) -> None:
         """Each of ``srcs`` into ``len(dsts) // len(srcs)`` destinations, in one kernel
         (contiguous device arrays of one itemsize, each destination as large as its
         source; at most 16 destinations): source q into ``dsts[q * m : q * m + m]``,
@@ -268,18 +271,19 @@ class CupyDevice:
         with cupy.cuda.Device(self.id), stream:  # a RawKernel launches on the current stream
             kernel(grid, (kernels.THREADS,), args)
 
-    def reduce2(self, stream, op, dtype, dst, a, b):
+    def reduce2(self, stream: Stream, op: str, dtype: np.dtype, dst: Array, a: Array, b: Array) -> None:
         n = int(dst.size)
         self.launches["reduce2"] += 1
         if n:
             self._launch(dtype, kernels.reduce2(dtype, op), kernels.vector_items(n, dtype.itemsize), stream,
                          (dst, a, b, np.int64(n)))
 
-    def reduce_n(self, stream, op, dtype, dst, sources, divisor=None):
+    def reduce_n(self, stream: Stream, op: str, dtype: np.dtype, dst: Array | Sequence[Array],
+                 sources: Sequence[Array], divisor: float | None = None) -> None:
         """``dst`` = the left fold of ``sources`` (1 to 16), in one kernel; ``dst`` may be
         a list of up to 16 arrays, each given the fold (one may be an input itself).
         ``divisor`` (avg's fold that is the call's result): the fold divided by it."""
-        dsts = list(dst) if isinstance(dst, (list, tuple)) else [dst]
+        dsts: list[Array] = list(dst) if isinstance(dst, (list, tuple)) else [dst]
         n = int(dsts[0].size)
         kernels.check_divisor("reduce_n", op, dtype, divisor)
         self.launches["reduce_n"] += 1
@@ -296,7 +300,8 @@ class CupyDevice:
                      (np.int64(n), np.int32(len(sources)), np.int32(len(dsts)),
                       np.float64(1.0 if divisor is None else divisor), *inputs, *outputs))
 
-    def reduce_blocks(self, stream, op, dtype, dsts, sources, offsets, divisor=None):
+    def reduce_blocks(self, stream: Stream, op: str, dtype: np.dtype, dsts: Sequence[Array],
+                      sources: Sequence[Array], offsets: Sequence[int], divisor: float | None = None) -> None:
         """``dsts[j]`` = the left fold of ``sources[q][offsets[j] : offsets[j] +
         dsts[j].size]`` over q (1 to 16 sources, 1 to 16 outputs), in one kernel: block
         row j folds output j; ``divisor`` as for :meth:`reduce_n`."""
@@ -322,22 +327,23 @@ class CupyDevice:
         with cupy.cuda.Device(self.id), stream:  # a RawKernel launches on the current stream
             kernel(grid, (kernels.THREADS,), args)
 
-    def divide(self, stream, dtype, x, divisor):
+    def divide(self, stream: Stream, dtype: np.dtype, x: Array, divisor: float) -> None:
         n = int(x.size)
         self.launches["divide"] += 1
         if n:
             self._launch(dtype, kernels.divide_by(dtype), n, stream, (x, np.int64(n), np.float64(divisor)))
 
-    def cast_divide(self, stream, src_dtype, dst_dtype, dst, src, divisor):
+    def cast_divide(self, stream: Stream, src_dtype: np.dtype, dst_dtype: np.dtype, dst: Array, src: Array,
+                    divisor: float) -> None:
         n = int(dst.size)
         if n:
             self._launch(src_dtype, kernels.cast_divide(src_dtype, dst_dtype), n, stream,
                          (dst, src, np.int64(n), np.float64(divisor)))
 
-    def pack(self, stream, dst, src):
+    def pack(self, stream: Stream, dst: Array, src: Array) -> None:
         self._strided(kernels.pack, stream, dst, src, src)
 
-    def unpack(self, stream, dst, src):
+    def unpack(self, stream: Stream, dst: Array, src: Array) -> None:
         self._strided(kernels.unpack, stream, dst, src, dst)
 
     def _strided(self, which, stream, dst, src, view):
@@ -371,48 +377,48 @@ class CupyDevice:
         return module
 
     # -- MPI and IPC -------------------------------------------------------------------------------------
-    def mpi_buffer(self, array):
+    def mpi_buffer(self, array: Array) -> Any:
         return array  # a CUDA-aware MPI takes __cuda_array_interface__ objects
 
-    def ipc_close_event(self, event):
+    def ipc_close_event(self, event: Event) -> None:
         with cupy.cuda.Device(self.id):
             runtime.eventDestroy(event.ptr)
 
-    def ipc_event_handle(self, event):
+    def ipc_event_handle(self, event: Event) -> bytes:
         return bytes(runtime.ipcGetEventHandle(event.ptr))
 
-    def ipc_open_event(self, handle):
+    def ipc_open_event(self, handle: bytes) -> Event:
         with cupy.cuda.Device(self.id):
             return _OpenedEvent(runtime.ipcOpenEventHandle(bytes(handle)))
 
     # -- peer reads: any allocation shared, stream memory operations --------------------------
-    def allocation(self, array):
+    def allocation(self, array: Array) -> tuple[int, int, int] | None:
         """``(base, size, buffer id)`` of the allocation ``array`` lies in."""
         with cupy.cuda.Device(self.id):
             return driver().allocation(_ptr(array))
 
-    def export(self, base):
+    def export(self, base: int) -> bytes:
         """An IPC handle of the allocation at ``base`` (64 bytes)."""
         with cupy.cuda.Device(self.id):
             return bytes(runtime.ipcGetMemHandle(int(base)))
 
-    def open_allocation(self, handle, nbytes):
+    def open_allocation(self, handle: bytes, nbytes: int) -> Array:
         """Another process's allocation (an :meth:`export` handle), ``nbytes`` of it."""
         self.counters["opened"] += 1
         with cupy.cuda.Device(self.id):
             ptr = runtime.ipcOpenMemHandle(bytes(handle), _IPC_LAZY_PEER_ACCESS)
             return _wrap(ptr, int(nbytes), self.id)
 
-    def close_allocation(self, array):
+    def close_allocation(self, array: Array) -> None:
         with cupy.cuda.Device(self.id):
             runtime.ipcCloseMemHandle(array.data.ptr)
 
-    def already_mapped(self, error):
+    def already_mapped(self, error: BaseException) -> bool:
         """Whether ``error`` is cudaIpcOpenMemHandle's cudaErrorAlreadyMapped: a mapping
         this process holds overlaps the allocation it opens."""
         return isinstance(error, runtime.CUDARuntimeError) and error.status == _ALREADY_MAPPED
 
-    def map_host(self, words):
+    def map_host(self, words: np.ndarray) -> HostWords:
         """``words`` (uint32 host memory) registered for the device: what
         :meth:`write_value` and :meth:`wait_value` take."""
         self.counters["host_mappings"] += 1
@@ -431,13 +437,13 @@ class CupyDevice:
             d.check(d.host_device_pointer(ctypes.byref(device), ctypes.c_void_p(start), 0), "the device address")
         return _HostWords(words, int(device.value), registered)
 
-    def unmap_host(self, mapping):
+    def unmap_host(self, mapping: HostWords) -> None:
         if mapping.registered is not None:
             with cupy.cuda.Device(self.id):
                 runtime.hostUnregister(mapping.registered)
             mapping.registered = None
 
-    def write_value(self, stream, mapping, index, value):
+    def write_value(self, stream: Stream, mapping: HostWords, index: int, value: int) -> None:
         """``mapping``'s word ``index`` = ``value`` once ``stream`` gets there (the driver
         fences memory first: what the stream did before is visible before the word)."""
         d = driver()
@@ -445,21 +451,22 @@ class CupyDevice:
             d.check(d.write_value(stream.ptr, mapping.device + 4 * index, value & 0xFFFFFFFF, 0),
                     "cuStreamWriteValue32")
 
-    def wait_value(self, stream, mapping, index, value):
+    def wait_value(self, stream: Stream, mapping: HostWords, index: int, value: int) -> None:
         """``stream`` waits until ``(int32)(word - value) >= 0``."""
         d = driver()
         with cupy.cuda.Device(self.id):
             d.check(d.wait_value(stream.ptr, mapping.device + 4 * index, value & 0xFFFFFFFF, _WAIT_GEQ),
                     "cuStreamWaitValue32")
 
-    def pointer_table(self, arrays):
+    def pointer_table(self, arrays: Sequence[Array]) -> Any:
         """The device addresses of ``arrays``, in device memory (the fence kernel's table)."""
         self.counters["allocations"] += 1
         with cupy.cuda.Device(self.id):
             return cupy.asarray(np.array([_ptr(a) for a in arrays], np.uint64))
 
-    def fence_kernel(self, stream, table, flags, rank, epoch, limit, late, late_index, digest=0, wait=True,
-                     check=False):
+    def fence_kernel(self, stream: Stream, table: Any, flags: Array, rank: int, epoch: int, limit: float,
+                     late: HostWords, late_index: int, digest: int = 0, wait: bool = True,
+                     check: bool = False) -> None:
         """The fence kernel (``kernels/collectives.cu``): one block of a thread per rank;
         ``flags`` 2 words a rank (epoch, digest)."""
         self.launches["fence" if wait else "fence signal"] += 1
@@ -472,7 +479,7 @@ class CupyDevice:
         with cupy.cuda.Device(self.id), stream:
             kernel((1,), (32 * -(-size // 32),), args)
 
-    def can_access_peer(self, uuid):
+    def can_access_peer(self, uuid: str) -> bool:
         """Whether this device can read the memory of the device ``uuid`` (same node)."""
         if uuid == self.uuid:
             return True
@@ -482,6 +489,10 @@ class CupyDevice:
             if "pci:%04x:%02x:%02x" % pci == uuid:
                 return bool(runtime.deviceCanAccessPeer(self.id, other))
         return False
+
+
+if TYPE_CHECKING:  # mypy compares the CuPy backend with the device contract
+    _conforms: DeviceBackend = CupyDevice(0)
 
 
 class _Driver:

@@ -57,12 +57,15 @@ import tempfile
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import ops as ops_layer
 from ..dtypes import EXTRA_DTYPES
 from . import kernels
+from .contract import Array, DeviceBackend, DTypeLike, HostWords, Shape
 
 GARBAGE = 0xA5
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -403,7 +406,7 @@ class StandInDevice:
         return f"<{self.name}>"
 
     # -- memory -------------------------------------------------------------------------------
-    def empty(self, shape, dtype, stream=None):
+    def empty(self, shape: Shape, dtype: DTypeLike, stream: Stream | None = None) -> Array:
         """Device memory (contents: garbage), a block of the pool. ``stream``: the stream
         it will be used on (CuPy's pool cares; the stand-in does not)."""
         dtype, nbytes = _dtype_and_nbytes(shape, dtype)
@@ -428,7 +431,7 @@ class StandInDevice:
         block = _Block(self, segment, start, size)
         return StandInArray(self, memory.view(dtype).reshape(shape), block)
 
-    def dedicated(self, shape, dtype):
+    def dedicated(self, shape: Shape, dtype: DTypeLike) -> Array:
         """Device memory (contents: garbage) in an allocation of its own, a segment no
         other array lies in (CUDA's ``cudaMalloc``, not the pool's): what
         ``Communicator.empty(device=)`` returns, which the node's ranks open whole. Its
@@ -483,7 +486,7 @@ class StandInDevice:
                 if block.segment.dedicated:
                     self._heap.release(block.segment.offset, block.segment.length)
 
-    def allocation(self, array):
+    def allocation(self, array: Array) -> tuple[int, int, int] | None:
         """``(base, nbytes, buffer id)`` of the segment ``array`` lies in (the allocation
         CUDA's ``cuPointerGetAttribute`` names), or None for memory that is not the
         pool's (an empty array, another process's)."""
@@ -493,13 +496,13 @@ class StandInDevice:
         segment = block.segment
         return self._heap.bytes[segment.offset:].__array_interface__["data"][0], segment.length, segment.buffer_id
 
-    def export(self, base):
+    def export(self, base: int) -> bytes:
         """A handle other processes of the node open the allocation at ``base`` with."""
         offset = base - self._heap.bytes.__array_interface__["data"][0]
         buffer_id = int(self._heap.ids[offset // GRANULE])
         return _handle(self._heap.path, struct.pack("<qq", offset, buffer_id))
 
-    def open_allocation(self, handle, nbytes):
+    def open_allocation(self, handle: bytes, nbytes: int) -> Array:
         """Map another process's allocation (an :meth:`export` handle): a uint8 array of
         its ``nbytes``, which raises :class:`StaleMapping` at its first use once that
         process has freed it. Raises :class:`AlreadyMapped` while a mapping this
@@ -538,23 +541,23 @@ class StandInDevice:
             self._mapped[id(array)] = (path, offset, offset + nbytes)
         return array
 
-    def close_allocation(self, array):
+    def close_allocation(self, array: Array) -> None:
         """Unmap what :meth:`open_allocation` mapped (the heap stays mapped here: only
         the range is free to open again)."""
         with self._lock:
             self._mapped.pop(id(array), None)
 
-    def already_mapped(self, error):
+    def already_mapped(self, error: BaseException) -> bool:
         """Whether ``error`` is :meth:`open_allocation`'s refusal of an overlapping mapping."""
         return isinstance(error, AlreadyMapped)
 
-    def prepare(self, dtype):
+    def prepare(self, dtype: DTypeLike) -> None:
         """Get ``dtype``'s kernels ready (the stand-in's are NumPy: nothing to do)."""
 
-    def storage_dtype(self, dtype):
+    def storage_dtype(self, dtype: DTypeLike) -> np.dtype:
         return np.dtype(dtype)  # NumPy (with ml_dtypes) has every dtype, bfloat16 included
 
-    def pinned(self, nbytes):
+    def pinned(self, nbytes: int) -> np.ndarray:
         """Page-locked host memory (here: ordinary memory, filled with garbage)."""
         self.counters["pinned"] += 1
         memory = np.empty(nbytes, np.uint8)
@@ -562,56 +565,56 @@ class StandInDevice:
         return memory
 
     # -- streams and events -----------------------------------------------------------------
-    def stream(self, name="stream"):
+    def stream(self, name: str = "stream") -> Stream:
         with self._lock:
             stream = Stream(self, f"{name}#{len(self._streams)}")
             self._streams.append(stream)
             return stream
 
-    def current_stream(self):
+    def current_stream(self) -> Stream:
         """The stream user work goes to now (``use_stream`` sets it; else the default)."""
         return getattr(self._current, "stream", None) or self.null_stream
 
-    def event(self, interprocess=False):
+    def event(self, interprocess: bool = False) -> Event:
         self.counters["events"] += 1
         return SharedEvent(self) if interprocess else Event(self)
 
-    def record(self, event, stream):
+    def record(self, event: Event, stream: Stream) -> None:
         with self._lock:
             generation = event._bump()
             self._push(stream, ("record", event, generation))
 
-    def wait(self, stream, event):
+    def wait(self, stream: Stream, event: Event) -> None:
         """``stream`` runs nothing more until the work ``event`` marks now has run."""
         with self._lock:
             self._push(stream, ("wait", event, event._generation()))
 
-    def query(self, event):
+    def query(self, event: Event) -> bool:
         """Whether ``event``'s work has run. Runs a few queued operations first, chosen
         at random, as a GPU would have progressed meanwhile."""
         with self._lock:
             self._progress(self._rng.randint(0, 2))
             return event._reached(event._generation())
 
-    def synchronize(self, event):
+    def synchronize(self, event: Event) -> None:
         with self._lock:
             generation = event._generation()
             self._run_until(lambda: event._reached(generation), "an event")
 
-    def synchronize_stream(self, stream):
+    def synchronize_stream(self, stream: Stream) -> None:
         with self._lock:
             marker = Event(self)
             self.record(marker, stream)
             self._run_until(lambda: marker._reached(1), f"stream {stream.name}")
 
-    def poll(self):
+    def poll(self) -> None:
         """Let the device make a little progress (a GPU runs without the host; the
         stand-in only when called). The collectives' progress engine calls this."""
         with self._lock:
             self._progress(self._rng.randint(0, 2))
 
     # -- copies and kernels -----------------------------------------------------------------------
-    def copy(self, dst, src, stream):
+    def copy(self, dst: Array, src: Array, stream: Stream) -> None:
         """Copy ``src`` to ``dst`` (contiguous, the same number of bytes; each a
         StandInArray or a host NumPy array) when the stream gets there."""
         dst_memory, src_memory = self._bytes(dst, "dst"), self._bytes(src, "src")
@@ -622,7 +625,7 @@ class StandInDevice:
         self.launches["copy"] += 1
         self._enqueue(stream, lambda: np.copyto(dst_memory, src_memory), dst, src)
 
-    def copy_n(self, stream, dsts, srcs):
+    def copy_n(self, stream: Stream, dsts: Sequence[Array], srcs: Sequence[Array]) -> None:
         """Each of ``srcs`` into ``len(dsts) // len(srcs)`` destinations (device arrays,
         each alike in bytes to its source): source q into ``dsts[q * m : q * m + m]``; one
         kernel (``copy_n`` of ``kernels/collectives.cu``), so one queued operation."""
@@ -641,16 +644,17 @@ class StandInDevice:
 
         self._enqueue(stream, run, *dsts, *srcs)
 
-    def reduce2(self, stream, op, dtype, dst, a, b):
+    def reduce2(self, stream: Stream, op: str, dtype: np.dtype, dst: Array, a: Array, b: Array) -> None:
         d, x, y = (self._typed(v, dtype) for v in (dst, a, b))
         self.launches["reduce2"] += 1
         self._enqueue(stream, lambda: ops_layer.combine(op, x, y, d), dst, a, b)
 
-    def reduce_n(self, stream, op, dtype, dst, sources, divisor=None):
+    def reduce_n(self, stream: Stream, op: str, dtype: np.dtype, dst: Array | Sequence[Array],
+                 sources: Sequence[Array], divisor: float | None = None) -> None:
         """``dst`` = the left fold of ``sources``; ``dst`` may be a list of arrays, each
         given the fold (one kernel, as CUDA's); ``divisor``: the fold divided by it first."""
         kernels.check_divisor("reduce_n", op, dtype, divisor)
-        dsts = list(dst) if isinstance(dst, (list, tuple)) else [dst]
+        dsts: list[Array] = list(dst) if isinstance(dst, (list, tuple)) else [dst]
         outputs, inputs = [self._typed(d, dtype) for d in dsts], [self._typed(s, dtype) for s in sources]
         self.launches["reduce_n"] += 1
 
@@ -661,7 +665,8 @@ class StandInDevice:
 
         self._enqueue(stream, run, *dsts, *sources)
 
-    def reduce_blocks(self, stream, op, dtype, dsts, sources, offsets, divisor=None):
+    def reduce_blocks(self, stream: Stream, op: str, dtype: np.dtype, dsts: Sequence[Array],
+                      sources: Sequence[Array], offsets: Sequence[int], divisor: float | None = None) -> None:
         """``dsts[j]`` = the left fold of ``sources[q][offsets[j] : offsets[j] +
         dsts[j].size]`` over q, ``divisor`` as for :meth:`reduce_n`: one kernel, as CUDA's
         (``reduce_blocks`` of ``kernels/collectives.cu``), its rows in any order."""
@@ -680,12 +685,13 @@ class StandInDevice:
 
         self._enqueue(stream, run, *dsts, *sources)
 
-    def divide(self, stream, dtype, x, divisor):
+    def divide(self, stream: Stream, dtype: np.dtype, x: Array, divisor: float) -> None:
         target = self._typed(x, dtype)
         self.launches["divide"] += 1
         self._enqueue(stream, lambda: np.divide(target, divisor, out=target) if target.size else None, x)
 
-    def cast_divide(self, stream, src_dtype, dst_dtype, dst, src, divisor):
+    def cast_divide(self, stream: Stream, src_dtype: np.dtype, dst_dtype: np.dtype, dst: Array, src: Array,
+                    divisor: float) -> None:
         d, s = self._typed(dst, dst_dtype), self._typed(src, src_dtype)
 
         def run():
@@ -694,12 +700,12 @@ class StandInDevice:
 
         self._enqueue(stream, run, dst, src)
 
-    def pack(self, stream, dst, src):
+    def pack(self, stream: Stream, dst: Array, src: Array) -> None:
         """dst (contiguous) = the elements of the strided view ``src``, in C order."""
         d, s = dst._memory, src._memory
         self._enqueue(stream, lambda: np.copyto(d, s.reshape(-1) if s.flags.c_contiguous else s.ravel()), dst, src)
 
-    def unpack(self, stream, dst, src):
+    def unpack(self, stream: Stream, dst: Array, src: Array) -> None:
         """The elements of the strided view ``dst`` = contiguous ``src``."""
         d, s = dst._memory, src._memory
         self._enqueue(stream, lambda: np.copyto(d, s.reshape(d.shape)), dst, src)
@@ -710,28 +716,30 @@ class StandInDevice:
         self._enqueue(stream, function)
 
     # -- stream memory operations --------------------------------------------------------------
-    def map_host(self, words):
+    def map_host(self, words: np.ndarray) -> HostWords:
         """``words`` (uint32 host memory: the node's shared window) as streams address it:
         here the array itself (a GPU registers it and gets a device pointer)."""
         self.counters["host_mappings"] += 1
         return words
 
-    def unmap_host(self, mapping):
+    def unmap_host(self, mapping: HostWords) -> None:
         """Undo :meth:`map_host`."""
 
-    def write_value(self, stream, words, index, value):
-        """``words[index] = value`` (32 bits) once ``stream`` gets there, after all the
-        work queued on it before (CUDA's ``cuStreamWriteValue32``, which fences memory first)."""
+    def write_value(self, stream: Stream, mapping: HostWords, index: int, value: int) -> None:
+        """``mapping[index] = value`` (32 bits) once ``stream`` gets there, after all the
+        work queued on it before (CUDA's ``cuStreamWriteValue32``, which fences memory first).
+        ``mapping``: the words themselves (:meth:`map_host`)."""
         value &= 0xFFFFFFFF
-        self._enqueue(stream, lambda: words.__setitem__(index, value))
+        self._enqueue(stream, lambda: mapping.__setitem__(index, value))
 
-    def pointer_table(self, arrays):
+    def pointer_table(self, arrays: Sequence[Array]) -> Any:
         """What :meth:`fence_kernel` takes for the ranks' flags (a GPU: their device
         addresses in device memory; here the arrays)."""
         return list(arrays)
 
-    def fence_kernel(self, stream, table, flags, rank, epoch, limit, late, late_index, digest=0, wait=True,
-                     check=False):
+    def fence_kernel(self, stream: Stream, table: Any, flags: Array, rank: int, epoch: int, limit: float,
+                     late: HostWords, late_index: int, digest: int = 0, wait: bool = True,
+                     check: bool = False) -> None:
         """The fence kernel of ``kernels/collectives.cu``, once ``stream`` gets there:
         writes ``digest`` into word ``size + rank`` and ``epoch`` into word ``rank`` of
         every other rank's flags (``table[q]``, 2 words a rank), then waits until every
@@ -745,29 +753,29 @@ class StandInDevice:
             self._push(stream, ("fence", _FenceKernel(table, flags, rank, epoch & 0xFFFFFFFF, limit, late,
                                                       late_index, digest & 0xFFFFFFFF, wait, check), None))
 
-    def wait_value(self, stream, words, index, value):
-        """``stream`` runs nothing more until ``(int32)(words[index] - value) >= 0``
+    def wait_value(self, stream: Stream, mapping: HostWords, index: int, value: int) -> None:
+        """``stream`` runs nothing more until ``(int32)(mapping[index] - value) >= 0``
         (``cuStreamWaitValue32`` with ``CU_STREAM_WAIT_VALUE_GEQ``); the word may be
         written by another process."""
         with self._lock:
-            self._push(stream, ("value", (words, index), value & 0xFFFFFFFF))
+            self._push(stream, ("value", (mapping, index), value & 0xFFFFFFFF))
 
     # -- MPI and IPC -----------------------------------------------------------------------------
-    def mpi_buffer(self, array):
+    def mpi_buffer(self, array: Array) -> Any:
         """The memory a CUDA-aware MPI reads or writes for ``array``: the device memory
         itself, with whatever it holds at the moment MPI touches it."""
         return array._memory
 
-    def ipc_close_event(self, event):
+    def ipc_close_event(self, event: Event) -> None:
         """Forget another process's event (its mapping goes with the object)."""
 
-    def ipc_event_handle(self, event):
+    def ipc_event_handle(self, event: "SharedEvent") -> bytes:
         return _handle(event.path)
 
-    def ipc_open_event(self, handle):
+    def ipc_open_event(self, handle: bytes) -> Event:
         return SharedEvent(self, _path(handle))
 
-    def can_access_peer(self, uuid):
+    def can_access_peer(self, uuid: str) -> bool:
         return True  # every stand-in of a node is "the same GPU"
 
     # -- machinery ---------------------------------------------------------------------------------
@@ -927,10 +935,13 @@ def _mpi_rank():
         return 0
 
 
-_device = None
+if TYPE_CHECKING:  # mypy compares the stand-in with the device contract
+    _conforms: DeviceBackend = StandInDevice()
+
+_device: StandInDevice | None = None
 
 
-def device():
+def device() -> StandInDevice:
     """This process's stand-in device (made on first use)."""
     global _device
     if _device is None:

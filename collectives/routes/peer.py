@@ -35,7 +35,7 @@ def peer_node(ctx: Any, device: Any, timeout: float | None) -> Any:
     if device.peer is None:
         import numpy as np
 
-        from ..transport.device_node import PeerNode
+        from ..transport.peer_node import PeerNode
 
         def exchange(words):  # every node rank's words, within the call's timeout
             everyone = np.empty((ctx.node_comm.Get_size(), words.size), np.int64)
@@ -49,7 +49,7 @@ def peer_node(ctx: Any, device: Any, timeout: float | None) -> Any:
         # auto's device choices from now on know the node's GPUs and fences (the kinds
         # of call resolved before did not: made anew)
         peer = device.peer
-        ctx.selector.learn_gpus(peer.gpus, ctx.node_comm.Get_size(), peer.mechanism)
+        ctx.selector.learn_gpus(peer.gpus, ctx.node_comm.Get_size(), peer.fence.name)
         ctx.call_kinds.clear()
     return device.peer
 
@@ -64,7 +64,7 @@ def register(ctx: Any, device: Any, array: Any, nbytes: int, timeout: float | No
         return
     import numpy as np
 
-    from ..transport.device_node import check_shareable
+    from ..transport.peer_window import check_shareable
 
     node = peer_node(ctx, device, timeout)
     mine = node.descriptor(array, nbytes)
@@ -105,7 +105,7 @@ class PeerRead(Route):
 
     def run(self, ctx, call):
         from ..transport import device_call
-        from ..transport.device_node import PeerCall, PeerHandle
+        from ..transport.device_node import PeerCall, PeerHandle, PeerWork
 
         spec, x, out, rank = call.spec, call.where, call.out, ctx.rank
         device = device_context(ctx, x.backend, call.timeout)
@@ -154,10 +154,12 @@ class PeerRead(Route):
         raw, tmp = device.take_workspace(plan.tmp, inp.dtype) if plan.tmp else (None, inp[:0])
         arrays = {"in": inp, "out": result if result is not None else inp[:0], "tmp": tmp}
         signature = (ctx.sequence, call_code(spec, call.algorithm, x.dtype, call.op), inp.nbytes, call.root)
-        run = PeerCall(node, plan, arrays, call.count, call.op, x.dtype, signature, describe, started,
-                       before=work.prologue, after=work.epilogue if work.has_epilogue() else None,
-                       # an in-kernel wait gives up first, so that the host can still name who did not come
-                       limit=None if call.timeout is None else 0.8 * call.timeout, divisor=divisor)
+        run = PeerCall(node, PeerWork(plan, arrays, call.count, call.op, x.dtype, signature, describe, started,
+                                      before=work.prologue, after=work.epilogue if work.has_epilogue() else None,
+                                      # an in-kernel wait gives up first, so that the host can still name who
+                                      # did not come
+                                      limit=None if call.timeout is None else 0.8 * call.timeout,
+                                      divisor=divisor))
 
         def finish():
             if raw is not None:
@@ -199,7 +201,7 @@ class PeerRead(Route):
         memory; else each rank waits for its current stream and the ranks meet in MPI."""
         import numpy as np
 
-        from ..transport.device_node import PeerCall, PeerHandle
+        from ..transport.device_node import PeerCall, PeerHandle, PeerWork
 
         device = device_context(ctx, backend, timeout)
         if not device.ipc_everywhere or ctx.size == 1:
@@ -211,9 +213,9 @@ class PeerRead(Route):
         backend.record(started, backend.current_stream())
         nothing = node.nothing
         describe = f"barrier(device={backend.kind}) call #{ctx.sequence}"
-        run = PeerCall(node, _BARRIER, {"in": nothing, "out": nothing, "tmp": nothing}, 1, "-", np.dtype(np.uint8),
-                       (ctx.sequence, _BARRIER_CODE, 0, 0), describe, started,
-                       limit=None if timeout is None else 0.8 * timeout)
+        run = PeerCall(node, PeerWork(_BARRIER, {"in": nothing, "out": nothing, "tmp": nothing}, 1, "-",
+                                      np.dtype(np.uint8), (ctx.sequence, _BARRIER_CODE, 0, 0), describe, started,
+                                      limit=None if timeout is None else 0.8 * timeout))
         PeerHandle(ctx.progress, describe, _nothing, run, timeout, ctx.sequence).start().wait()
 
 
@@ -227,7 +229,7 @@ def _lean_run(ctx: Any, entry: LeanEntry, device: Any, x: Any, inplace: bool) ->
     message's prefix); the rest is taken as it takes it: a pooled event recorded on the
     user's stream, the workspace pool's buffer, a :class:`PeerCall` (the call's
     numbers, its buffers), run to its end by :func:`_wait` instead of the engine."""
-    from ..transport.device_node import PeerCall
+    from ..transport.device_node import PeerCall, PeerWork
 
     spec, plan, node, backend = entry.spec, entry.plan, device.peer, x.backend
     dtype, storage, count, op, root, size = x.dtype, x.data.dtype, entry.count, entry.op, entry.root, ctx.size
@@ -265,9 +267,10 @@ def _lean_run(ctx: Any, entry: LeanEntry, device: Any, x: Any, inplace: bool) ->
         sequence = ctx.sequence
         describe = f"{prefix}{sequence}"
         try:
-            call = PeerCall(node, plan, {"in": inp, "out": inp[:0] if result is None else result, "tmp": tmp}, count,
-                            op, dtype, (sequence, code, nbytes, root), describe, started, after=after,
+            work = PeerWork(plan, {"in": inp, "out": inp[:0] if result is None else result, "tmp": tmp}, count, op,
+                            dtype, (sequence, code, nbytes, root), describe, started, after=after,
                             limit=None if timeout is None else 0.8 * timeout, divisor=divisor)
+            call = PeerCall(node, work)
             _wait(ctx, call, backend, timeout, describe)
         except BaseException as exc:  # the engine breaks as on the general path
             if ctx.progress.broken is None:

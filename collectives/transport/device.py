@@ -37,6 +37,9 @@ on the host.
 """
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -44,9 +47,9 @@ from mpi4py import MPI
 from ..device.gpus import GPU_NAME_BYTES, gpu_stamp
 from ..errors import MessageSizeError, TransportError
 from ..schedule import Copy, Reduce, ReduceMany, Send
-from .device_node import peer_memory
 from .mpi import PlanHandle
 from .native import mismatch
+from .peer_memory import peer_memory
 from .progress import Handle, at
 from .retired import retire
 
@@ -155,7 +158,7 @@ class _Pool:
 
 class _Slot:
     """One IPC send buffer of this rank, an allocation of its own that the peers open as
-    any shared array (``device_node.PeerMemory``: one mapping per process, whatever
+    any shared array (``peer_memory.PeerMemory``: one mapping per process, whatever
     communicator asks), and the interprocess event that marks its data."""
 
     def __init__(self, backend, index, capacity):
@@ -182,7 +185,7 @@ class DeviceContext:
         self.ipc_refusals = {}  # peer -> why this rank could not open its IPC memory (negotiate's probe)
         self.gpus = None  # every rank's GPU, device.gpus.gpu_stamp (negotiate): its model, how many there are
         self.node_gpus = None  # the node's ranks' GPUs, their uuids as bytes (negotiate; the same on every one)
-        self.peer = None  # the peer-read calls' state (device_node.PeerNode), made at the first such call
+        self.peer = None  # the peer-read calls' state (peer_node.PeerNode), made at the first such call
         self.cuda_aware = cuda_aware  # MPI takes device memory (for native, and the non-IPC peers)
         self.paths = paths  # rank -> "staged" | "cuda-aware" | "ipc" ("self" for this rank)
         self.ack_comm = ack_comm  # IPC acknowledgements travel here (their own matching)
@@ -726,6 +729,21 @@ class DevicePlanHandle(PlanHandle):
         return text
 
 
+@dataclass(slots=True)
+class NativeOnDevice:
+    """What a ``native`` call on device buffers posts (:class:`DeviceNativeHandle`)."""
+
+    start_mpi: Callable  # (send buffer, receive buffer) -> request, on deferred.comm
+    dev_in: Any  # the device input (None: none here)
+    dev_out: Any  # the device output (None: no result here)
+    host_in: Any  # their pinned host copies (None: a CUDA-aware MPI takes the device buffers)
+    host_out: Any
+    nbytes: int  # the call's size, for messages
+    deferred: Any  # native.Deferred: posted on its communicator, in call order
+    agree_comm: Any = None  # where the ranks agree on the call's size first (None: no agreement)
+    unit: int = 0  # the bytes they agree on
+
+
 class DeviceNativeHandle(Handle):
     """``native`` on device buffers: the MPI library's own collective on host copies
     (staged: the input device -> pinned host, MPI, the result back), or on the device
@@ -739,18 +757,18 @@ class DeviceNativeHandle(Handle):
     (``agree_comm`` given), the ranks first agree on the call's size there, at call
     time, as :class:`~.native.AgreedHandle` does."""
 
-    def __init__(self, progress, describe, finish, ctx, start_mpi, host_in, host_out, dev_in, dev_out, timeout, call,
-                 nbytes, deferred, agree_comm=None, unit=0):
+    def __init__(self, progress, describe, finish, ctx, native, timeout, call):
+        """``native``: what the call posts (a :class:`NativeOnDevice`)."""
         super().__init__(progress, describe, finish, timeout, call)
         self._ctx, self._backend = ctx, ctx.backend
-        self._start_mpi = start_mpi  # (send buffer, receive buffer) -> request, on deferred.comm
-        self._host_in, self._host_out = host_in, host_out  # pinned buffers (None: CUDA-aware)
-        self._dev_in, self._dev_out = dev_in, dev_out
-        self._nbytes = nbytes
+        self._start_mpi = native.start_mpi
+        self._host_in, self._host_out = native.host_in, native.host_out
+        self._dev_in, self._dev_out = native.dev_in, native.dev_out
+        self._nbytes = native.nbytes
         self._pending = 1
-        self._deferred = deferred
-        self._agree_comm = agree_comm
-        self._sizes = np.array([unit, -unit], np.int64)
+        self._deferred = native.deferred
+        self._agree_comm = agree_comm = native.agree_comm
+        self._sizes = np.array([native.unit, -native.unit], np.int64)
         self._waiting_for = 2 if agree_comm is not None else 1  # the input copied (and the sizes agreed)
         self._agreed = False  # ready to post (what Deferred.post_ready reads)
         self._posted = False

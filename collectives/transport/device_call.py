@@ -10,7 +10,7 @@ array the user passed, ready on the user's stream.
 """
 
 from .buffers import Buffers
-from .device import DeviceNativeHandle, DevicePlanHandle
+from .device import DeviceNativeHandle, DevicePlanHandle, NativeOnDevice
 
 
 def extent(data):
@@ -182,6 +182,6 @@ def start_native(progress, describe, finish, call, start_mpi, dev_in, dev_out, o
             ctx.pinned.give(raw, after=ctx.last_end)
         return result
 
-    handle = DeviceNativeHandle(progress, describe, finish_then_release, ctx, start_mpi, host_in, host_out, dev_in,
-                                dev_out, timeout, tag, nbytes, deferred, agree_comm, unit)
+    native = NativeOnDevice(start_mpi, dev_in, dev_out, host_in, host_out, nbytes, deferred, agree_comm, unit)
+    handle = DeviceNativeHandle(progress, describe, finish_then_release, ctx, native, timeout, tag)
     return handle.start()

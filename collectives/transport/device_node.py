@@ -28,38 +28,10 @@ synchronisations between the ranks, whatever the fence mechanism.
     host fences an event is recorded only where work was queued since the last one,
     so the leader's other ranks record one a call, at the first fence)
 
-A fence is one of three mechanisms, chosen per communicator (``device_fence``,
-``COLLECTIVES_DEVICE_FENCE``; ``make bench-gpu`` measures them):
-
-- ``host``: the host waits (polling an event) for its device work before the fence,
-  then writes the fence's number into its counter in the node's shared window and
-  waits until every rank's counter has reached it; then it launches the next phase.
-- ``stream``: at the first fence (every input ready, and where it is) the host
-  publishes where its buffers are, then its stream writes the fence's number into a
-  word of each peer's row of the window (``cuStreamWriteValue32``, once the work
-  before it has run), and the host waits until every peer's stream has written it
-  into this rank's row: it has then seen both where the peers' inputs are and that
-  they are ready, and enqueues the rest of the call at once. The second fence is the
-  devices' alone: the stream writes its number as at the first and waits until every
-  peer has (``cuStreamWaitValue32``); the host does not wait for it.
-- ``kernel`` (ranks on distinct GPUs): at the second fence a small kernel writes the
-  fence's number into every peer's flags (device memory) and spins on its own, at most
-  a time limit. At the first the host waits as with ``stream`` to see where the peers'
-  inputs are, unless this rank's input is a whole registered array
-  (``Communicator.empty(device=)``) and the call needs no window slot: then it takes
-  every peer's input to be that peer's array of the same ``empty``, no host waits for
-  another, and a first fence kernel waits as the second does, comparing a digest of
-  the call and of where every rank's input is. Ranks whose digests differ (one passed
-  another array or made another call) mark each other, and every rank raises (any two
-  that disagree make every rank see a difference). Such ranks publish their digest in
-  the window: a rank that asked compares them at its hosts' meeting, and signals the
-  first fence on the devices (a kernel that only writes; before raising, every fence
-  left), so that their kernels pass.
-
-The first fence is where the hosts must meet unless they know where the buffers are
-(a host can only launch a read of a peer's buffer once it knows where that buffer is),
-so it also carries the device's readiness: one synchronisation, not a hosts' meeting
-beside a device fence.
+A fence is one of three mechanisms, chosen per communicator (``device_fence``):
+``host`` (the hosts meet at every fence), ``stream`` (stream memory operations) or
+``kernel`` (fence kernels, ranks on distinct GPUs); :mod:`.peer_fences` has a class
+for each and says how each meets.
 
 Whatever the mechanism, a call finishes once its last event has completed: so its
 result is ready for anything the user queues afterwards (the user's stream needs no
@@ -78,738 +50,60 @@ that took registered arrays without asking raise the digests' mismatch instead).
 Registration: a rank's input is exported once per allocation (its base address and the
 driver's buffer id: CuPy's and torch's pools sub-allocate, so a buffer is base plus
 offset), and a peer opens an allocation once per owner process, base and buffer id
-(:class:`PeerMemory`, one per device and process): memory freed and allocated again at
-the same base gets a new buffer id, so it is opened anew and the old mapping closed,
-never read. A steady loop of calls on the same buffers opens nothing, allocates
-nothing, makes no event and sends no MPI message (``PeerNode.counters`` and the
-device's say so).
+(:class:`~.peer_memory.PeerMemory`, one per device and process): memory freed and
+allocated again at the same base gets a new buffer id, so it is opened anew and the
+old mapping closed, never read (:class:`~.peer_node.PeerNode` keeps what one
+communicator opened and registered). A steady loop of calls on the same buffers opens
+nothing, allocates nothing, makes no event and sends no MPI message
+(``PeerNode.counters`` and the device's say so).
 """
 
-import os
-import time
-import weakref
-import zlib
-from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
-from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, MessageSizeError
-from ..schedule import Copy, Fence, Reduce, ReduceMany
-from .liveness import ranks
-from .progress import Handle
-
-MECHANISMS = ("host", "stream", "kernel")
-DEFAULT_KERNEL_LIMIT = 300.0  # seconds an in-kernel wait lasts at most where the call has no timeout
-_LINE = 96  # int64 words of one rank's line in the window (768 bytes: the rows after stay 128-byte aligned)
-# word offsets in a line; the descriptors: 3 buffers (input, window slot, output) for each parity of calls
-_EPOCH, _ANNOUNCED, _SIGNATURE, _DESCRIPTORS, _PID, _DIGEST = 0, 1, 2, 10, 88, 89
-_DESCRIPTOR = 13  # words of a buffer's descriptor: IPC handle (8), base, buffer id, offset, bytes, allocation size
-_HANDLE_WORDS = 8
-_BYTES_WORD = _HANDLE_WORDS + 3  # a descriptor's byte count
-_UNSHAREABLE = -1  # a descriptor's byte count where the rank's buffer cannot be exported
-_AHEAD = 1 << 20  # released waits: a value this far past the fences pending (cyclic comparison)
-_NOTHING = np.zeros(_DESCRIPTOR, np.int64)  # the descriptor of no buffer (read-only, as every descriptor)
-_NOTHING.flags.writeable = False
-_UNSHAREABLE_WORDS = _NOTHING.copy()  # the descriptor of a buffer the driver cannot export
-_UNSHAREABLE_WORDS[_BYTES_WORD] = _UNSHAREABLE
-_UNSHAREABLE_WORDS.flags.writeable = False
-
-
-class PeerWindow:
-    """The node's shared window of one communicator's peer-read calls (host memory,
-    ``MPI.Win.Allocate_shared``; collective to make): a line per rank (fence counter,
-    call counter, signatures, descriptors, process id, digests), a row of 32-bit words per rank,
-    which the other ranks' streams write (``stream`` and ``kernel`` fences), and one the
-    rank's own fence kernels write where a peer did not come in time (``late``)."""
-
-    def __init__(self, node_comm):
-        self.comm = node_comm
-        self.rank, self.size = node_comm.Get_rank(), node_comm.Get_size()
-        self.row = 32 * -(-self.size // 32)  # words per row: 128-byte rows
-        lines, rows = self.size * _LINE * 8, self.size * self.row * 4
-        nbytes = -(-(lines + 2 * rows) // 4096) * 4096
-        self.win = MPI.Win.Allocate_shared(nbytes if self.rank == 0 else 0, 1, comm=node_comm)
-        buffer, _ = self.win.Shared_query(0)
-        memory = np.frombuffer(buffer, np.uint8)[:nbytes]
-        self.lines = memory[:lines].view(np.int64).reshape(self.size, _LINE)
-        self.words = memoryview(memory[:lines]).cast("q")  # read and written word by word
-        self.inbox = memory[lines : lines + rows].view(np.uint32)  # rank r's row at r * row
-        self.late = memory[lines + rows : lines + 2 * rows].view(np.uint32)
-        self.win.Lock_all(MPI.MODE_NOCHECK)
-        if self.rank == 0:
-            memory[...] = 0
-        self.win.Sync()
-        node_comm.Barrier()  # nobody reads a word before it is zero
-        self.win.Sync()
-        self.words[self.rank * _LINE + _PID] = os.getpid()
-        self.win.Sync()
-        node_comm.Barrier()
-        self.win.Sync()
-        self.pids = [int(self.words[q * _LINE + _PID]) for q in range(self.size)]
-        self.fences = 0  # fences handed out to calls so far
-        self.calls = 0  # calls so far
-
-    def free(self):
-        if self.win is not None:
-            self.words.release()
-            self.win.Unlock_all()
-            self.win.Free()
-            self.win = None
-
-    # -- host fences ------------------------------------------------------------------------
-    def arrive(self, word, value):
-        self.win.Sync()  # what this rank wrote before (descriptors, signature) goes first
-        self.words[self.rank * _LINE + word] = value
-
-    def passed(self, word, value):
-        words = self.words
-        for q in range(word, self.size * _LINE, _LINE):
-            if words[q] < value:
-                return False
-        self.win.Sync()  # the others' words before what they wrote after
-        return True
-
-    def behind(self, word, value):
-        return [q for q in range(self.size) if self.words[q * _LINE + word] < value]
-
-    # -- what a call publishes at its first fence ------------------------------------------
-    def sign(self, parity, signature):
-        start = self.rank * _LINE + _SIGNATURE + 4 * parity
-        for k, value in enumerate(signature):
-            self.words[start + k] = value
-
-    def signature_of(self, rank, parity):
-        start = rank * _LINE + _SIGNATURE + 4 * parity
-        return tuple(self.words[start : start + 4])
-
-    def publish(self, parity, which, descriptor):
-        start = _DESCRIPTORS + (3 * parity + which) * _DESCRIPTOR
-        self.lines[self.rank, start : start + _DESCRIPTOR] = descriptor
-
-    def descriptor_of(self, rank, parity, which):
-        """Rank ``rank``'s descriptor of buffer ``which``, as bytes (what
-        :meth:`PeerNode.peer_buffer` looks buffers up by)."""
-        start = _DESCRIPTORS + (3 * parity + which) * _DESCRIPTOR
-        return self.lines[rank, start : start + _DESCRIPTOR].tobytes()
-
-    def unshareable(self, parity, which):
-        """The ranks whose descriptor of buffer ``which`` says it cannot be shared."""
-        at = _DESCRIPTORS + (3 * parity + which) * _DESCRIPTOR + _BYTES_WORD
-        words = self.words
-        return [q for q in range(self.size) if words[q * _LINE + at] == _UNSHAREABLE]
-
-    def publish_digest(self, parity, digest):
-        self.words[self.rank * _LINE + _DIGEST + parity] = digest
-
-    def digests(self, parity):
-        """Every rank's digest of its call of ``parity`` (0: it asked where the buffers are)."""
-        return [int(self.words[q * _LINE + _DIGEST + parity]) for q in range(self.size)]
-
-    def descriptors(self, parity, which):
-        """Every rank's descriptor of buffer ``which`` (a view: one row per rank)."""
-        start = _DESCRIPTORS + (3 * parity + which) * _DESCRIPTOR
-        return self.lines[:, start : start + _DESCRIPTOR]
-
-    # -- stream fences -------------------------------------------------------------------------
-    def word(self, owner, writer):
-        """The index (in ``inbox``) of the word ``writer`` writes into ``owner``'s row."""
-        return owner * self.row + writer
-
-    def behind_on_device(self, value):
-        """The ranks whose word in this rank's row has not reached ``value``."""
-        row = self.rank * self.row
-        return [q for q in range(self.size)
-                if q != self.rank and ((int(self.inbox[row + q]) - value) & 0xFFFFFFFF) >= 0x80000000]
-
-    def announced(self, number):
-        """The ranks whose line holds call ``number``'s signature and descriptors now
-        (its word ``_ANNOUNCED``, written after them), read after it."""
-        words = self.words
-        found = [q for q in range(self.size) if words[q * _LINE + _ANNOUNCED] == number]
-        self.win.Sync()  # (what they wrote before the word, read after it)
-        return found
-
-    def signalled(self, value):
-        """Whether every peer's stream has written ``value`` (or later) into this rank's
-        row; once so, what their hosts published before is read after it."""
-        if self.behind_on_device(value):
-            return False
-        self.win.Sync()
-        return True
-
-
-class PeerMemory:
-    """The other processes' device allocations this process has opened (CUDA IPC),
-    one per owner process, base address and buffer id; and this process's own
-    allocations exported so far. One per device backend and process, shared by its
-    communicators (CUDA opens a handle once per process)."""
-
-    def __init__(self, backend):
-        self.backend = backend
-        self.opened = {}  # (owner pid, base) -> (buffer id, the whole allocation, uint8)
-        self.exported = {}  # base -> (buffer id, handle)
-        self.counters = Counter()  # opened, closed, exported
-
-    def handle_of(self, base, buffer_id):
-        """This process's allocation at ``base`` as an IPC handle (exported once)."""
-        known = self.exported.get(base)
-        if known is None or known[0] != buffer_id:
-            known = self.exported[base] = (buffer_id, bytes(self.backend.export(base)))
-            self.counters["exported"] += 1
-        return known[1]
-
-    def view(self, pid, base, buffer_id, handle, size, offset, nbytes):
-        """Bytes ``[offset, offset + nbytes)`` of process ``pid``'s allocation at ``base``
-        (``size`` bytes, ``buffer_id``), opened here through ``handle`` unless it is open
-        already; a mapping of an older allocation at that base is closed first."""
-        key = (pid, base)
-        known = self.opened.get(key)
-        if known is None or known[0] != buffer_id:
-            if known is not None:  # freed and allocated again there: never read the old mapping
-                self.close(pid, base)
-            known = self.opened[key] = (buffer_id, self._open(pid, base, size, handle))
-            self.counters["opened"] += 1
-        return known[1][offset : offset + nbytes]
-
-    def close(self, pid, base):
-        """Close the mapping of process ``pid``'s allocation at ``base``, if one is open."""
-        known = self.opened.pop((pid, base), None)
-        if known is not None:
-            self.backend.close_allocation(known[1])
-            self.counters["closed"] += 1
-
-    def _open(self, pid, base, size, handle):
-        """Map ``pid``'s allocation ``[base, base + size)``. CUDA maps another process's
-        memory once per process: it refuses (cudaErrorAlreadyMapped) while a mapping
-        of ours overlaps the range, and one that does can only be of memory that
-        process has freed since (its live allocations never overlap), which we never
-        read again. So those are closed, and the opening tried once more."""
-        try:
-            return self.backend.open_allocation(handle, size)
-        except Exception as exc:
-            if not self.backend.already_mapped(exc):
-                raise
-        for key, (_, array) in list(self.opened.items()):
-            if key[0] == pid and key[1] < base + size and base < key[1] + array.nbytes:
-                self.close(*key)
-        return self.backend.open_allocation(handle, size)
-
-
-_MEMORY: dict = {}  # backend -> its PeerMemory
-
-
-def peer_memory(backend):
-    """The :class:`PeerMemory` of ``backend``'s device in this process."""
-    memory = _MEMORY.get(backend)
-    if memory is None:
-        memory = _MEMORY[backend] = PeerMemory(backend)
-    return memory
-
-
-class PeerNode:
-    """What one communicator keeps for its peer-read calls on one device: the window,
-    the fence mechanism, this rank's window slot (``shm``: device memory, grown as
-    calls need, old ones kept while a peer may still hold them), pooled events, and
-    counters. Made (collectively) at the first such call."""
-
-    def __init__(self, device, node_comm, mechanism, exchange):
-        """``exchange(words)``: every node rank's int64 ``words`` (a timed allgather over
-        the node), for what the ranks settle at the start."""
-        self.device, self.backend = device, device.backend
-        self._described = {}  # where this rank's buffers lie -> their descriptor words (descriptor)
-        uuids = device.node_gpus  # (as the device negotiation exchanged them)
-        self.gpus = len(uuids)  # the node's GPUs (its ranks' devices)
-        # every rank of the node on one GPU: auto's leader runs there (else one_shot: routes.peer)
-        self.one_gpu = self.gpus == 1
-        if mechanism == "auto":
-            mechanism = choose_mechanism(uuids, node_comm.Get_size())
-        if mechanism not in MECHANISMS:
-            raise ValueError(f"device_fence must be auto or one of {', '.join(MECHANISMS)}; got {mechanism!r}")
-        self.mechanism = mechanism
-        self.window = PeerWindow(node_comm)
-        self.memory = peer_memory(self.backend)
-        # (stream and kernel: every stream signals the first fence in the window's rows)
-        self.inbox = self.backend.map_host(self.window.inbox) if mechanism != "host" else None
-        self.late = self.backend.map_host(self.window.late) if mechanism == "kernel" else None
-        # A stream of its own, which holds the peer calls only, in call order on every
-        # rank: their device-side waits for the other ranks (stream and kernel fences)
-        # must not hold up work of the other routes' calls in flight, which each rank
-        # queues on the shared streams in an order of its own (a deadlock across ranks).
-        self.stream = self.backend.stream("peer")
-        if mechanism == "kernel":  # every rank's inbox of flags, in its device memory, opened by the others
-            window = self.window  # (2 words a rank: the fence it reached, and its digest of the call)
-            self.flags = self.backend.empty(2 * window.size, np.uint32)
-            self.backend.copy(self.flags, np.zeros(2 * window.size, np.uint32), self.stream)
-            self.backend.synchronize_stream(self.stream)
-            everyone = exchange(self.descriptor(self.flags, self.flags.nbytes))
-            check_shareable(everyone, "fence flags", "the peer-read set-up")
-            inboxes = [self.flags if q == window.rank else self.open(q, everyone[q], "fence flags").view(np.uint32)
-                       for q in range(window.size)]
-            self.table = self.backend.pointer_table(inboxes)
-        self._events = []  # pooled events, recorded and waited for again and again
-        self.fence_event = self.backend.event()
-        self.end_event = self.backend.event()
-        self.slot, self._slots = None, []  # this rank's window slot (device bytes), and every one made
-        self.nothing = self.backend.empty(0, np.uint8)  # the buffers of a call that moves nothing (a barrier)
-        self._buffers = {}  # the peers' buffers seen, typed (peer_buffer)
-        # Registered arrays (Communicator.empty(device=)): where this rank's lies (base,
-        # buffer id, offset, bytes) -> (the array, weakly: registered while it lives;
-        # every rank's descriptor of its own; their placement_crc) (remember, counterparts)
-        self._registered = {}
-        self._flag_stream = None  # kernel: where flags_now copies the flags out
-        # calls; fences (the plans': two a call, the ranks' only synchronisations); host
-        # meetings (fences a host waits at for the others: both with host fences, the
-        # first with stream and kernel ones)
-        self.counters = Counter()
-
-    def take_event(self):
-        return self._events.pop() if self._events else self.backend.event()
-
-    def give_event(self, event):
-        self._events.append(event)
-
-    def slot_of(self, nbytes):
-        """This rank's window slot, at least ``nbytes`` long."""
-        if self.slot is None or self.slot.nbytes < nbytes:
-            self.slot = self.backend.empty(max(1 << max(int(nbytes) - 1, 0).bit_length(), 4096), np.uint8)
-            self._slots.append(self.slot)  # a peer may have it open until its next call's first fence
-        return self.slot
-
-    def descriptor(self, array, nbytes):
-        """The words that tell the other ranks where ``array`` is: its allocation's
-        handle, base address and buffer id, the offset in it, ``nbytes``, the
-        allocation's size; ``nbytes`` -1 where it cannot be shared (memory the device
-        cannot export), 0 for nothing. Read-only: the same words for the same place, made
-        once (a steady loop of calls describes the same buffers call after call); the
-        driver is asked where the buffer lies every time (memory freed and allocated
-        again at the same address is another allocation: another buffer id)."""
-        if nbytes == 0:
-            return _NOTHING
-        try:
-            base, size, buffer_id = self.backend.allocation(array)
-            key = (base, buffer_id, _ptr(array) - base, nbytes, size)  # (the handle: base's and buffer id's)
-            words = self._described.get(key)
-            handle = self.memory.handle_of(base, buffer_id) if words is None else None
-        except Exception:  # noqa: BLE001 - whatever the driver says, the others must hear of it
-            return _UNSHAREABLE_WORDS
-        if words is None:
-            words = np.zeros(_DESCRIPTOR, np.int64)
-            words[:_HANDLE_WORDS] = np.frombuffer(handle.ljust(8 * _HANDLE_WORDS, b"\0"), np.int64)
-            words[_HANDLE_WORDS:] = (base, np.uint64(buffer_id).view(np.int64), key[2], nbytes, size)
-            words.flags.writeable = False
-            if len(self._described) >= 256:
-                self._described.clear()
-            self._described[key] = words
-        return words
-
-    def open(self, rank, words, what):
-        """Rank ``rank``'s buffer that ``words`` describes, as uint8 device bytes here
-        (None for nothing). Check every rank's descriptor first (:func:`check_shareable`),
-        so that every rank raises alike where one cannot be shared."""
-        base, buffer_id, offset, nbytes, size = (int(v) for v in words[_HANDLE_WORDS:])
-        if nbytes == _UNSHAREABLE:  # (the callers checked: only if one did not)
-            raise CollectiveError(unshareable_message(what, [rank]))
-        if nbytes == 0:
-            return None
-        return self.memory.view(self.window.pids[rank], base, buffer_id & (2 ** 64 - 1),
-                                words[:_HANDLE_WORDS].tobytes(), size, offset, nbytes)
-
-    def flags_now(self):
-        """kernel: this rank's flags as they are now, on the host (for messages; the copy
-        runs on a stream of its own beside the fence kernel that spins on them)."""
-        if self._flag_stream is None:
-            self._flag_stream = self.backend.stream("flags")
-        host = np.empty(self.window.size, np.uint32)
-        self.backend.copy(host, self.flags[: self.window.size], self._flag_stream)
-        self.backend.synchronize_stream(self._flag_stream)
-        return host
-
-    def peer_buffer(self, rank, described, what, storage):
-        """Rank ``rank``'s buffer that ``described`` (its descriptor's bytes) describes,
-        typed ``storage`` (a :class:`_Sliced`; None for nothing). Kept: the same buffer
-        in a later call costs a lookup, and its slices too (the peer's allocation stays
-        open anyway)."""
-        key = (rank, described, storage)
-        found = self._buffers.get(key, False)
-        if found is False:
-            raw = self.open(rank, np.frombuffer(described, np.int64), what)
-            found = None if raw is None else _Sliced(raw.view(storage))
-            if len(self._buffers) >= 256:
-                self._buffers.clear()
-            self._buffers[key] = found
-        return found
-
-    def remember(self, array, everyone):
-        """``array`` is registered: ``everyone`` holds every node rank's descriptor of its
-        own (``Communicator.empty(device=)``, collective), each opened here already."""
-        key = _placement(everyone[self.window.rank])
-        if key[3] <= 0:
-            return
-        try:
-            alive = weakref.ref(array)
-        except TypeError:  # an array that cannot be referred to weakly: never taken as registered
-            return
-        for gone in [k for k, (held, _, _) in self._registered.items() if held() is None]:
-            del self._registered[gone]
-        self._registered[key] = (alive, everyone.copy(), placement_crc(everyone))
-
-    def counterparts(self, mine):
-        """Every rank's registered array, if this rank's buffer ``mine`` (its descriptor)
-        is a whole array registered here that still lives, and every peer's is still the
-        allocation open here: ``(every rank's descriptor of its own, as each publishes
-        it; a CRC of where they are)``, else None. A registered array that lives is the
-        only array in its memory. (Only a whole array: a slice of one may be at a place
-        that differs from rank to rank, as a rank's row of an allgather's output.)"""
-        alive, rows, crc = self._registered.get(_placement(mine), (None, None, None))
-        if alive is None or alive() is None:
-            return None
-        opened, pids = self.memory.opened, self.window.pids
-        for q, row in enumerate(rows):  # (a peer's allocation closed here since: never read it)
-            if q != self.window.rank:
-                known = opened.get((pids[q], int(row[_HANDLE_WORDS])))
-                if known is None or known[0] != int(row[_HANDLE_WORDS + 1]) & (2 ** 64 - 1):
-                    return None
-        return rows, crc
-
-    def release(self):
-        """Let this rank's stream pass every fence it may wait at (after a failure, so
-        that its queued work does not wait for ever): ``stream``, the words it waits
-        for, written far ahead; ``kernel``, the rank's own word of its row of ``late``
-        (which no fence kernel writes: they write the peers' words) set, which its fence
-        kernels read as they spin and then stop, within a tenth of a millisecond, instead
-        of spinning to their time limit (up to 300 s). For good: a call starting
-        afterwards does not clear it (a broken communicator starts none)."""
-        window = self.window
-        row = window.rank * window.row
-        if self.mechanism == "stream":
-            window.inbox[row : row + window.size] = (window.fences + _AHEAD) & 0xFFFFFFFF
-        elif self.mechanism == "kernel":
-            window.late[row + window.rank] = 1
-
-    def free(self, broken=False):
-        """Release the window (collective over the node). Every call has finished its
-        device work by then (a call finishes once its last event has), unless the
-        communicator is ``broken`` on some rank: then a stream may still hold work that
-        writes the window once released, so every rank keeps it (the ranks agree first)."""
-        self.release()
-        if not self.window.comm.allreduce(not broken, op=MPI.LAND):
-            return
-        for mapping in (self.inbox, self.late):
-            if mapping is not None:
-                self.backend.unmap_host(mapping)
-        self.window.free()
-        self._slots, self.slot = [], None
-
-
-def _ptr(array):
-    return array.ptr if hasattr(array, "ptr") else array.data.ptr
-
-
-def _placement(descriptor):
-    """Where a descriptor's buffer is: (base, buffer id, offset, bytes)."""
-    return tuple(int(v) for v in descriptor[_HANDLE_WORDS : _HANDLE_WORDS + 4])
-
-
-def placement_crc(descriptors):
-    """A CRC of where every rank's buffer is (base, buffer id, offset, bytes of each
-    rank's descriptor), the same on every rank that sees the same."""
-    return zlib.crc32(np.ascontiguousarray(descriptors[:, _HANDLE_WORDS : _HANDLE_WORDS + 4]).tobytes())
-
-
-def call_digest(signature, placement):
-    """The 32-bit digest of a call that the fence kernels compare at the first fence:
-    its signature (number, code, bytes, root) and where every rank's input is."""
-    return zlib.crc32(np.asarray(signature, np.int64).tobytes(), placement) or 1
-
-
-class _Sliced:
-    """A device array and the slices of it asked for so far (slicing a CuPy array costs
-    microseconds; a peer's buffer is sliced alike call after call)."""
-
-    __slots__ = ("array", "parts")
-
-    def __init__(self, array):
-        self.array, self.parts = array, {}
-
-    def part(self, lo, hi):
-        if lo == 0 and hi == self.array.size:
-            return self.array
-        found = self.parts.get((lo, hi))
-        if found is None:
-            if len(self.parts) >= 64:
-                self.parts.clear()
-            found = self.parts[(lo, hi)] = self.array[lo:hi]
-        return found
-
-
-def choose_mechanism(uuids, ranks):
-    """``device_fence="auto"``: in-kernel flags where every one of the node's ``ranks``
-    has a GPU of its own (``uuids``: the node's GPUs; whose kernels can spin on a flag
-    without holding the others' off the device), else the host's epochs (on a shared
-    GPU a spinning kernel would hold the others off for its whole time slice)."""
-    return "kernel" if len(uuids) == ranks and ranks > 1 else "host"
-
-
-# -- one call's plan, as phases between fences --------------------------------------------------
-_COPY, _REDUCE, _REDUCE_MANY, _COPY_MANY, _FOLD_TO_ALL, _FOLD_BLOCKS, _COPY_KERNELS = 0, 1, 2, 3, 4, 5, 6
-_MAX_COPIES = 16  # destinations a copy kernel writes (kernels/collectives.cu's copy_n)
-
-
-def _overlap(a, b, apart=False):
-    """Whether slice specs ``a`` and ``b`` may share memory: this rank's ``in`` and
-    ``out`` may (in place, or a row of the result as the input), and so may a peer's
-    (``reg``, ``rout``), unless the plan's outputs are ``apart`` from their inputs
-    (``Plan.outputs_apart``); a peer's window slot only itself."""
-    if a[0] != b[0] or a[1] != b[1]:
-        if apart:
-            return False
-        if a[1] == b[1] and {a[0], b[0]} == {"reg", "rout"}:
-            return True
-        return a[0] in ("in", "out") and b[0] in ("in", "out")
-    return a[2] < b[3] and b[2] < a[3]
-
-
-def _gathered(entries, apart=False):
-    """``entries`` (a phase) with every run of two or more copies that do not touch each
-    other's memory (no destination overlaps another copy's source or destination) made
-    one ``_COPY_MANY`` entry: one kernel, not one copy each (allgather's reads of the
-    peers, two_shot's copies out of the slots)."""
-    made, run = [], []
-
-    def touches(pair, others):
-        dst, src = pair
-        return any(_overlap(dst, d, apart) or _overlap(dst, s, apart) or _overlap(src, d, apart) for d, s in others)
-
-    def close():
-        if len(run) > 1:
-            made.append((_COPY_MANY, tuple(run)))
-        else:
-            made.extend((_COPY, pair) for pair in run)
-        run.clear()
-
-    for kind, specs in entries:
-        if kind == _COPY and not touches(specs, run):
-            run.append(specs)
-            continue
-        close()
-        if kind == _COPY:
-            run.append(specs)
-        else:
-            made.append((kind, specs))
-    close()
-    return made
-
-
-def _folded_to_all(entries):
-    """``entries`` (a phase, gathered) with a fold followed by copies of its result (the
-    leader's into every rank's output) made one ``_FOLD_TO_ALL`` entry ``(outputs,
-    inputs)``: one kernel writes the fold into every output. Only where no copy's
-    destination shares memory with the fold's inputs other than their very elements (in
-    place: a peer's output is its input), which the kernel reads before it writes."""
-    made = []
-    for kind, specs in entries:
-        last = made[-1] if made else None
-        if last is not None and last[0] in (_REDUCE, _REDUCE_MANY, _FOLD_TO_ALL) and kind in (_COPY, _COPY_MANY):
-            outputs, inputs = last[1] if last[0] == _FOLD_TO_ALL else ((last[1][0],), last[1][1:])
-            pairs = (specs,) if kind == _COPY else specs
-            apart = all(not _overlap(dst, x) or (dst[1] == x[1] and dst[2:] == x[2:]) for dst, _ in pairs
-                        for x in inputs)
-            if all(src == outputs[0] for _, src in pairs) and apart and len(outputs) + len(pairs) <= _MAX_COPIES \
-                    and not any(_overlap(dst, out) for dst, _ in pairs for out in outputs):
-                made[-1] = (_FOLD_TO_ALL, (outputs + tuple(dst for dst, _ in pairs), inputs))
-                continue
-        made.append((kind, specs))
-    return made
-
-
-def _fold_parts(entry):
-    """``(outputs, inputs)`` of a fold entry of :func:`phases` (a reduction, a fold into
-    several outputs, folds over blocks: their inputs' spans), None for a copy."""
-    kind, specs = entry
-    if kind in (_REDUCE, _REDUCE_MANY):
-        return (specs[0],), specs[1:]
-    if kind in (_FOLD_TO_ALL, _FOLD_BLOCKS):
-        return specs[0], specs[1]
-    return None
-
-
-def _later_reads(made, apart):
-    """``read_later(k, i, spec)``: whether a fold after entry ``i`` of phase ``k`` of
-    ``made`` reads memory ``spec`` may share (:func:`_overlap`)."""
-    reads = [(k, i, x) for k, phase in enumerate(made) for i, entry in enumerate(phase)
-             if (parts := _fold_parts(entry)) is not None for x in parts[1]]  # in order
-    return lambda k, i, spec: any(_overlap(spec, x, apart) for k2, i2, x in reads if (k2, i2) > (k, i))
-
-
-def _folded_in_blocks(entries, apart, read_later):
-    """``entries`` (a phase) with every run of two or more folds of the same inputs,
-    each over a block of its own at the same offset in every input, into outputs that
-    share no memory with any of the run's inputs or with each other, made one
-    ``_FOLD_BLOCKS`` entry ``(outputs, inputs, offsets)``: one kernel, not one per fold
-    (a leader's reduce_scatter, every rank's block). ``inputs``: each input's span over
-    the run's blocks; ``offsets``: each block's start in it. Only folds whose outputs no
-    later fold reads (``read_later(index, spec)``) join a run: they are the call's
-    results, and a run divides alike (avg)."""
-    made, run = [], []  # run: the folds joined so far, (entry, output, inputs)
-
-    def joins(index, dst, inputs):
-        if read_later(index, dst) or len(run) >= _MAX_COPIES:
-            return False
-        if not run:
-            return True
-        first = run[0][2]
-        if len(inputs) != len(first) or any(x[:2] != y[:2] for x, y in zip(inputs, first)):
-            return False
-        shift = inputs[0][2] - first[0][2]
-        if any(x[2] - y[2] != shift for x, y in zip(inputs, first)):
-            return False
-        outputs = [dst] + [o for _, o, _ in run]
-        reads = list(inputs) + [x for _, _, xs in run for x in xs]
-        return not any(_overlap(o, x, apart) for o in outputs for x in reads) and \
-            not any(_overlap(a, b, apart) for n, a in enumerate(outputs) for b in outputs[n + 1:])
-
-    def close():
-        if len(run) > 1:
-            spans = tuple((x[0], x[1], min(xs[i][2] for _, _, xs in run), max(xs[i][3] for _, _, xs in run))
-                          for i, x in enumerate(run[0][2]))
-            offsets = tuple(xs[0][2] - spans[0][2] for _, _, xs in run)
-            made.append((_FOLD_BLOCKS, (tuple(o for _, o, _ in run), spans, offsets)))
-        else:
-            made.extend(entry for entry, _, _ in run)
-        run.clear()
-
-    for index, entry in enumerate(entries):
-        if entry[0] not in (_REDUCE, _REDUCE_MANY):
-            close()
-            made.append(entry)
-            continue
-        (dst,), inputs = _fold_parts(entry)
-        if not joins(index, dst, inputs):
-            close()
-        if joins(index, dst, inputs):
-            run.append((entry, dst, inputs))
-        else:
-            made.append(entry)
-    close()
-    return made
-
-
-def _copy_kernels(pairs):
-    """The ``copy_n`` kernels of a run of copies (a ``_COPY_MANY`` entry's pairs), each
-    ``(destinations, sources)``: where every source has as many destinations, m (a
-    leader writing each input into m ranks' outputs), each source is read once into all
-    of its, 16 // m sources a kernel; else a pair each, 16 a kernel."""
-    fans = {}
-    for dst, src in pairs:
-        fans.setdefault(src, []).append(dst)
-    widths = {len(dsts) for dsts in fans.values()}
-    if len(widths) == 1 and (m := widths.pop()) <= _MAX_COPIES:
-        rows, per = list(fans.items()), _MAX_COPIES // m
-        return tuple((tuple(d for _, dsts in rows[at : at + per] for d in dsts),
-                      tuple(src for src, _ in rows[at : at + per])) for at in range(0, len(rows), per))
-    return tuple((tuple(d for d, _ in pairs[at : at + _MAX_COPIES]), tuple(s for _, s in pairs[at : at + _MAX_COPIES]))
-                 for at in range(0, len(pairs), _MAX_COPIES))
-
-
-def _outputs_written(made):
-    """The other ranks whose outputs ``made`` (:func:`phases`) writes."""
-    written = set()
-    for phase in made:
-        for entry in phase:
-            kind, specs = entry
-            outputs = (specs[0],) if kind == _COPY else tuple(dst for dst, _ in specs) if kind == _COPY_MANY else \
-                _fold_parts(entry)[0]
-            written.update(o[1] for o in outputs if o[0] == "rout")
-    return frozenset(written)
-
-
-def _final_folds(made, apart):
-    """``{(phase, entry)}`` of the folds in ``made`` (:func:`phases`) that write an
-    output (this rank's or, on a leader, another's) which no later fold reads: the
-    call's results, where avg's division goes when the fold divides. ``apart``: the
-    plan's outputs share no memory with its inputs (:func:`_overlap`)."""
-    read_later = _later_reads(made, apart)
-    return {(k, i) for k, phase in enumerate(made) for i, entry in enumerate(phase)
-            if (parts := _fold_parts(entry)) is not None and parts[0][0][0] in ("out", "rout")
-            and not any(read_later(k, i, o) for o in parts[0])}
-
-
-def phases(plan, rank, stride, slot):
-    """``plan``'s operations in phases between its fences (kept beside the plan): each
-    an ``(kind, slices)`` list, a slice ``(buffer, peer, lo, hi)`` with ``reg``,
-    ``rout`` and ``shm`` slices made into a peer's input or output (``peer`` >= 0;
-    ``stride`` elements per rank) or window slot (``slot`` elements per rank),
-    ``lo``/``hi`` within it."""
-    return phases_and_facts(plan, rank, stride, slot)[0]
-
-
-def phases_and_facts(plan, rank, stride, slot):
-    """``(phases, written, final)``: :func:`phases`, the other ranks whose outputs they
-    write (:func:`_outputs_written`) and their final folds (:func:`_final_folds`), made
-    once per plan and rank (kept beside the plan: a call looks them up)."""
-    key = ("_peer_phases", rank, stride, slot)
-    found = plan.__dict__.get(key[0])
-    if found is not None and found[0] == key:
-        return found[1]
-
-    def spec(s):
-        if s.buf == "reg":
-            q = s.lo // stride
-            buf = "in" if q == rank else "reg"
-            return (buf, q, s.lo - q * stride, s.hi - q * stride)
-        if s.buf == "shm":
-            q = s.lo // slot
-            return ("shm", q, s.lo - q * slot, s.hi - q * slot)
-        if s.buf == "rout":  # (laid out by the plan's own stride)
-            q = s.lo // plan.rout_stride
-            lo, hi = s.lo - q * plan.rout_stride, s.hi - q * plan.rout_stride
-            return ("out", -1, lo, hi) if q == rank else ("rout", q, lo, hi)
-        return (s.buf, -1, s.lo, s.hi)
-
-    made = [[]]
-    for op in plan.ops:
-        if isinstance(op, Fence):
-            made.append([])
-        elif isinstance(op, Copy):
-            made[-1].append((_COPY, (spec(op.dst), spec(op.src))))
-        elif isinstance(op, Reduce):
-            made[-1].append((_REDUCE, (spec(op.dst), spec(op.a), spec(op.b))))
-        elif isinstance(op, ReduceMany):
-            made[-1].append((_REDUCE_MANY, (spec(op.dst),) + tuple(spec(x) for x in op.srcs)))
-        else:
-            raise ValueError(f"the peer-read executor cannot run {op!r}")
-    apart = plan.outputs_apart
-    made = [_gathered(phase, apart) for phase in made]
-    later = _later_reads(made, apart)
-    made = [_folded_to_all(_folded_in_blocks(phase, apart, lambda i, dst, k=k: later(k, i, dst)))
-            for k, phase in enumerate(made)]
-    written, final = _outputs_written(made), _final_folds(made, apart)
-    made = [[(_COPY_KERNELS, _copy_kernels(specs)) if kind == _COPY_MANY else (kind, specs) for kind, specs in phase]
-            for phase in made]  # (the same places: final's indices hold)
-    facts = (made, written, final)
-    object.__setattr__(plan, key[0], (key, facts))  # the plan is frozen; a cache beside it
-    return facts
+from ..errors import CollectiveMismatchError
+from .peer_fences import DEFAULT_KERNEL_LIMIT
+from .peer_memory import Sliced
+from .peer_phases import _COPY, _COPY_KERNELS, _FOLD_BLOCKS, _FOLD_TO_ALL, _REDUCE_MANY, _fold_parts, phases_and_facts
+from .peer_window import _NOTHING, compare_signatures, refuse_unshareable
+from .progress import QueuedHandle
+
+
+@dataclass(slots=True)
+class PeerWork:
+    """What one peer-read call is asked to do (a :class:`PeerCall` runs it)."""
+
+    plan: Any  # the compiled plan (schedule.Plan)
+    arrays: dict  # the flat device buffers "in", "out", "tmp"
+    stride: int  # elements of each rank's part of the plan's peer buffers
+    op: str
+    dtype: np.dtype  # the logical dtype the folds compute in
+    # four integers every rank must give alike: the call's number, a code of the
+    # collective, algorithm, dtype and op, the size in bytes, the root
+    signature: tuple
+    describe: str  # the call, for messages
+    started: Any  # an event recorded on the user's stream at the call
+    before: Callable | None = None  # before(stream): work beside the plan before it (packing a strided input)
+    after: Callable | None = None  # after(stream): work after it (the average's division, unpacking)
+    limit: float | None = None  # seconds an in-kernel wait lasts at most (None: DEFAULT_KERNEL_LIMIT)
+    # avg on a plan whose outputs are shared (a leader's): the folds that write them
+    # divide by it as they write, so the other ranks launch no division
+    divisor: int | None = None
 
 
 class PeerCall:
-    """One call's plan on the device, run step by step by :class:`PeerHandle` in the
-    order the calls were made (see the module's docstring).
+    """One call's plan (:class:`PeerWork`) on the device, run step by step by
+    :class:`PeerHandle` in the order the calls were made (see the module's docstring)."""
 
-    ``arrays``: the flat device buffers ``in``, ``out``, ``tmp``; ``signature``: four
-    integers every rank must give alike (call number, a code of collective, algorithm,
-    dtype and op, the size in bytes, the root); ``started``: an event recorded on the
-    user's stream at the call; ``before(stream)`` and ``after(stream)``: work of the call
-    beside the plan (packing a strided input; the average's division, unpacking);
-    ``divisor``: avg on a plan whose outputs are shared (a leader's): the folds that
-    write them divide by it as they write, so the other ranks launch no division."""
-
-    def __init__(self, node, plan, arrays, stride, op, dtype, signature, describe, started, before=None, after=None,
-                 limit=None, divisor=None):
+    def __init__(self, node, work):
         self.node, self.backend, self.window = node, node.backend, node.window
-        self.arrays, self.op, self.dtype, self.describe = arrays, op, dtype, describe
-        self.signature = tuple(int(v) for v in signature)
-        self.started, self.before, self.after = started, before, after
+        plan, stride, limit, divisor = work.plan, work.stride, work.limit, work.divisor
+        self.arrays, self.op, self.dtype, self.describe = work.arrays, work.op, work.dtype, work.describe
+        self.signature = tuple(int(v) for v in work.signature)
+        self.started, self.before, self.after = work.started, work.before, work.after
         # The other routes' calls that ended before this call was made (their workspace,
         # which this call may have taken, is free once it has run): their last event now,
         # not at the start, which may come after later calls' (they must not be waited for).
@@ -824,12 +118,8 @@ class PeerCall:
         self.fences = len(self.phases) - 1
         self.divisor = divisor
         self.dividing = final if divisor is not None else ()
-        window = self.window
-        self.base = window.fences  # this call's fences are base + 1 … base + fences
-        window.fences += self.fences
-        window.calls += 1
-        self.number = window.calls
-        self.parity = self.number & 1
+        self.base, self.number = self._numbered()
+        self.parity = self.number & 1  # which of the window's two sets of descriptors it publishes in
         self.phase = -1  # the phase enqueued last (-1: none yet)
         self.waiting = False  # host fences: recorded the event before the next fence; arrived once it completed
         self.arrived = False  # arrived at the next fence (host), or signalled the first (stream, kernel)
@@ -840,10 +130,20 @@ class PeerCall:
         # (the leader's other ranks touch the device once a call, not three times)
         self.unrecorded = True
         self.end_covered = False  # the last fence's event covers the call's end: end_event not recorded
-        self.peers = None  # rank -> (its input, its window slot, its output), each a _Sliced typed device array
+        self.peers = None  # rank -> (its input, its window slot, its output), each a Sliced typed device array
         self.mine = None  # this rank's input's descriptor, as published
         self.assumed = False  # kernel: the peers' inputs taken as registered counterparts (no host wait)
         self.digest = 0  # kernel: the call's digest, which the first fence kernels compare
+
+    def _numbered(self):
+        """``(base, number)``: this call's fences are the window's ``base + 1`` …
+        ``base + fences``, and it is the window's call ``number`` (every rank numbers
+        alike: calls run in the order they were made)."""
+        window = self.window
+        base = window.fences
+        window.fences += self.fences
+        window.calls += 1
+        return base, window.calls
 
     # -- the steps ------------------------------------------------------------------------------
     def step(self):
@@ -862,8 +162,7 @@ class PeerCall:
             self._end()
             moved = True
         if self.end_covered or self.backend.query(self.node.end_event):
-            if self.node.mechanism == "kernel":
-                self._check_late()
+            self.node.fence.finished(self)
             self.done = True
             return True
         return moved
@@ -873,69 +172,22 @@ class PeerCall:
         self._wait_for_other_routes()
         if self.before is not None:
             self.before(self.node.stream)
-        if self.node.mechanism == "kernel":  # the previous call's fence kernels have all run
-            window, row = self.window, self.window.rank * self.window.row
-            window.late[row : row + window.rank] = 0  # (not the rank's own word: release's, see PeerNode.release)
-            window.late[row + window.rank + 1 : row + window.size] = 0
+        self.node.fence.start(self)
         self.phase = 0
         self.node.counters["calls"] += 1
         self._enqueue(0)
 
     def _fence(self, k):
-        """Fence ``k`` (1-based) of this call: True once passed (host fences, and the
-        first of stream and kernel ones) or enqueued (their second)."""
-        node, window = self.node, self.window
-        epoch = self.base + k
-        if node.mechanism == "host":
-            if not self.arrived:
-                if not self._work_done():
-                    return False
-                if k == 1:
-                    self._publish()
-                window.arrive(_EPOCH, epoch)
-                self.arrived = True
-            if not self._others_arrived(k, epoch):
-                return False
-            self.arrived = False
-            node.counters["host meetings"] += 1  # the fence is the hosts' meeting
-            if k == 1:
-                self._meet()
-        elif k == 1:  # where the inputs are, and that they are ready: the host sees both
-            if not self.arrived:
-                self._publish()
-                if node.mechanism == "kernel":
-                    self._assume()
-                    window.publish_digest(self.parity, self.digest if self.assumed else 0)
-                window.arrive(_ANNOUNCED, self.number)  # (nobody waits for it: see _check_announced)
-                self._signal(k, epoch)
-                self.arrived = True
-            if self.assumed:  # the devices meet alone
-                self._fence_kernel(k, epoch)
-            elif node.mechanism != "kernel":
-                if not self._others_signalled(epoch):
-                    self._check_announced()
-                    return False
-                node.counters["host meetings"] += 1
-                self._meet()
-            else:  # kernel, a rank that asks: ranks that did not may wait for it on their devices
-                if not self._others_signalled(epoch):
-                    self._signalling_if_it_raises(self._check_announced, 1)
-                    return False
-                node.counters["host meetings"] += 1
-                self._signal_fences((1,))  # first: so that they go on while this host opens buffers
-                self._signalling_if_it_raises(self._meet_having_asked, 2)
-            self.arrived = False
-        else:  # the devices' own: the host enqueues it and goes on
-            if node.mechanism == "stream":
-                self._signal(k, epoch)
-                self._wait_for_others(k, epoch)
-            else:
-                self._fence_kernel(k, epoch)
-        node.counters["fences"] += 1
+        """Fence ``k`` (1-based) of this call: True once passed, or queued on the
+        devices (the node's fence mechanism says which)."""
+        if not self.node.fence.fence(self, k):
+            return False
+        self.node.counters["fences"] += 1
         return True
 
-    # Each synchronisation of a call, one method each (the tests take them out one at a
-    # time and show a test failing for each: tests/device/test_device_peer.py).
+    # The call's synchronisations with the user's and the other routes' work, one method
+    # each, as the fences' (the tests take them out one at a time:
+    # tests/device/test_device_peer.py).
     def _wait_for_user(self):
         """The stream waits for the user's work before the call (its event)."""
         self.backend.wait(self.node.stream, self.started)
@@ -947,33 +199,10 @@ class PeerCall:
         if self.previous is not None:
             self.backend.wait(self.node.stream, self.previous)
 
-    def _work_done(self):
-        """host: whether this rank's device work before the fence has run (recording
-        the event that says so the first time, unless nothing was queued since the last
-        fence's, which has run)."""
-        if not self.waiting:
-            if not self.unrecorded:
-                return True
-            self.backend.record(self.node.fence_event, self.node.stream)
-            self.waiting = True
-        if not self.backend.query(self.node.fence_event):
-            return False
-        self.waiting = self.unrecorded = False
-        return True
-
-    def _others_arrived(self, k, epoch):
-        """host: whether every rank has arrived at fence ``k``."""
-        return self.window.passed(_EPOCH, epoch)
-
-    def _others_signalled(self, epoch):
-        """stream and kernel, the first fence: whether every peer's stream has signalled
-        it (so its input is ready, and where it is has been published)."""
-        return self.window.signalled(epoch & 0xFFFFFFFF)
-
-    def _check_announced(self):
+    def check_announced(self):
         """stream and kernel, waiting at the first fence: once every rank has published
         this call, raise at once where one signed another call or gave a buffer that
-        cannot be shared, as :meth:`_meet` would. A host publishes as it makes the call,
+        cannot be shared, as :meth:`meet` would. A host publishes as it makes the call,
         but its stream signals only once its device work before the call has run, and a
         rank that passes the fence and raises first breaks the communicator: the others
         must not learn of the mismatch only from its notice, but raise the same error
@@ -993,127 +222,7 @@ class PeerCall:
             if shared:
                 refuse_unshareable(window.unshareable(self.parity, which), what, self.describe)
 
-    def _signal(self, k, epoch):
-        """stream and kernel (the first fence): once the work before it has run, the
-        stream writes fence ``k``'s number into every peer's row."""
-        node, window, value = self.node, self.window, epoch & 0xFFFFFFFF
-        for q in range(window.size):
-            if q != window.rank:
-                self.backend.write_value(node.stream, node.inbox, window.word(q, window.rank), value)
-
-    def _fence_kernel(self, k, epoch):
-        """kernel: one small kernel writes fence ``k``'s number (and the call's digest)
-        into every peer's flags and waits for theirs in its own, at most ``limit``
-        seconds; at the first fence (a rank that took the peers' registered arrays
-        without asking) it compares the peers' digests with this rank's."""
-        self._launch_fence(epoch, wait=True, check=k == 1)
-
-    def _launch_fence(self, epoch, wait, check=False):
-        """The fence kernel at ``epoch`` with this call's digest: waiting, or only signalling."""
-        node, window = self.node, self.window
-        self.backend.fence_kernel(node.stream, node.table, node.flags, window.rank, epoch & 0xFFFFFFFF, self.limit,
-                                  node.late, window.rank * window.row, digest=self.digest, wait=wait, check=check)
-
-    def _meet_having_asked(self):
-        """kernel: :meth:`_meet`, then the published digests compared with this rank's."""
-        self._meet()
-        self._compare_digests()
-
-    def _signal_fences(self, fences):
-        """kernel, a rank whose host asked where the buffers are: where a rank took its
-        registered array without asking (it published a digest), its fence kernels wait
-        for this rank's on its device, so write this rank's digest and the numbers of
-        ``fences`` into the peers' flags, waiting for nothing (the first fence, or every
-        one left before raising: their kernels then see the digest, pass, and raise too).
-        Where every rank asked, no device waits at the first fence: no kernel. True if it
-        signalled."""
-        window = self.window
-        if not any(window.digests(self.parity)):
-            return False
-        self.digest = call_digest(self.signature, placement_crc(window.descriptors(self.parity, 0)))
-        for k in fences:
-            self._launch_fence(self.base + k, wait=False)
-        return True
-
-    def _signalling_if_it_raises(self, check, first):
-        """Run ``check``; if it raises a disagreement (a :class:`CollectiveError`: another
-        call, a buffer that cannot be shared, another digest; this rank's digest then
-        differs from theirs, so they raise too), first signal fences ``first`` … the
-        call's last (:meth:`_signal_fences`) and let this rank's stream run up to there,
-        within a few seconds (a GPU runs what was queued anyway; the stand-in runs its
-        streams only while someone waits). Another error (a driver's) leaves the digests
-        alike: the others are not let past fences whose reads of this rank's input its
-        caller may overwrite once it has raised; they time out, naming it."""
-        try:
-            check()
-        except CollectiveError:
-            if self._signal_fences(range(first, self.fences + 1)):
-                backend, event = self.backend, self.node.fence_event
-                backend.record(event, self.node.stream)
-                until = time.monotonic() + min(self.limit, 10.0)
-                while not backend.query(event) and time.monotonic() < until:
-                    time.sleep(1e-4)
-            raise
-
-    def _compare_digests(self):
-        """kernel, past the first fence's hosts' meeting: the ranks that took the
-        buffers without asking published their digest; raise if one differs from this
-        rank's (which names the call and where every rank's input is). This rank's fence
-        kernel has signalled already, with its own digest, so those ranks' kernels pass
-        and see the difference too, and every rank raises (:meth:`_meet`'s errors too)."""
-        differ = [q for q, d in enumerate(self.window.digests(self.parity)) if d and d != self.digest]
-        if differ:
-            raise CollectiveMismatchError(
-                f"{self.describe}: {ranks(differ)} passed a whole registered array (Communicator.empty(device=)) "
-                "and so read this rank's array of the same empty() without asking, but this rank passed another "
-                "buffer or made another call: on whole registered arrays every rank must pass its own alike")
-
-    def _assume(self):
-        """kernel, the first fence: where this rank's input is a whole registered array
-        (``Communicator.empty(device=)``) and the call needs no window slot, take every
-        peer's input to be its counterpart, its array of the same ``empty`` (so the host
-        need not wait to see where they are: the devices then meet alone). The digest
-        the fence kernels compare names where every rank's input is, so a rank that
-        passed another array makes every rank raise."""
-        if self.slot or self.shared_out or not self.arrays["in"].nbytes:
-            return
-        found = self.node.counterparts(self.mine)
-        if found is None:
-            return
-        rows, placement = found
-        node, storage = self.node, self.arrays["in"].dtype
-        self.peers = {q: (node.peer_buffer(q, rows[q].tobytes(), "input", storage), None, None)
-                      for q in range(self.window.size) if q != self.window.rank}
-        self.digest = call_digest(self.signature, placement)
-        self.assumed = True
-        node.counters["registered calls"] += 1
-
-    def _check_late(self):
-        """kernel: raise naming the ranks a fence kernel gave up on, or whose digest of
-        the call differed from this rank's."""
-        window = self.window
-        row = window.late[window.rank * window.row : window.rank * window.row + window.size]
-        differ = [q for q in range(window.size) if row[q] == 2 and q != window.rank]  # (its own word: release's)
-        if differ:  # (first: ranks that called something else may well be late too)
-            raise CollectiveMismatchError(
-                f"{self.describe}: {ranks(differ)} made another call, or passed another buffer: a call on a whole "
-                "registered array (Communicator.empty(device=)) reads every rank's array of the same empty() "
-                "without asking where it is, so every rank must pass its own alike (the result is undefined)")
-        late = [q for q in range(window.size) if row[q] == 1 and q != window.rank]
-        if late:
-            raise CollectiveTimeoutError(f"{self.describe}: its in-kernel fences waited {self.limit:g} s for "
-                                         f"{ranks(late)} to arrive, and gave up (the call's timeout, else "
-                                         f"{DEFAULT_KERNEL_LIMIT:g} s: a kernel cannot be stopped from outside)")
-
-    def _wait_for_others(self, k, epoch):
-        """stream: the stream waits until every peer has written fence ``k``'s number
-        into this rank's row."""
-        node, window, value = self.node, self.window, epoch & 0xFFFFFFFF
-        for q in range(window.size):
-            if q != window.rank:
-                self.backend.wait_value(node.stream, node.inbox, window.word(window.rank, q), value)
-
-    def _publish(self):
+    def publish(self):
         """Sign the call and say where this rank's input, window slot and (where
         another rank writes it) output are."""
         window, node = self.window, self.node
@@ -1125,29 +234,30 @@ class PeerCall:
         window.publish(self.parity, 1, node.descriptor(slot, slot.nbytes) if slot is not None else _NOTHING)
         window.publish(self.parity, 2, node.descriptor(out, out.nbytes) if self.shared_out else _NOTHING)
 
-    def _meet(self):
+    def meet(self):
         """Past the first fence: compare the signatures; check that every rank's buffers
         (this rank's too) can be shared, so that where one cannot, every rank raises
         alike, none waiting at the second fence for ranks that raised; open the peers'."""
         compare_signatures(self.window, self.parity, self.signature, self.describe)
         node, window, storage = self.node, self.window, self.arrays["in"].dtype
         self._check_shareable()
-        self.peers = {}
-        for q in range(window.size):
-            if q == window.rank:
-                continue
-            inp = node.peer_buffer(q, window.descriptor_of(q, self.parity, 0), "input", storage)
-            slot = node.peer_buffer(q, window.descriptor_of(q, self.parity, 1), "window slot",
-                                    storage) if self.slot else None
-            out = node.peer_buffer(q, window.descriptor_of(q, self.parity, 2), "output",
-                                   storage) if q in self.writes_peers else None
-            if (inp is None and self.arrays["in"].size) or (slot is None and self.slot) or \
-                    (out is None and q in self.writes_peers):
-                raise CollectiveMismatchError(f"{self.describe}: rank {q} published no buffer for this call where "
-                                              "this rank needs one (a different call there, or a broken exchange)")
-            self.peers[q] = (inp, slot, out)
+        self.peers = {q: self._peer_buffers(q, storage) for q in range(window.size) if q != window.rank}
         if self.slot:
-            self.own_slot = _Sliced(node.slot[: self.slot * storage.itemsize].view(storage))
+            self.own_slot = Sliced(node.slot[: self.slot * storage.itemsize].view(storage))
+
+    def _peer_buffers(self, q, storage):
+        """``(input, window slot, output)`` of rank ``q`` that this call reads or writes
+        (None where it does not), each a :class:`Sliced` typed ``storage``, opened here
+        from what ``q`` published."""
+        node, window, parity = self.node, self.window, self.parity
+        inp = node.peer_buffer(q, window.descriptor_of(q, parity, 0), "input", storage)
+        slot = node.peer_buffer(q, window.descriptor_of(q, parity, 1), "window slot", storage) if self.slot else None
+        writes = q in self.writes_peers
+        out = node.peer_buffer(q, window.descriptor_of(q, parity, 2), "output", storage) if writes else None
+        if (inp is None and self.arrays["in"].size) or (slot is None and self.slot) or (out is None and writes):
+            raise CollectiveMismatchError(f"{self.describe}: rank {q} published no buffer for this call where "
+                                          "this rank needs one (a different call there, or a broken exchange)")
+        return inp, slot, out
 
     def _view(self, spec):
         buf, q, lo, hi = spec
@@ -1161,36 +271,41 @@ class PeerCall:
         return array if lo == 0 and hi == array.size else array[lo:hi]
 
     def _enqueue(self, k):
-        backend, stream, view = self.backend, self.node.stream, self._view
+        """Queue phase ``k``'s kernels and copies on the node's stream."""
         if self.phases[k]:
             self.unrecorded = True
         for i, (kind, specs) in enumerate(self.phases[k]):
-            if (k, i) in self.dividing and kind != _FOLD_BLOCKS:  # avg's result: divided as the fold writes it
-                outputs, inputs = _fold_parts((kind, specs))
-                backend.reduce_n(stream, self.op, self.dtype, [view(d) for d in outputs], [view(s) for s in inputs],
-                                 divisor=self.divisor)
-            elif kind == _COPY:
-                backend.copy(view(specs[0]), view(specs[1]), stream)
-            elif kind == _COPY_KERNELS:
-                for dsts, srcs in specs:
-                    backend.copy_n(stream, [view(d) for d in dsts], [view(s) for s in srcs])
-            elif kind == _REDUCE_MANY:
-                backend.reduce_n(stream, self.op, self.dtype, view(specs[0]), [view(s) for s in specs[1:]])
-            elif kind == _FOLD_TO_ALL:
-                backend.reduce_n(stream, self.op, self.dtype, [view(d) for d in specs[0]], [view(s) for s in specs[1]])
-            elif kind == _FOLD_BLOCKS:
-                backend.reduce_blocks(stream, self.op, self.dtype, [view(d) for d in specs[0]],
-                                      [view(s) for s in specs[1]], specs[2],
-                                      divisor=self.divisor if (k, i) in self.dividing else None)
-            else:
-                backend.reduce2(stream, self.op, self.dtype, view(specs[0]), view(specs[1]), view(specs[2]))
+            self._launch(kind, specs, self.divisor if (k, i) in self.dividing else None)
+
+    def _launch(self, kind, specs, divisor):
+        """Queue one entry of a phase (:func:`~.peer_phases.phases`); ``divisor``: a final
+        fold of avg's, divided as it writes."""
+        backend, stream, view = self.backend, self.node.stream, self._view
+        if divisor is not None and kind != _FOLD_BLOCKS:  # avg's result: divided as the fold writes it
+            outputs, inputs = _fold_parts((kind, specs))
+            backend.reduce_n(stream, self.op, self.dtype, [view(d) for d in outputs], [view(s) for s in inputs],
+                             divisor=divisor)
+        elif kind == _COPY:
+            backend.copy(view(specs[0]), view(specs[1]), stream)
+        elif kind == _COPY_KERNELS:
+            for dsts, srcs in specs:
+                backend.copy_n(stream, [view(d) for d in dsts], [view(s) for s in srcs])
+        elif kind == _REDUCE_MANY:
+            backend.reduce_n(stream, self.op, self.dtype, view(specs[0]), [view(s) for s in specs[1:]])
+        elif kind == _FOLD_TO_ALL:
+            backend.reduce_n(stream, self.op, self.dtype, [view(d) for d in specs[0]], [view(s) for s in specs[1]])
+        elif kind == _FOLD_BLOCKS:
+            backend.reduce_blocks(stream, self.op, self.dtype, [view(d) for d in specs[0]],
+                                  [view(s) for s in specs[1]], specs[2], divisor=divisor)
+        else:
+            backend.reduce2(stream, self.op, self.dtype, view(specs[0]), view(specs[1]), view(specs[2]))
 
     def _end(self):
         node, stream = self.node, self.node.stream
         if self.after is not None:
             self.after(stream)
             self.unrecorded = True
-        if node.mechanism == "host" and not self.unrecorded:
+        if node.fence.covers_end(self):
             self.end_covered = True  # the last fence's event ran after all of this call's work
         else:
             self.backend.record(node.end_event, stream)
@@ -1201,103 +316,16 @@ class PeerCall:
 
     # -- what it waits for ----------------------------------------------------------------------
     def outstanding(self):
-        window, k = self.window, self.phase + 1
         if self.phase < 0:
             return "not started (a call before it on this communicator is running)"
-        if self.ended or k > self.fences:
-            late = self._late_on_device()
-            return f"its device work runs{late}"
-        if self.node.mechanism == "host":
-            if self.arrived:
-                return (f"waiting at fence {k} of {self.fences} for {ranks(window.behind(_EPOCH, self.base + k))} "
-                        "to arrive")
-            return f"waiting for this rank's device work before fence {k} of {self.fences}"
-        return (f"waiting at fence {k} of {self.fences} for {ranks(window.behind_on_device(self.base + k))} "
-                f"to arrive")
-
-    def _late_on_device(self):
-        """Which ranks this rank's device waits for, read from the words the others
-        write (stream) or from its flags (kernel: copied to the host, on a stream of
-        their own)."""
-        mechanism, window = self.node.mechanism, self.window
-        if mechanism == "host":
-            return ""
-        flags = self.node.flags_now() if mechanism == "kernel" else None
-        for k in range(1 if self.assumed else 2, self.fences + 1):  # (the host saw the first passed, unless assumed)
-            epoch = (self.base + k) & 0xFFFFFFFF
-            if flags is None:
-                late = window.behind_on_device(epoch)
-            else:
-                late = [q for q in range(window.size)
-                        if q != window.rank and ((int(flags[q]) - epoch) & 0xFFFFFFFF) >= 0x80000000]
-            if late:
-                return f" (at fence {k} of {self.fences} it waits for {ranks(late)} to arrive)"
-        return ""
+        if self.ended or self.phase + 1 > self.fences:
+            return f"its device work runs{self.node.fence.late_on_device(self)}"
+        return self.node.fence.waiting(self, self.phase + 1)
 
 
-def unshareable_message(what, which):
-    """What every rank says where the ranks ``which`` published a ``what`` that cannot be
-    shared (the same words on every rank)."""
-    return (f"the {what} of {ranks(which)} {'is' if len(which) == 1 else 'are'} in device memory this library "
-            "cannot share through CUDA IPC (an allocation the driver cannot export: managed memory, a "
-            "stream-ordered pool such as cudaMallocAsync's, torch's expandable segments). The peer reads "
-            "('one_shot', 'two_shot', 'leader') cannot read it, and 'auto' chooses them for device arrays of one node: "
-            "name a message-based algorithm (algorithm='ring') for such arrays, or allocate them where they can "
-            "be shared (Communicator.empty(device=...), CuPy's default pool, torch's caching allocator)")
-
-
-def check_shareable(descriptors, what, describe):
-    """Raise where some rank's descriptor (a row of ``descriptors`` per rank, this
-    rank's included) says its ``what`` cannot be shared: every rank reads the same rows,
-    so every rank raises the same error, naming the ranks, before anyone opens or reads
-    anything."""
-    refuse_unshareable(np.flatnonzero(descriptors[:, _BYTES_WORD] == _UNSHAREABLE).tolist(), what, describe)
-
-
-def refuse_unshareable(which, what, describe):
-    """Raise naming the ranks ``which`` (a list) whose ``what`` cannot be shared, if any."""
-    if which:
-        raise CollectiveError(f"{describe}: {unshareable_message(what, which)}")
-
-
-def compare_signatures(window, parity, mine, describe):
-    """Raise on every rank where some rank signed another call (its size, or anything else)."""
-    for rank in range(window.size):
-        theirs = window.signature_of(rank, parity)
-        if theirs == mine:
-            continue
-        if theirs[0] == mine[0] and theirs[1] == mine[1] and theirs[3] == mine[3]:
-            raise MessageSizeError(f"{describe}: rank {rank} called it with {theirs[2]} B where this rank has "
-                                   f"{mine[2]} B; the ranks called it with buffers of different sizes")
-        raise CollectiveMismatchError(f"{describe}: rank {rank} is in a different call (call #{theirs[0]}, or "
-                                      "another collective, algorithm, dtype, op or root); every rank must call "
-                                      "the same collectives in the same order")
-
-
-class PeerHandle(Handle):
+class PeerHandle(QueuedHandle):
     """A peer-read call in flight: the progress engine runs it in its queue of
     shared-memory calls (oldest first) whenever it polls."""
-
-    def __init__(self, progress, describe, finish, call, timeout=None, sequence=0):
-        super().__init__(progress, describe, finish, timeout, sequence)
-        self._run = call
-
-    def start(self):
-        self._progress.shm.append(self)
-        self._begin()
-        return self
-
-    def step(self):
-        moved = self._run.step()
-        if self._run.done:
-            self._check_done()
-        return moved
-
-    def _is_done(self):
-        return self._run.done
-
-    def _outstanding(self):
-        return self._run.outstanding()
 
     def _on_break(self):
         self._run.node.release()

@@ -67,7 +67,7 @@ class Progress:
         self._next_look = 0.0  # when drain() next answers probes and reads failure notices
         self._device = []  # DeviceWait: device work the host waits for
         self.backends = []  # devices this communicator uses: polled while waiting (see device.standin)
-        self.shm = []  # shared-memory calls (transport.shm.ShmHandle), run in the order they were made
+        self.shm = []  # shared-memory calls (QueuedHandle), run in the order they were made
         self.probes = tags.Probes()  # receives posted once a probe finds their message (large ones, send/recv)
 
     def leftovers(self):
@@ -454,3 +454,32 @@ class Handle:
 
     def _is_done(self):
         raise NotImplementedError
+
+
+class QueuedHandle(Handle):
+    """A call in flight that the :class:`Progress` engine runs in its queue of
+    shared-memory calls (``shm``: oldest first, each to its end before the next starts)
+    whenever it polls: ``call`` has ``step()`` (True if it moved), ``done`` and
+    ``outstanding()``. The shared-memory calls (:mod:`.shm`) and the peer reads
+    (:mod:`.device_node`) are such calls."""
+
+    def __init__(self, progress, describe, finish, call, timeout=None, sequence=0):
+        super().__init__(progress, describe, finish, timeout, sequence)
+        self._run = call
+
+    def start(self):
+        self._progress.shm.append(self)
+        self._begin()
+        return self
+
+    def step(self):
+        moved = self._run.step()
+        if self._run.done:
+            self._check_done()
+        return moved
+
+    def _is_done(self):
+        return self._run.done
+
+    def _outstanding(self):
+        return self._run.outstanding()

@@ -36,7 +36,7 @@ from ..errors import CollectiveMismatchError, MessageSizeError
 from ..schedule import Copy, Fence, Reduce
 from .lean import Patience  # the lean path's waiting, the same here
 from .liveness import ranks
-from .progress import Handle
+from .progress import QueuedHandle
 
 _LINE = 16  # int64 per rank in the flag area: 128 bytes, so no two ranks share a cache line
 _COUNTER, _SIGNATURE = 0, 2  # the fence counter; two signatures (calls alternate) of 4 words
@@ -334,27 +334,6 @@ class ShmCall:
         return f"at step {self.next + 1} of {self.total}: {waiting}"
 
 
-class ShmHandle(Handle):
+class ShmHandle(QueuedHandle):
     """A shared-memory call in flight: the :class:`Progress` engine runs it (its
     ``shm`` queue, oldest call first) whenever it polls."""
-
-    def __init__(self, progress, describe, finish, call, timeout=None, sequence=0):
-        super().__init__(progress, describe, finish, timeout, sequence)
-        self._run = call
-
-    def start(self):
-        self._progress.shm.append(self)
-        self._begin()
-        return self
-
-    def step(self):
-        moved = self._run.step()
-        if self._run.done:
-            self._check_done()
-        return moved
-
-    def _is_done(self):
-        return self._run.done
-
-    def _outstanding(self):
-        return self._run.outstanding()

@@ -26,7 +26,7 @@ from collectives.routes import LeanEntry
 from collectives.routes.base import compiled_plan
 from collectives.routes.peer import PeerRead
 from collectives.specs import SPECS
-from collectives.transport import device_node
+from collectives.transport import peer_memory
 
 from conftest import agree, expected_result, order_sensitive_input, rank_input, serial_fold
 from device_under_test import select
@@ -294,7 +294,7 @@ def test_a_warm_lean_loop_allocates_builds_and_sends_nothing(mpi_comm, monkeypat
     loop()  # warm: the lean entries made, every buffer opened, the window slot made
     gc.collect()
     device = next(iter(comm._ctx.devices.values()))
-    node, memory = device.peer, device_node.peer_memory(device.backend)
+    node, memory = device.peer, peer_memory.peer_memory(device.backend)
     plans = compiled_plan.cache_info()
     before = (memory.counters.copy(), D.counters(), node.counters.copy(), len(comm._ctx.lean_entries))
     ctx = comm._ctx

@@ -29,7 +29,7 @@ import collectives as cc
 from collectives.algorithms import PEER_READS, block_bounds
 from collectives.auto import device_model
 from collectives.device import as_device_array, bfloat16
-from collectives.transport import device_node, local
+from collectives.transport import device_node, local, peer_fences, peer_memory, peer_phases
 
 from conftest import (
     ALL_DTYPES,
@@ -400,7 +400,7 @@ class Counting:
 
 def _peer_state(comm):
     device = next(iter(comm._ctx.devices.values()))
-    return device.peer, device_node.peer_memory(device.backend)
+    return device.peer, peer_memory.peer_memory(device.backend)
 
 
 @pytest.mark.parametrize("mechanism", MECHANISMS)
@@ -415,7 +415,7 @@ def test_a_warm_loop_opens_allocates_builds_and_sends_nothing(mpi_comm, mechanis
     from collectives.routes.base import compiled_plan
 
     comm = communicator(mechanism)
-    memory = device_node.peer_memory(next(iter(comm._ctx.devices.values())).backend)
+    memory = peer_memory.peer_memory(next(iter(comm._ctx.devices.values())).backend)
     comm.allreduce(D.asarray(np.ones(1, np.float32)), algorithm="one_shot")  # the peer state (kernel: the flags)
     gc.collect()
     D.free_all_blocks()  # what earlier tests freed: so x is a new allocation, not one the peers have open
@@ -652,7 +652,7 @@ def test_every_call_has_at_most_two_fences_at_any_size():
 
 
 def test_every_phase_is_one_kernel_for_up_to_16_ranks():
-    """As the device executor runs the plans (device_node.phases): every phase between
+    """As the device executor runs the plans (peer_phases.phases): every phase between
     fences launches one kernel or copy, for every rank of up to 16 (a fold of up to 16
     inputs, a copy of up to 16 peers' buffers, the leader's fold written into up to 16
     outputs, its reduce_scatter's p folds one kernel); beyond, one per 16 (the
@@ -662,10 +662,10 @@ def test_every_phase_is_one_kernel_for_up_to_16_ranks():
     copies one kernel per 16)."""
     from collectives.routes.base import compiled_plan
 
-    launches_of = {device_node._COPY: lambda specs: 1, device_node._REDUCE: lambda specs: 1,
-                   device_node._REDUCE_MANY: lambda specs: -(-(len(specs) - 1) // 16),
-                   device_node._COPY_KERNELS: lambda specs: len(specs),
-                   device_node._FOLD_TO_ALL: lambda specs: 1, device_node._FOLD_BLOCKS: lambda specs: 1}
+    launches_of = {peer_phases._COPY: lambda specs: 1, peer_phases._REDUCE: lambda specs: 1,
+                   peer_phases._REDUCE_MANY: lambda specs: -(-(len(specs) - 1) // 16),
+                   peer_phases._COPY_KERNELS: lambda specs: len(specs),
+                   peer_phases._FOLD_TO_ALL: lambda specs: 1, peer_phases._FOLD_BLOCKS: lambda specs: 1}
 
     def allowed(collective, algorithm, size):
         sixteens = -(-size // 16)
@@ -681,7 +681,7 @@ def test_every_phase_is_one_kernel_for_up_to_16_ranks():
                     count = 3 * size + 1
                     plan = compiled_plan(collective, algorithm, rank, size, count, root, 1, inplace, False, 0)
                     slot = plan.shm // size if plan.shm else 0
-                    for k, phase in enumerate(device_node.phases(plan, rank, count, slot)):
+                    for k, phase in enumerate(peer_phases.phases(plan, rank, count, slot)):
                         launches = sum(launches_of[kind](specs) for kind, specs in phase)
                         assert launches <= allowed(collective, algorithm, size), \
                             (collective, algorithm, size, inplace, rank, k, phase)
@@ -697,12 +697,12 @@ def test_the_copying_leaders_read_each_input_once():
         for size in (2, 3, 4, 5, 8, 16):
             count = 3 * size + 1
             plan = compiled_plan(collective, "leader", 0, size, count, 0, 1, False, False, 0)
-            made = device_node.phases(plan, 0, count, 0)
+            made = peer_phases.phases(plan, 0, count, 0)
             reads, writes = Counter(), Counter()
             for phase in made:
                 for kind, specs in phase:
-                    launches = specs if kind == device_node._COPY_KERNELS else \
-                        (((specs[0],), (specs[1],)),) if kind == device_node._COPY else ()
+                    launches = specs if kind == peer_phases._COPY_KERNELS else \
+                        (((specs[0],), (specs[1],)),) if kind == peer_phases._COPY else ()
                     assert launches or not specs, (collective, size, kind)
                     for dsts, srcs in launches:
                         assert len(dsts) <= 16 and len(dsts) % len(srcs) == 0, (collective, size, dsts, srcs)
@@ -726,20 +726,20 @@ def test_avg_divides_once_on_every_output_of_a_leader():
         for size in (2, 3, 16, 17, 40):
             count = 3 * size + 1
             plan = compiled_plan(collective, "leader", 0, size, count, 0, 1, False, False, 0)
-            made, written, final = device_node.phases_and_facts(plan, 0, count, 0)
+            made, written, final = peer_phases.phases_and_facts(plan, 0, count, 0)
             folds = {(k, i): entry for k, phase in enumerate(made) for i, entry in enumerate(phase)
-                     if entry[0] in (device_node._REDUCE, device_node._REDUCE_MANY, device_node._FOLD_TO_ALL,
-                                     device_node._FOLD_BLOCKS)}
+                     if entry[0] in (peer_phases._REDUCE, peer_phases._REDUCE_MANY, peer_phases._FOLD_TO_ALL,
+                                     peer_phases._FOLD_BLOCKS)}
             assert final and final <= set(folds), (collective, size, final)
 
             def outputs(entry):
                 kind, specs = entry
-                return specs[0] if kind in (device_node._FOLD_TO_ALL, device_node._FOLD_BLOCKS) else (specs[0],)
+                return specs[0] if kind in (peer_phases._FOLD_TO_ALL, peer_phases._FOLD_BLOCKS) else (specs[0],)
 
             divided = Counter((o[0], o[1]) for where in final for o in outputs(folds[where]))
             assert all(n == 1 for n in divided.values()), (collective, size, divided)
             assert ("out", -1) in divided, (collective, size, divided)
-            copied = {dst[:2] for phase in made for kind, specs in phase if kind == device_node._COPY_KERNELS
+            copied = {dst[:2] for phase in made for kind, specs in phase if kind == peer_phases._COPY_KERNELS
                       for dsts, _ in specs for dst in dsts}
             if collective == "reduce_scatter":  # every rank's block, its own fold
                 assert set(divided) == {("out", -1)} | {("rout", q) for q in range(1, size)}, (size, divided)
@@ -1191,39 +1191,44 @@ def test_auto_picks_a_peer_read_and_says_why(pcomm, mpi_comm):
 
 # -- every synchronisation is needed: take each out in turn, and a test fails ----------------------
 def _only_at(fence, value):
-    """A replacement for a fence step of PeerCall that returns ``value`` at fence
-    ``fence`` (None: does nothing) and behaves as before at the other."""
+    """A replacement for a fence step (a method of a fence mechanism, given the call,
+    the fence and its number) that returns ``value`` at fence ``fence`` (None: does
+    nothing) and behaves as before at the other."""
     def replace(real):
-        def patched(self, k, epoch):
-            return value if k == fence else real(self, k, epoch)
+        def patched(self, call, k, epoch):
+            return value if k == fence else real(self, call, k, epoch)
         return patched
     return replace
 
 
 def _passes(real):
-    return lambda self, epoch: True  # the host goes on as if every peer's stream had signalled
+    return lambda self, call, epoch: True  # the host goes on as if every peer's stream had signalled
 
 
 def _give_the_event_back(real):
     return lambda self: self.node.give_event(self.started)  # the stream no longer waits for the user's work
 
 
-MUTATIONS = {  # name: (mechanism, PeerCall method, its replacement given the real one)
-    "host: arrive before this rank's own work has run": ("host", "_work_done", lambda real: lambda self: True),
-    "host: pass fence 1 without the others": ("host", "_others_arrived", _only_at(1, True)),
-    "host: pass fence 2 without the others": ("host", "_others_arrived", _only_at(2, True)),
-    "stream: pass fence 1 without the others' signals": ("stream", "_others_signalled", _passes),
-    "stream: no signal at fence 1": ("stream", "_signal", _only_at(1, None)),
-    "stream: no signal at fence 2": ("stream", "_signal", _only_at(2, None)),
-    "stream: no wait at fence 2": ("stream", "_wait_for_others", _only_at(2, None)),
-    "host: the call does not wait for the user's stream": ("host", "_wait_for_user", _give_the_event_back),
-    "stream: the call does not wait for the user's stream": ("stream", "_wait_for_user", _give_the_event_back),
-    "kernel: pass fence 1 without the others' signals": ("kernel", "_others_signalled", _passes),
-    "kernel: no signal at fence 1": ("kernel", "_signal", _only_at(1, None)),
-    "kernel: no fence kernel at fence 2": ("kernel", "_fence_kernel", _only_at(2, None)),
-    "kernel, registered arrays: no fence kernel at fence 1": ("kernel", "_fence_kernel", _only_at(1, None)),
-    "kernel: the call does not wait for the user's stream": ("kernel", "_wait_for_user", _give_the_event_back),
-    "no wait for the other routes' calls before": ("host", "_wait_for_other_routes", lambda real: lambda self: None),
+HOST, STREAM, KERNEL = peer_fences.HostFences, peer_fences.StreamFences, peer_fences.KernelFences
+CALL = device_node.PeerCall
+MUTATIONS = {  # name: (mechanism, the class of the step, the step, its replacement given the real one)
+    "host: arrive before this rank's own work has run": ("host", HOST, "_work_done",
+                                                         lambda real: lambda self, call: True),
+    "host: pass fence 1 without the others": ("host", HOST, "_others_arrived", _only_at(1, True)),
+    "host: pass fence 2 without the others": ("host", HOST, "_others_arrived", _only_at(2, True)),
+    "stream: pass fence 1 without the others' signals": ("stream", STREAM, "_others_signalled", _passes),
+    "stream: no signal at fence 1": ("stream", STREAM, "_signal", _only_at(1, None)),
+    "stream: no signal at fence 2": ("stream", STREAM, "_signal", _only_at(2, None)),
+    "stream: no wait at fence 2": ("stream", STREAM, "_wait_for_others", _only_at(2, None)),
+    "host: the call does not wait for the user's stream": ("host", CALL, "_wait_for_user", _give_the_event_back),
+    "stream: the call does not wait for the user's stream": ("stream", CALL, "_wait_for_user", _give_the_event_back),
+    "kernel: pass fence 1 without the others' signals": ("kernel", KERNEL, "_others_signalled", _passes),
+    "kernel: no signal at fence 1": ("kernel", KERNEL, "_signal", _only_at(1, None)),
+    "kernel: no fence kernel at fence 2": ("kernel", KERNEL, "_fence_kernel", _only_at(2, None)),
+    "kernel, registered arrays: no fence kernel at fence 1": ("kernel", KERNEL, "_fence_kernel", _only_at(1, None)),
+    "kernel: the call does not wait for the user's stream": ("kernel", CALL, "_wait_for_user", _give_the_event_back),
+    "no wait for the other routes' calls before": ("host", CALL, "_wait_for_other_routes",
+                                                   lambda real: lambda self: None),
 }
 WORKLOAD = [("allreduce", "one_shot"), ("allreduce", "two_shot"), ("reduce_scatter", "one_shot"),
             ("allgather", "one_shot"), ("broadcast", "one_shot"), ("reduce", "one_shot")]
@@ -1358,9 +1363,9 @@ def test_taking_out_any_synchronisation_makes_the_workload_fail(mpi_comm, monkey
     stand-in gives wrong results or the call fails (a missing signal: the others time
     out, naming the rank). Broken communicators are left unfreed (see above)."""
     stand_in_only("a GPU may run the racing work in time")
-    mechanism, method, replacement = MUTATIONS[mutation]
+    mechanism, owner, method, replacement = MUTATIONS[mutation]
     comm = communicator(mechanism)
-    monkeypatch.setattr(device_node.PeerCall, method, replacement(getattr(device_node.PeerCall, method)))
+    monkeypatch.setattr(owner, method, replacement(getattr(owner, method)))
     wrong, error = WORKLOAD_OF.get(mutation, _workload)(comm, mpi_comm, 6)
     monkeypatch.undo()
     assert wrong or error, f"{mutation}: every result right, no error: the stand-in let it pass"
@@ -1379,9 +1384,9 @@ def test_taking_out_any_synchronisation_makes_the_leaders_fail(mpi_comm, monkeyp
     path, whose outputs another rank writes, and the ring call's workspace is
     one_shot's case alone.)"""
     stand_in_only("a GPU may run the racing work in time")
-    mechanism, method, replacement = MUTATIONS[mutation]
+    mechanism, owner, method, replacement = MUTATIONS[mutation]
     comm = communicator(mechanism)
-    monkeypatch.setattr(device_node.PeerCall, method, replacement(getattr(device_node.PeerCall, method)))
+    monkeypatch.setattr(owner, method, replacement(getattr(owner, method)))
     wrong, error = _workload(comm, mpi_comm, 6, collectives=LEADERS, held=comm.size - 1)
     monkeypatch.undo()
     assert wrong or error, f"{mutation}: every result right, no error: the stand-in let it pass"
@@ -1397,8 +1402,7 @@ def test_an_in_kernel_wait_gives_up_and_names_the_rank(mpi_comm, monkeypatch):
     comm = communicator("kernel")
     comm.allreduce(D.asarray(np.ones(10, np.float32)), algorithm="one_shot")
     if comm.rank == 0:
-        monkeypatch.setattr(device_node.PeerCall, "_fence_kernel",
-                            _only_at(2, None)(device_node.PeerCall._fence_kernel))
+        monkeypatch.setattr(KERNEL, "_fence_kernel", _only_at(2, None)(KERNEL._fence_kernel))
     x = D.asarray(np.ones(1000, np.float32))
     if comm.rank == 0:
         comm.allreduce(x, algorithm="one_shot", timeout=20)  # it waits for nobody at fence 2
@@ -1416,14 +1420,14 @@ def test_a_broken_communicator_stops_its_fence_kernels(mpi_comm, monkeypatch):
     look at), and their stream runs on within seconds, not minutes."""
     comm = communicator("kernel")
     comm.allreduce(D.asarray(np.ones(10, np.float32)), algorithm="one_shot")
-    real = device_node.PeerCall._fence_kernel
+    real = KERNEL._fence_kernel
     if comm.rank == 0:
-        monkeypatch.setattr(device_node.PeerCall, "_fence_kernel", _only_at(2, None)(real))
+        monkeypatch.setattr(KERNEL, "_fence_kernel", _only_at(2, None)(real))
     else:
-        def patient(self, k, epoch):
-            self.limit = 300.0
-            return real(self, k, epoch)
-        monkeypatch.setattr(device_node.PeerCall, "_fence_kernel", patient)
+        def patient(self, call, k, epoch):
+            call.limit = 300.0
+            return real(self, call, k, epoch)
+        monkeypatch.setattr(KERNEL, "_fence_kernel", patient)
     x = D.asarray(np.ones(1000, np.float32))
     problems = []
     if comm.rank == 0:
