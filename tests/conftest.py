@@ -189,6 +189,12 @@ def shm_long(cases):
             if algorithm(case) == "shm" else case for case in cases]
 
 
+def quick_and_deep(quick, deep):
+    """Two values for ``parametrize``: ``quick``, for `make test`, and ``deep``, marked
+    ``long`` (`make test-long`): a sweep cut in two, which CI runs whole."""
+    return [pytest.param(quick, id="quick"), pytest.param(deep, id="deep", marks=pytest.mark.long)]
+
+
 def host_algorithms(collective):
     """``cc.algorithms(collective)`` less the ones that run on device arrays only."""
     return tuple(a for a in cc.algorithms(collective) if (collective, a) not in PEER_READS)

@@ -19,13 +19,13 @@ import time
 import numpy as np
 import pytest
 from mpi4py import MPI
-from test_training import backward, data, init_params
 
 import collectives as cc
 from collectives.ps import SGD, ParameterServer, ParameterServerError
 from collectives.training import GradientReducer
 
 from conftest import GLOBAL_BATCH, agree
+from numpy_model import backward, data, init_params
 
 STEPS = 3
 LR = 0.5

@@ -590,6 +590,7 @@ def test_a_native_device_call_matches_itself_whatever_follows_it(mpi_comm, monke
     comm.free()
 
 
+@pytest.mark.any_size
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("first", [False, True], ids=["later-call", "first-device-call"])
 def test_a_rank_that_does_not_call_times_out_the_others(mpi_comm, first):
@@ -655,11 +656,10 @@ def test_an_array_freed_while_the_stand_in_s_pool_gives_blocks_back(monkeypatch)
 def _reduce_steps(comm, params, on_device, steps=2, **options):
     """Data-parallel SGD steps (test_training's MLP) with the reducer on host or device
     parameters; returns the parameters after each step, on the host."""
-    from test_training import LR, backward, data
-
     from collectives.training import GradientReducer
 
     from conftest import shard
+    from numpy_model import LR, backward, data
 
     host = {n: a.copy() for n, a in params.items()}
     device_params = {n: D.asarray(a) for n, a in host.items()} if on_device else None
@@ -695,7 +695,7 @@ def test_gradient_reducer_on_the_device_equals_the_host(mpi_comm, options):
     auto's, in deterministic mode: auto picks on device arrays what the host has not
     (the peer reads), and sums in another order round differently; in rank order both
     fold alike."""
-    from test_training import init_params
+    from numpy_model import init_params
 
     if options.get("compression") == "bf16":
         pytest.importorskip("ml_dtypes")
@@ -735,9 +735,9 @@ def test_broadcast_and_check_parameters_on_the_device(mpi_comm):
 
 @pytest.mark.mpi(min_size=2)
 def test_parameter_server_with_device_parameters_equals_the_host(mpi_comm):
-    from test_training import LR, backward, data, init_params
-
     from collectives.ps import ParameterServer
+
+    from numpy_model import LR, backward, data, init_params
 
     comm = device_communicator("ipc")
     results = []

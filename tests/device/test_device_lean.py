@@ -268,6 +268,7 @@ class Counting:
         return attribute
 
 
+@pytest.mark.any_size
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 def test_a_warm_lean_loop_allocates_builds_and_sends_nothing(mpi_comm, monkeypatch, mechanism):
     """With the general path made to fail: every lean collective, in place and into
@@ -461,6 +462,7 @@ def test_mismatched_calls_raise_on_every_rank_on_the_lean_path(mpi_comm, monkeyp
     agree(mpi_comm, problems)
 
 
+@pytest.mark.any_size
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("mechanism,where", [(m, "call") for m in MECHANISMS] + [("host", "communicator")])
 def test_a_rank_that_does_not_call_is_named_by_the_lean_timeout(mpi_comm, monkeypatch, mechanism, where):

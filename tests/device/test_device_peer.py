@@ -403,6 +403,7 @@ def _peer_state(comm):
     return device.peer, peer_memory.peer_memory(device.backend)
 
 
+@pytest.mark.any_size
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 def test_a_warm_loop_opens_allocates_builds_and_sends_nothing(mpi_comm, mechanism):
     """Registration once, then: no IPC handle opened or exported, no device memory, no
@@ -651,6 +652,7 @@ def test_every_call_has_at_most_two_fences_at_any_size():
                     assert len(plan.ops) <= 2 * size + 3, (collective, algorithm, size, count, len(plan.ops))
 
 
+@pytest.mark.serial
 def test_every_phase_is_one_kernel_for_up_to_16_ranks():
     """As the device executor runs the plans (peer_phases.phases): every phase between
     fences launches one kernel or copy, for every rank of up to 16 (a fold of up to 16
@@ -784,6 +786,7 @@ def test_a_call_launches_one_kernel_a_phase(mpi_comm):
     agree(mpi_comm, problems)
 
 
+@pytest.mark.any_size
 def test_freed_and_reallocated_memory_is_opened_anew(pcomm, mpi_comm):
     """A buffer freed and allocated again at the same base gets a new buffer id: the
     peers close their mapping of the old allocation and open the new one (the stand-in
@@ -817,6 +820,7 @@ def test_freed_and_reallocated_memory_is_opened_anew(pcomm, mpi_comm):
     agree(mpi_comm, problems)
 
 
+@pytest.mark.any_size
 def test_a_new_allocation_over_a_freed_one_opened_elsewhere_is_opened(pcomm, mpi_comm):
     """CUDA maps a process's memory once per process: opening an allocation that a
     mapping still held overlaps may fail (cudaErrorAlreadyMapped: seen on an H200 for a
@@ -874,6 +878,7 @@ def test_empty_on_a_device_is_registered_and_usable(mpi_comm):
     agree(mpi_comm, problems)
 
 
+@pytest.mark.any_size
 def test_empty_on_a_device_is_an_allocation_of_its_own(mpi_comm):
     """comm.empty(device=) does not come out of the pool: where the pool has room in a
     chunk the peers opened before (a block freed in it, another array still there, as
@@ -1341,6 +1346,7 @@ WORKLOAD_OF = {"no wait for the other routes' calls before": _after_a_ring_call,
                "kernel, registered arrays: no fence kernel at fence 1": functools.partial(_workload, registered=True)}
 
 
+@pytest.mark.any_size
 @pytest.mark.mpi(min_size=2)
 def test_the_workload_passes_with_every_synchronisation(mpi_comm):
     """The mutation tests' workloads, unchanged: no wrong result, no error (so that their
@@ -1355,7 +1361,7 @@ def test_the_workload_passes_with_every_synchronisation(mpi_comm):
         comm.free()
 
 
-@pytest.mark.long  # make test runs it at 2-4 ranks, make test-long at 5-8
+@pytest.mark.any_size
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
 def test_taking_out_any_synchronisation_makes_the_workload_fail(mpi_comm, monkeypatch, mutation):
@@ -1373,7 +1379,7 @@ def test_taking_out_any_synchronisation_makes_the_workload_fail(mpi_comm, monkey
         assert " for rank" in error, f"{mutation}: a timeout that names no rank: {error}"
 
 
-@pytest.mark.long  # make test runs it at 2-4 ranks, make test-long at 5-8
+@pytest.mark.any_size
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("mutation", sorted(set(MUTATIONS) - set(WORKLOAD_OF)))
 def test_taking_out_any_synchronisation_makes_the_leaders_fail(mpi_comm, monkeypatch, mutation):
@@ -1394,6 +1400,7 @@ def test_taking_out_any_synchronisation_makes_the_leaders_fail(mpi_comm, monkeyp
         assert " for rank" in error, f"{mutation}: a timeout that names no rank: {error}"
 
 
+@pytest.mark.any_size
 @pytest.mark.mpi(min_size=2)
 def test_an_in_kernel_wait_gives_up_and_names_the_rank(mpi_comm, monkeypatch):
     """kernel fences: rank 0 starts the call but never runs its second fence kernel; the
@@ -1412,6 +1419,7 @@ def test_an_in_kernel_wait_gives_up_and_names_the_rank(mpi_comm, monkeypatch):
     mpi_comm.Barrier()
 
 
+@pytest.mark.any_size
 @pytest.mark.mpi(min_size=2)
 def test_a_broken_communicator_stops_its_fence_kernels(mpi_comm, monkeypatch):
     """kernel fences: rank 0 never runs its second fence kernel; the others' would wait
@@ -1450,6 +1458,7 @@ def test_a_broken_communicator_stops_its_fence_kernels(mpi_comm, monkeypatch):
 
 
 # -- make bench-gpu's tool, on the stand-in -----------------------------------------------------------
+@pytest.mark.any_size
 def test_the_benchmark_measures_tunes_and_reports_on_the_stand_in(mpi_comm, tmp_path_factory):
     """bench/gpu_peer.py --quick: the floor of every mechanism, the copy, every
     contender; a device table auto can read; and --report's targets.md with every
@@ -1507,6 +1516,7 @@ def test_the_benchmark_measures_tunes_and_reports_on_the_stand_in(mpi_comm, tmp_
     agree(mpi_comm, problems)
 
 
+@pytest.mark.any_size
 def test_the_probe_of_a_calls_parts_runs_on_the_stand_in(mpi_comm, tmp_path_factory):
     """bench/gpu_probe.py --quick: every probe's row, the token
     rings going round (not stuck), each part of a one_shot and a leader call timed, by
@@ -1540,6 +1550,7 @@ def test_the_probe_of_a_calls_parts_runs_on_the_stand_in(mpi_comm, tmp_path_fact
     agree(mpi_comm, problems)
 
 
+@pytest.mark.any_size
 @pytest.mark.mpi(min_size=2)
 def test_a_stall_warning_names_the_rank_a_fence_waits_for(mpi_comm, caplog):
     """stall_warn: while rank 0 keeps the others waiting at the first fence, they log

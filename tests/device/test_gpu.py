@@ -207,11 +207,11 @@ def test_a_cuda_model_trains_as_on_one_process(comm, mpi_comm):
     """DistributedOptimizer on a CUDA model (buckets on the GPU) gives, step after step,
     what single-process training gives (float64, rtol 1e-9), the same bits on every rank."""
     import torch
-    from test_torch import batch, loss_fn, make_model, single_process
 
     import collectives.torch as cct
 
     from conftest import identical_everywhere, shard
+    from torch_reference import batch, loss_fn, make_model, single_process
 
     want = single_process(torch.optim.SGD, lr=0.5, momentum=0.9)
     model = make_model(comm.rank * 7).cuda()

@@ -456,6 +456,7 @@ def _nvrtc():
     return None
 
 
+@pytest.mark.long  # NVRTC takes half a minute a module set on 2 cores
 @pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
 def test_nvrtc_compiles_what_the_cupy_backend_asks_for(arch):
     """The exact text (headers inlined), options and name expressions the CuPy backend

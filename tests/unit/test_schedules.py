@@ -17,11 +17,10 @@ from collectives.sim import alltoallv_counts
 from collectives.sim import reference as sim_reference
 from collectives.transport.local import run_collective
 
-from conftest import ALL_DTYPES, expected_everywhere, ops_for, rank_input, same
+from conftest import ALL_DTYPES, expected_everywhere, ops_for, quick_and_deep, rank_input, same
 
 pytestmark = pytest.mark.serial
 
-SIZES = list(range(1, 17)) + [24, 32]
 ALGORITHMS = [(c, a) for c, names in BUILDERS.items() for a in names]
 SEGMENTED = {("allreduce", "tree"), ("broadcast", "pipeline")}
 ROOTED = ("broadcast", "reduce", "gather", "scatter")
@@ -52,10 +51,11 @@ def check(collective, algorithm, size, count, dtype="float64", op="sum", root=0,
     return problems
 
 
+@pytest.mark.parametrize("sizes", quick_and_deep([1, 2, 3, 4, 5, 6, 7, 8, 13, 16], [9, 10, 11, 12, 14, 15, 24, 32]))
 @pytest.mark.parametrize("collective,algorithm", ALGORITHMS)
-def test_every_size_count_root_and_mode(collective, algorithm):
+def test_every_size_count_root_and_mode(collective, algorithm, sizes):
     problems = []
-    for size in SIZES:
+    for size in sizes:
         counts = sorted({0, 1, size - 1, size, size + 1, 37, 3 * size + 2})
         roots = sorted({0, size // 2, size - 1}) if collective in ROOTED else [0]
         modes = [False, True] if collective in ("allreduce", "reduce") else [False]

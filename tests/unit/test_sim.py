@@ -29,7 +29,7 @@ from collectives.algorithms import (
     hierarchical,
 )
 
-from conftest import ALL_DTYPES, expected_everywhere, ops_for
+from conftest import ALL_DTYPES, expected_everywhere, ops_for, quick_and_deep
 
 pytestmark = pytest.mark.serial
 
@@ -737,6 +737,7 @@ def test_nodes_are_checked():
         sim.run("allreduce", "hierarchical", 4, 8, nodes=0)
 
 
+@pytest.mark.long
 def test_four_thousand_ranks():
     result = sim.run("allreduce", "recursive_doubling", 4096, 16)
     assert result.rounds == 12 and result.bytes_sent[5] == 12 * 16 * ITEM
@@ -760,9 +761,13 @@ def calls(draw):
     return collective, algorithm, dtype, op, p, count, root, segment, inplace
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(calls())
-def test_results_equal_numpy_bit_for_bit_on_every_rank(call):
+@pytest.mark.parametrize("examples", quick_and_deep(30, 120))
+def test_results_equal_numpy_bit_for_bit_on_every_rank(examples):
+    settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow])(
+        given(calls())(_results_equal_numpy_bit_for_bit_on_every_rank))()
+
+
+def _results_equal_numpy_bit_for_bit_on_every_rank(call):
     collective, algorithm, dtype, op, p, count, root, segment, inplace = call
     result = sim.run(collective, algorithm, p, count, dtype, op, root, segment_size=segment, inplace=inplace)
     per_rank = count * p if collective in ("scatter", "alltoall") else count  # count per block
@@ -1136,13 +1141,15 @@ def closed_form_costs(collective, algorithm, p, count, root):
     return sim.simulate.ClosedFormCosts(collective, algorithm, p, count, "float32", root, plan_of)
 
 
+@pytest.mark.parametrize("sizes", quick_and_deep([*range(2, 13), 16, 17, 32, 64],
+                                                 [13, 14, 15, *range(18, 32), *range(33, 41), 63, 100]))
 @pytest.mark.parametrize("collective,algorithm", ROOTED_O_P2)
-def test_rooted_closed_forms_equal_the_simulation(collective, algorithm):
+def test_rooted_closed_forms_equal_the_simulation(collective, algorithm, sizes):
     # Counters and time, at every p to 40 and some larger, roots at both ends and in
     # the middle, α-β-γ drawn at random (γ from far below to far above a message).
     rng = np.random.default_rng(7)
     problems = []
-    for p in list(range(2, 41)) + [63, 64, 100]:
+    for p in sizes:
         for root in sorted({0, 1 % p, p // 2, p - 1}):
             count = p * int(rng.choice([1, 3, 16]))
             full = full_simulation(collective, algorithm, p, count, root, inplace=bool(rng.integers(2)))
