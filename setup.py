@@ -36,8 +36,8 @@ setup(
         # expecttest: torch's own test base imports it (make test-torch-suite).
         # pytest-xdist: make test runs the serial tests on every core.
         # ruff and mypy: make lint (ruff.toml, mypy.ini), which make test runs first.
-        "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-xdist>=3", "hypothesis>=6", "ml_dtypes>=0.2", "expecttest", "ruff>=0.5",
-                 "mypy>=1.8",
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-xdist>=3", "hypothesis>=6", "ml_dtypes>=0.2", "expecttest",
+                 "ruff>=0.5", "mypy>=1.8",
                  "nvidia-cuda-nvrtc>=13; platform_system == 'Linux' and platform_machine == 'x86_64'"],
         # collectives-bench: --plot and the progress bar.
         "bench": ["matplotlib>=3.5", "tqdm>=4.60"],
