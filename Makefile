@@ -30,13 +30,12 @@ MPIEXEC_FLAGS ?=
 # The suite's runs. Markers (pytest.ini): serial (in-process, no MPI message: run once, on
 # every core), long (the long sweeps and the deep halves of the sweeps), any_size (what
 # does not depend on the world size). make test: the serial tests but the long ones; the
-# MPI suite at world size 1 (SMOKE_FILES), at each of WORLD_SIZES (at ANY_SIZE_AT the
-# whole of it, at FULL_SIZES all but any_size, at the others SIZE_FILES but any_size).
+# MPI suite at world size 1 (SMOKE_FILES), then at each of WORLD_SIZES: at ANY_SIZE_AT all
+# of it, at the others SIZE_FILES, the files where the world size matters, but any_size.
 # make test-long: the serial long ones, then SIZE_FILES at each of LONG_SIZES.
 WORLD_SIZES   ?= 2 3 4
 LONG_SIZES    ?= 5 6 7 8
 ANY_SIZE_AT   ?= 2
-FULL_SIZES    ?= 2 4
 SMOKE_FILES   ?= tests/mpi/test_collectives.py tests/mpi/test_alltoallv.py tests/mpi/test_p2p.py \
                  tests/mpi/test_errors.py tests/device/test_device.py
 SIZE_FILES    ?= tests/mpi/test_collectives.py tests/mpi/test_alltoallv.py tests/mpi/test_hierarchical.py \
@@ -147,7 +146,7 @@ test-mpi: install
 	@for n in $(WORLD_SIZES); do \
 	  files="$(TEST_FILES)"; only="not serial"; \
 	  if [ $$n != $(ANY_SIZE_AT) ]; then only="$$only and not any_size"; fi; \
-	  if [ "$$files" = tests ] && ! echo " $(FULL_SIZES) " | grep -q " $$n "; then files="$(SIZE_FILES)"; fi; \
+	  if [ "$$files" = tests ] && [ $$n != $(ANY_SIZE_AT) ]; then files="$(SIZE_FILES)"; fi; \
 	  if [ -n "$(MPI_MARK)" ]; then only="$$only and ($(MPI_MARK))"; fi; \
 	  echo "== $(MPI): mpiexec -n $$n ($$only) $$files"; \
 	  timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m pytest -q --color=no --with-mpi -m "$$only" \

@@ -621,6 +621,7 @@ def test_a_rank_whose_registered_array_is_gone_asks_and_the_call_holds(mpi_comm)
     agree(mpi_comm, problems)
 
 
+@pytest.mark.any_size
 @pytest.mark.mpi(min_size=2)
 def test_a_registered_call_names_the_rank_that_does_not_come(mpi_comm):
     """kernel fences, registered arrays: no host waits at the first fence, so it is the
@@ -1011,6 +1012,7 @@ def test_memory_that_cannot_be_shared_makes_every_rank_raise_alike(mpi_comm, mec
     agree(mpi_comm, problems)
 
 
+@pytest.mark.any_size
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 def test_a_rank_that_does_not_call_is_named_by_the_others_timeout(mpi_comm, mechanism):
@@ -1246,7 +1248,8 @@ def _workload(comm, mpi_comm, rounds, registered=False, collectives=WORKLOAD, he
     for 20 ms by a word the stream waits for, while every rank polls the call: the
     others would read its input too early), and overwritten just after it returns, as
     a caller may (the others then wait 10 ms before they go on: they would read its
-    input too late); returns (wrong results, an error) as every rank saw them.
+    input too late); returns (wrong results, an error) as every rank saw them, at the first
+    call where any rank saw either.
     ``registered``: every input is one registered array (``Communicator.empty(device=)``),
     which with kernel fences the calls that need no window slot read without the
     host's meeting."""
@@ -1280,9 +1283,20 @@ def _workload(comm, mpi_comm, rounds, registered=False, collectives=WORKLOAD, he
                     wrong += differs(want, host) is not None
                 except (cc.CollectiveError, D.si.StaleMapping) as exc:  # a timeout, a mismatch, a stale read
                     error = error or f"{type(exc).__name__}: {exc}"[:300]
-                if mpi_comm.allreduce(error is not None, op=MPI.LOR):
-                    return mpi_comm.allreduce(wrong), error or "another rank's call failed"
+                seen = _seen(mpi_comm, wrong, error)
+                if seen:
+                    return seen
     return mpi_comm.allreduce(wrong), error
+
+
+def _seen(mpi_comm, wrong, error):
+    """(wrong results, an error) as every rank saw them, once any rank has seen either
+    (a workload need go no further), else None."""
+    if mpi_comm.allreduce(error is not None, op=MPI.LOR):
+        return mpi_comm.allreduce(wrong), error or "another rank's call failed"
+    if mpi_comm.allreduce(wrong > 0, op=MPI.LOR):
+        return mpi_comm.allreduce(wrong), error
+    return None
 
 
 def _after_a_ring_call(comm, mpi_comm, rounds):
@@ -1335,8 +1349,9 @@ def _after_a_ring_call(comm, mpi_comm, rounds):
                 wrong += differs(2 * want, D.asnumpy(result, stream=streams[1])[::2]) is not None
             except (cc.CollectiveError, D.si.StaleMapping) as exc:
                 error = error or f"{type(exc).__name__}: {exc}"[:300]
-            if mpi_comm.allreduce(error is not None, op=MPI.LOR):
-                return mpi_comm.allreduce(wrong), error or "another rank's call failed"
+            seen = _seen(mpi_comm, wrong, error)
+            if seen:
+                return seen
     finally:
         DeviceCall.epilogue = real
     return mpi_comm.allreduce(wrong), error

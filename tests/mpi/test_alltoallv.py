@@ -249,6 +249,7 @@ def test_counts_that_disagree_raise_on_every_rank_without_check_mode(algorithm):
     agree(WORLD, problems)
 
 
+@pytest.mark.any_size
 @needs_peers
 @pytest.mark.parametrize("algorithm", ["pairwise", "native"])
 def test_a_timeout_names_the_absent_rank(algorithm):

@@ -262,6 +262,7 @@ def test_training_refuses_an_algorithm_that_cannot_keep_the_order():
     comm.free()
 
 
+@pytest.mark.any_size
 def test_torch_distributed_optimizer_takes_deterministic():
     torch = pytest.importorskip("torch")
     from collectives.torch import DistributedOptimizer

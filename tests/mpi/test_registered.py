@@ -268,6 +268,7 @@ def test_repeated_calls_on_the_lean_path_tell_registered_from_plain_arrays():
     comm.free()
 
 
+@pytest.mark.any_size
 @needs_peers
 def test_a_timeout_names_the_rank_that_never_came():
     # The registered plans wait at the same fences as the others: a rank that does not

@@ -286,6 +286,7 @@ def test_different_collectives_are_an_error_on_every_rank():
     agree(WORLD, problems)
 
 
+@pytest.mark.any_size
 @needs_peers
 @pytest.mark.parametrize("collective", ["allreduce", "broadcast"])
 def test_timeout_names_the_absent_rank(collective):
