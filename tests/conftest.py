@@ -180,8 +180,8 @@ def runs_here(comm, collective, algorithm):
 
 def shm_long(cases):
     """``cases`` for ``parametrize`` (algorithms, or ``(collective, algorithm)`` pairs) with
-    the ``shm`` ones marked ``long``: `make test` runs them at 1-4 ranks, `make test-long`
-    at 5-8 (each fence is a scheduling round when ranks outnumber cores)."""
+    the ``shm`` ones marked ``long`` (`make test-long`): each fence is a scheduling round
+    when ranks outnumber cores."""
     def algorithm(case):
         return case[-1] if isinstance(case, tuple) else case
 

@@ -1376,6 +1376,7 @@ def test_the_workload_passes_with_every_synchronisation(mpi_comm):
         comm.free()
 
 
+@pytest.mark.long
 @pytest.mark.any_size
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
@@ -1394,6 +1395,7 @@ def test_taking_out_any_synchronisation_makes_the_workload_fail(mpi_comm, monkey
         assert " for rank" in error, f"{mutation}: a timeout that names no rank: {error}"
 
 
+@pytest.mark.long
 @pytest.mark.any_size
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("mutation", sorted(set(MUTATIONS) - set(WORKLOAD_OF)))

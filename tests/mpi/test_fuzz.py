@@ -34,7 +34,6 @@ from collectives import reference
 
 from conftest import host_algorithms, ops_for
 
-# Runs in `make test` serially and at 2-4 ranks, in `make test-long` at 5-8.
 pytestmark = pytest.mark.long
 
 WORLD = MPI.COMM_WORLD

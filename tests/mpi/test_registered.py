@@ -37,7 +37,7 @@ def window_data(comm):
     return comm._ctx.window.capacity if comm._ctx.window is not None else 0
 
 
-@pytest.mark.long  # make test: at 2-4 ranks; make test-long: at 5-8
+@pytest.mark.long
 @pytest.mark.parametrize("collective", REGISTERED)
 def test_every_dtype_op_and_size(collective):
     comm = cc.Communicator()

@@ -214,7 +214,7 @@ def skipping_last_rank(call, timeout):
 
 
 @needs_peers
-@pytest.mark.parametrize("algorithm", ["ring", "recursive_halving", "native"])
+@pytest.mark.parametrize("algorithm", ["ring", pytest.param("recursive_halving", marks=pytest.mark.long), "native"])
 def test_timeout_names_step_peers_bytes_and_the_absent_rank(algorithm):
     comm = cc.Communicator()
     kind, message, took = skipping_last_rank(
@@ -239,8 +239,10 @@ def test_timeout_names_step_peers_bytes_and_the_absent_rank(algorithm):
 
 
 @needs_peers
-@pytest.mark.parametrize("collective,algorithm", [("alltoall", "pairwise"), ("alltoall", "bruck"),
-                                                  ("alltoall", "native"), ("scatter", "binomial")])
+@pytest.mark.parametrize("collective,algorithm", [("alltoall", "pairwise"),
+                                                  pytest.param("alltoall", "bruck", marks=pytest.mark.long),
+                                                  ("alltoall", "native"),
+                                                  pytest.param("scatter", "binomial", marks=pytest.mark.long)])
 def test_new_collectives_time_out_naming_the_absent_rank(collective, algorithm):
     """Every other rank needs something from the absent last rank (it is the scatter's
     root), so every other rank raises within timeout + 1 s."""

@@ -45,7 +45,7 @@ def check(collective, comm, count, dtype, op="sum", root=0, problems=None):
         problems.append(f"{collective} count {count} {dtype} {op} root {root}: got {got!r}, want {want!r}")
 
 
-@pytest.mark.long  # make test: at 2-4 ranks; make test-long: at 5-8
+@pytest.mark.long
 @pytest.mark.parametrize("collective", COLLECTIVES)
 def test_segments_and_banks(collective):
     # A slot of 64 bytes: each call runs in many segments, through both banks in turn,
@@ -61,7 +61,7 @@ def test_segments_and_banks(collective):
     comm.free()
 
 
-@pytest.mark.long  # make test: at 2-4 ranks; make test-long: at 5-8
+@pytest.mark.long
 @pytest.mark.parametrize("collective", COLLECTIVES)
 def test_every_dtype_and_op_across_segments(collective):
     comm = cc.Communicator()

@@ -16,7 +16,6 @@ from collectives.tools import soak
 
 from conftest import agree
 
-# Runs in `make test` serially and at 2-4 ranks, in `make test-long` at 5-8.
 pytestmark = pytest.mark.long
 
 CALLS = 300
