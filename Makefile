@@ -13,6 +13,8 @@ VENV     ?= .venv-openmpi
 MPIEXEC_FLAGS ?= --oversubscribe
 export OMPI_ALLOW_RUN_AS_ROOT = 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM = 1
+# The in-process tests send no MPI message: MPICH's run covers them.
+SERIAL_IGNORE ?= tests/unit
 else ifeq ($(MPI),impi)
 VENV     ?= .venv-impi
 # One node: shared memory alone (Intel MPI's default also looks for a network fabric).
@@ -41,8 +43,9 @@ SIZE_FILES    ?= tests/mpi/test_collectives.py tests/mpi/test_alltoallv.py tests
                  tests/device/test_device_peer.py tests/device/test_device_lean.py tests/adapters/test_training.py
 # Where set, every MPI run also keeps to these tests (a marker expression).
 MPI_MARK      ?=
-# Processes for the serial tests (pytest-xdist): one per core.
+# Processes for the serial tests (pytest-xdist): one per core. SERIAL_IGNORE: folders they skip.
 SERIAL_JOBS   ?= auto
+SERIAL_IGNORE ?=
 # make test-impi: the tests run at world size 1 and under mpiexec at each of WORLD_SIZES.
 IMPI_TESTS    ?= tests/mpi/test_collectives.py tests/mpi/test_reliability.py tests/adapters/test_torch_backend.py \
                  tests/mpi/test_sizes.py tests/mpi/test_dead_rank.py tests/mpi/test_lean_path.py tests/mpi/test_p2p.py
@@ -133,7 +136,8 @@ TEST_FILES    ?= tests
 
 # Once: the serial tests on every core, then the MPI suite at world size 1 (SMOKE_FILES).
 test-serial: install
-	$(PYTHON) -m pytest -q -n $(SERIAL_JOBS) --dist loadscope --with-mpi -m "serial and not long$(mark)" $(TEST_FILES)
+	$(PYTHON) -m pytest -q -n $(SERIAL_JOBS) --dist loadscope --with-mpi -m "serial and not long$(mark)" \
+	  $(addprefix --ignore=,$(SERIAL_IGNORE)) $(TEST_FILES)
 	$(PYTHON) -m pytest -q --with-mpi -m "not serial and not long and not any_size$(mark)" \
 	  $(if $(filter tests,$(TEST_FILES)),$(SMOKE_FILES),$(TEST_FILES))
 
