@@ -7,6 +7,7 @@ own collective and ours must then agree bit for bit.
 
 import os
 import sys
+import time
 from pathlib import Path
 
 # auto's calibration (collectives.auto.calibration) measures this machine when a Communicator
@@ -123,9 +124,20 @@ def expected_result(collective, rank, size, xs, op="sum", root=0):
 
 def agree(comm, problems):
     """Fail on every rank if any rank found a problem (so no rank is left waiting)."""
+    meet(comm)
     everyone = comm.allgather(problems)
     found = [f"rank {r}: {p}" for r, ps in enumerate(everyone) for p in ps]
     assert not found, "\n".join(found[:20]) + (f"\n... {len(found) - 20} more" if len(found) > 20 else "")
+
+
+def meet(comm):
+    """Wait for every rank of ``comm`` (an mpi4py communicator, or a Communicator's),
+    sleeping meanwhile. MPI's own waits spin: with more ranks than cores (5-8 ranks on 2
+    cores), the ranks that wait at the end of a test would keep the ones still working
+    off the cores."""
+    arrived = getattr(comm, "mpi_comm", comm).Ibarrier()
+    while not arrived.Test():
+        time.sleep(0.0002)
 
 
 def counts_for(size, large=True):
@@ -237,4 +249,5 @@ def identical_everywhere(arrays):
     """True on every rank iff every rank's ``arrays`` (NumPy) have the same bits (mpi4py's
     own allgather: independent of the library)."""
     blob = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
+    meet(MPI.COMM_WORLD)
     return all(other == blob for other in MPI.COMM_WORLD.allgather(blob))

@@ -7,6 +7,7 @@ The general path is forced with ``timeout=`` (a call that can time out needs the
 progress engine); the lean path is what the same call takes without one.
 """
 
+import itertools
 import time
 
 import numpy as np
@@ -57,42 +58,43 @@ def cases():
 
 
 @pytest.mark.parametrize("collective,algorithm", list(cases()))
-@pytest.mark.parametrize("count,shape", [(1, (1,)), (5, (5,)), (12, (3, 4)), (0, (0,))])
-@pytest.mark.parametrize("how", ["fresh", "out", "inplace"])
-def test_lean_path_gives_the_general_paths_bits(comm, collective, algorithm, count, shape, how):
-    """int32 and float32 (integer-valued, so exact), avg on float32; root = the last rank."""
+def test_lean_path_gives_the_general_paths_bits(comm, collective, algorithm):
+    """int32 and float32 (integer-valued, so exact), avg on float32; root = the last rank;
+    every count and shape (0 included), each fresh, into ``out=`` and in place."""
     problems = []
     root = comm.size - 1
-    for dtype, op in ((np.int32, "sum"), (np.float32, "avg"), (np.float32, "max")):
-        if collective in ("allgather", "broadcast") and op != "sum":
-            continue
-        if how == "inplace" and collective not in ("allreduce", "reduce"):
-            continue
-        xs = [rank_input(r, count, dtype, op).reshape(shape) for r in range(comm.size)]
-        results = []
-        for timeout in (None, 60):  # lean, then general
-            x = xs[comm.rank].copy()
-            if collective == "broadcast" and comm.rank != root:
-                x[...] = 0
-            out = None
-            if how == "out":
-                out = np.full(SHAPES.get(collective, lambda s, sh: sh)(comm.size, shape), 7, dtype)
-            elif how == "inplace":
-                out = x
-            got = call(comm, collective, x, algorithm, op, root, out, timeout)
-            if out is not None and got is not None and got is not out and collective != "broadcast":
-                problems.append(f"{how}: the result is not the out array")
-            results.append(None if got is None else got.copy())
-        label = f"{collective}/{algorithm} {np.dtype(dtype).name} {op} {shape} {how}"
-        lean_result, general = results
-        if (lean_result is None) != (general is None):
-            problems.append(f"{label}: lean gave {lean_result!r}, general {general!r}")
-        elif lean_result is not None:
-            if lean_result.shape != general.shape or lean_result.tobytes() != general.tobytes():
-                problems.append(f"{label}: lean {lean_result.ravel()[:6]} != general {general.ravel()[:6]}")
-            want = expected_result(collective, comm.rank, comm.size, [x.ravel() for x in xs], op, root)
-            if want is not None and not np.array_equal(lean_result.ravel(), np.asarray(want).ravel()):
-                problems.append(f"{label}: lean {lean_result.ravel()[:6]} != NumPy {np.asarray(want).ravel()[:6]}")
+    for (count, shape), how in itertools.product([(1, (1,)), (5, (5,)), (12, (3, 4)), (0, (0,))],
+                                                 ["fresh", "out", "inplace"]):
+        for dtype, op in ((np.int32, "sum"), (np.float32, "avg"), (np.float32, "max")):
+            if collective in ("allgather", "broadcast") and op != "sum":
+                continue
+            if how == "inplace" and collective not in ("allreduce", "reduce"):
+                continue
+            xs = [rank_input(r, count, dtype, op).reshape(shape) for r in range(comm.size)]
+            results = []
+            for timeout in (None, 60):  # lean, then general
+                x = xs[comm.rank].copy()
+                if collective == "broadcast" and comm.rank != root:
+                    x[...] = 0
+                out = None
+                if how == "out":
+                    out = np.full(SHAPES.get(collective, lambda s, sh: sh)(comm.size, shape), 7, dtype)
+                elif how == "inplace":
+                    out = x
+                got = call(comm, collective, x, algorithm, op, root, out, timeout)
+                if out is not None and got is not None and got is not out and collective != "broadcast":
+                    problems.append(f"{how}: the result is not the out array")
+                results.append(None if got is None else got.copy())
+            label = f"{collective}/{algorithm} {np.dtype(dtype).name} {op} {shape} {how}"
+            lean_result, general = results
+            if (lean_result is None) != (general is None):
+                problems.append(f"{label}: lean gave {lean_result!r}, general {general!r}")
+            elif lean_result is not None:
+                if lean_result.shape != general.shape or lean_result.tobytes() != general.tobytes():
+                    problems.append(f"{label}: lean {lean_result.ravel()[:6]} != general {general.ravel()[:6]}")
+                want = expected_result(collective, comm.rank, comm.size, [x.ravel() for x in xs], op, root)
+                if want is not None and not np.array_equal(lean_result.ravel(), np.asarray(want).ravel()):
+                    problems.append(f"{label}: lean {lean_result.ravel()[:6]} != NumPy {np.asarray(want).ravel()[:6]}")
     agree(comm.mpi_comm, problems)
 
 
