@@ -13,8 +13,8 @@ keep-survivors flag: hydra's ``-disable-auto-cleanup``, Open MPI's
 - a rank that is *killed* is tested with the flag, every run held to everything. Two
   things hydra does with the flag all the same are kept out of the way: it sends
   SIGUSR1 to every survivor when a rank's PMI connection closes (the job ignores it),
-  and SIGKILL to every rank when it reaps a rank that a signal ended (the doomed rank
-  runs under a shell, whose exit is a code: see ``run_job``).
+  and SIGKILL to every rank when it reaps a rank that a signal ended (under hydra the
+  doomed rank runs under a shell, whose exit is a code: see ``run_job``).
 - without the flag, every launcher ends the job promptly and non-zero: tested too.
 """
 
@@ -43,14 +43,16 @@ COUNT = 4096
 def run_job(outdir, algorithm, how, keep_survivors=True):
     """Launch the job once; returns (exit status, seconds, the launcher's stderr).
 
-    With ``keep_survivors`` the doomed last rank runs under a shell that outlives it and
-    exits with its status as a code (137 after SIGKILL). Hydra's proxy, whatever its
-    flags, sends SIGKILL to every rank when it reaps a child that a signal ended (about
-    half the runs here, by the order in which it sees the death's events), which would
-    end the survivors before they time out. The survivors see the same death either way:
-    the rank's process is gone in the middle of the call."""
+    With ``keep_survivors``, under hydra (MPICH, Intel MPI), the doomed last rank runs
+    under a shell that outlives it and exits with its status as a code (137 after
+    SIGKILL). Hydra's proxy, whatever its flags, sends SIGKILL to every rank when it
+    reaps a child that a signal ended (about half the runs here, by the order in which
+    it sees the death's events), which would end the survivors before they time out.
+    The survivors see the same death either way: the rank's process is gone in the
+    middle of the call. (Open MPI's launcher keeps the survivors with its flag, and
+    with such a shell would not end the job once they abort.)"""
     argv = [sys.executable, "-m", "mpi4py", JOB, outdir, TIMEOUT, COUNT, algorithm, how]
-    if keep_survivors:
+    if keep_survivors and launch.kind() in ("hydra", "intel"):
         parts = [(RANKS - 1, None, argv), (1, None, ["sh", "-c", '"$@"; exit $?', "sh", *argv])]
     else:
         parts = [(RANKS, None, argv)]
