@@ -249,6 +249,7 @@ def _mpi_error(exc, statuses, requests, owners, kinds, peers, describe):
 
 
 def _give_up(requests, owners, kinds, abandon):
+    live = []
     for request, i in zip(requests, owners):
         if request != MPI.REQUEST_NULL:
             if kinds[i] == RECV:
@@ -256,7 +257,8 @@ def _give_up(requests, owners, kinds, abandon):
                     request.Cancel()
                 except MPI.Exception:
                     pass
-            abandon(request)
+            live.append(request)
+    abandon(*live)
 
 
 # -- persistent programs: small blocking calls without making a request per message ----
@@ -439,10 +441,10 @@ class PersistentProgram:
         """Release the persistent requests. After a failure some may still be active:
         those are kept instead, with their buffers, until MPI has finished with them
         (:func:`.retired.abandon`)."""
-        for request in self.requests or ():
-            if request is not None:
-                if self.broken:
-                    retired.abandon(request)
-                else:
-                    request.Free()
+        requests = [request for request in self.requests or () if request is not None]
+        if self.broken:
+            retired.abandon(*requests)
+        else:
+            for request in requests:
+                request.Free()
         self.requests = None  # freed: a lean-path entry that still names it makes a new one

@@ -92,11 +92,11 @@ class Progress:
         """Requests posted and not yet compacted away (a measure of the engine's list)."""
         return len(self._requests)
 
-    def abandon(self, request):
-        """Keep ``request`` (given up on after a failure) referenced for the life of the
-        process (:func:`.retired.abandon`): MPI may still use its buffers."""
-        self._abandoned += 1
-        retired.abandon(request)
+    def abandon(self, *requests):
+        """Keep ``requests`` (given up on after a failure) referenced for the life of the
+        process (:func:`.retired.abandon`): MPI may still use their buffers."""
+        self._abandoned += len(requests)
+        retired.abandon(*requests)
 
     def device_work(self, handle):
         """How many device operations the host waits for on behalf of ``handle``."""
@@ -276,10 +276,12 @@ class Progress:
         if culprit is not None and culprit._error is None:  # it may not have joined active yet
             culprit._error = error
         self.active.clear()
+        live = []
         for request, (handle, token) in zip(self._requests, self._owners):
             if request != MPI.REQUEST_NULL:
                 handle._cancel(request, token)
-                self.abandon(request)  # holds the buffer: the cancel may not have taken
+                live.append(request)
+        self.abandon(*live)  # each holds its buffer: the cancel may not have taken
         self._requests, self._owners, self._completed = [], [], 0
         self._device = []
         for handle in self.shm:  # their device work may wait on the others: let it through

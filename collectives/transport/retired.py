@@ -35,9 +35,9 @@ def kept() -> int:
     return len(_KEPT)
 
 
-def abandon(request: Any) -> None:
-    """Keep ``request`` (given up on after a failure: MPI may still write into its
-    buffer) until MPI has finished with it."""
+def abandon(*requests: Any) -> None:
+    """Keep ``requests`` (given up on after a failure: MPI may still write into their
+    buffers) until MPI has finished with them."""
     still = []
     for held in _ABANDONED:
         try:
@@ -48,8 +48,7 @@ def abandon(request: Any) -> None:
         except MPI.Exception:
             continue  # finished in error: the same
         still.append(held)
-    still.append(request)
-    _ABANDONED[:] = still
+    _ABANDONED[:] = still + list(requests)
 
 
 def abandoned() -> int:
