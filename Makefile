@@ -103,7 +103,7 @@ SOAK_RANKS    ?= 4
 SOAK_CALLS    ?= 20000
 SOAK_ARGS     ?= --max-growth-mib 32
 
-.PHONY: install test lint test-serial test-mpi test-openmpi test-impi test-long test-torch-suite test-multihost bench-multihost test-gpu demo bench bench-gpu bench-gpu-paths probe-gpu gpu-wheels gpu-session bench-training bench-ddp bench-reliability bench-ps examples examples-ps soak tune bench-auto project docs clean
+.PHONY: install test lint test-serial test-mpi test-openmpi test-impi test-long coverage test-torch-suite test-multihost bench-multihost test-gpu demo bench bench-gpu bench-gpu-paths probe-gpu gpu-wheels gpu-session bench-training bench-ddp bench-reliability bench-ps examples examples-ps soak tune bench-auto project docs clean
 
 install: $(VENV)/.installed
 
@@ -152,6 +152,18 @@ test-long: install
 	$(PYTHON) -m pytest -q -n $(SERIAL_JOBS) --dist loadscope --with-mpi -m "serial and long$(mark)" tests
 	@$(call mpi_runs,$(WORLD_SIZES),long)
 	@$(call mpi_runs,$(LONG_SIZES),)
+
+# Line coverage (.coveragerc: the package and bench/) over make test and make test-long,
+# every process's data combined: the report, and coverage-report.txt. Runs the suites slower
+# than they run alone (a tracer in every process); a failing run still counts what it ran.
+COVERAGE_DATA ?= .coverage-data
+coverage: install
+	$(PYTHON) -m pip install -q coverage
+	rm -rf $(COVERAGE_DATA) && mkdir -p $(COVERAGE_DATA)
+	-COVERAGE_PROCESS_START=$(CURDIR)/.coveragerc COVERAGE_ROOT=$(CURDIR) COVERAGE_FILE=$(CURDIR)/$(COVERAGE_DATA)/.coverage \
+	  $(MAKE) -k test-serial test-mpi test-long
+	COVERAGE_ROOT=$(CURDIR) COVERAGE_FILE=$(COVERAGE_DATA)/.coverage $(PYTHON) -m coverage combine -q
+	COVERAGE_ROOT=$(CURDIR) COVERAGE_FILE=$(COVERAGE_DATA)/.coverage $(PYTHON) -m coverage report | tee coverage-report.txt | tail -3
 
 mark = $(if $(MPI_MARK), and ($(MPI_MARK)))
 # $(call mpi_runs,SIZES,MARK): one mpiexec run of the suite at each of SIZES, keeping to the
