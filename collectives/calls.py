@@ -156,7 +156,7 @@ def lean_call(ctx: Any, spec: Any, x: np.ndarray, out: Any, op: str, root: Any, 
         if entry is None:
             return NOT_HANDLED  # the general path makes the window (collective)
     ctx.sequence = (ctx.sequence + 1) % ctx.tag_limit  # as the gate numbers every call
-    progress.call = ctx.sequence
+    progress.sequence = ctx.sequence
     if entry.route is NATIVE_BLOCKING:
         try:  # MPI's blocking collective, made once for this kind (nothing in flight to finish first)
             entry.run(x, out)
@@ -239,7 +239,7 @@ def lean_device_call(ctx: Any, spec: Any, x: Any, out: Any, op: str, root: Any, 
     if entry is False:
         return NOT_HANDLED
     ctx.sequence = (ctx.sequence + 1) % ctx.tag_limit  # as the gate numbers every call
-    progress.call = ctx.sequence
+    progress.sequence = ctx.sequence
     return entry.run(array, None if inplace else out, shape, timeout)
 
 

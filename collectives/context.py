@@ -241,5 +241,5 @@ class Context:
     def next_call(self) -> int:
         """Number the next call (its messages' tag, mod ``tag_limit``) and return it."""
         self.sequence = (self.sequence + 1) % self.tag_limit
-        self.progress.call = self.sequence
+        self.progress.sequence = self.sequence
         return self.sequence

@@ -113,10 +113,10 @@ class _OutsideCall:
     """A call run outside the engine (the lean path), as the engine's failure handling
     names it (``outstanding()``: what it waits for, for a timeout's message)."""
 
-    __slots__ = ("_call", "_describe", "_error", "_outstanding")
+    __slots__ = ("_describe", "_error", "_outstanding", "_sequence")
 
-    def __init__(self, describe: str, call: int, outstanding: Any = None):
-        self._describe, self._call, self._error, self._outstanding = describe, call, None, outstanding
+    def __init__(self, describe: str, sequence: int, outstanding: Any = None):
+        self._describe, self._sequence, self._error, self._outstanding = describe, sequence, None, outstanding
 
 
 def look(ctx: Any, describe: str) -> None:

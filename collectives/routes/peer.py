@@ -270,8 +270,8 @@ def _lean_run(ctx: Any, entry: LeanEntry, device: Any, x: Any, inplace: bool) ->
             work = PeerWork(plan, {"in": inp, "out": inp[:0] if result is None else result, "tmp": tmp}, count, op,
                             dtype, (sequence, code, nbytes, root), describe, started, after=after,
                             limit=None if timeout is None else 0.8 * timeout, divisor=divisor)
-            call = PeerCall(node, work)
-            _wait(ctx, call, backend, timeout, describe)
+            running = PeerCall(node, work)
+            _wait(ctx, running, backend, timeout, describe)
         except BaseException as exc:  # the engine breaks as on the general path
             if ctx.progress.broken is None:
                 ctx.progress.fail(exc if isinstance(exc, Exception) else CollectiveError(
@@ -285,24 +285,24 @@ def _lean_run(ctx: Any, entry: LeanEntry, device: Any, x: Any, inplace: bool) ->
     return run
 
 
-def _wait(ctx: Any, call: Any, backend: Any, timeout: float | None, describe: str) -> None:
-    """Run ``call`` (a PeerCall) to its end, waiting as the host's lean path waits
+def _wait(ctx: Any, running: Any, backend: Any, timeout: float | None, describe: str) -> None:
+    """Run ``running`` (a PeerCall) to its end, waiting as the host's lean path waits
     (``transport.lean.Patience``): the device polled and the call stepped; once it
     moves no more, polled without yielding for ``SPIN`` seconds, then yielding the CPU
     between polls; every ``LOOK_EVERY`` seconds of waiting the other ranks' failure
     notices read and liveness probes answered, and past ``timeout`` seconds the
     engine's timeout error, naming what the call waits for."""
-    poll, step = backend.poll, call.step
+    poll, step = backend.poll, running.step
     start = time.monotonic()
     patience = Patience(lambda: look(ctx, describe))
     while True:
         poll()
         if step():
-            if call.done:
+            if running.done:
                 return
             patience.progressed()
         elif patience.idle() and timeout is not None and time.monotonic() - start >= timeout:
-            time_out(ctx, describe, call.outstanding, time.monotonic() - start)
+            time_out(ctx, describe, running.outstanding, time.monotonic() - start)
 
 
 def _barrier_plan() -> Any:

@@ -420,7 +420,7 @@ class DevicePlanHandle(PlanHandle):
     each waits in ``_order`` until those before it are posted."""
 
     def __init__(self, progress, describe, finish, comm, tag, plan, buffers, op, dtype, ctx, inputs_ready,
-                 timeout=None, call=0):
+                 timeout=None, sequence=0):
         self._ctx, self._dtype, self._backend = ctx, dtype, ctx.backend
         self._inputs_ready = inputs_ready  # the event before which MPI must not touch the buffers (None: passed)
         self._done_on = [None] * len(plan.ops)  # (stream, event) of op i's device work, once queued
@@ -433,7 +433,7 @@ class DevicePlanHandle(PlanHandle):
         self._pinned = {}  # op -> the whole pinned buffer it stages through
         self._messages = {}  # token -> small host buffers of IPC control messages and acknowledgements
         self._remote = {}  # workspace slice -> (receive, slot, the peer's slot, its event) read in its place
-        super().__init__(progress, describe, finish, comm, tag, plan, buffers, op, timeout, call)
+        super().__init__(progress, describe, finish, comm, tag, plan, buffers, op, timeout, sequence)
 
     # -- device work ordered after what it depends on --------------------------------------------
     def _after_predecessors(self, i, stream):
@@ -757,9 +757,9 @@ class DeviceNativeHandle(Handle):
     (``agree_comm`` given), the ranks first agree on the call's size there, at call
     time, as :class:`~.native.AgreedHandle` does."""
 
-    def __init__(self, progress, describe, finish, ctx, native, timeout, call):
+    def __init__(self, progress, describe, finish, ctx, native, timeout, sequence):
         """``native``: what the call posts (a :class:`NativeOnDevice`)."""
-        super().__init__(progress, describe, finish, timeout, call)
+        super().__init__(progress, describe, finish, timeout, sequence)
         self._ctx, self._backend = ctx, ctx.backend
         self._start_mpi = native.start_mpi
         self._host_in, self._host_out = native.host_in, native.host_out

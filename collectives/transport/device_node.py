@@ -328,4 +328,4 @@ class PeerHandle(QueuedHandle):
     shared-memory calls (oldest first) whenever it polls."""
 
     def _on_break(self):
-        self._run.node.release()
+        self._running.node.release()

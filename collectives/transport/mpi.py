@@ -25,8 +25,8 @@ class PlanHandle(Handle):
     of :mod:`.scheduler`: the progress engine reports each finished message
     (:meth:`_on_request_done`), which starts what it releases."""
 
-    def __init__(self, progress, describe, finish, comm, tag, plan, buffers, op, timeout=None, call=0):
-        super().__init__(progress, describe, finish, timeout, call)
+    def __init__(self, progress, describe, finish, comm, tag, plan, buffers, op, timeout=None, sequence=0):
+        super().__init__(progress, describe, finish, timeout, sequence)
         self._comm, self._tag, self._buffers, self._op = comm, tag, buffers, op
         self._plan = plan
         self._scheduler = Scheduler(program_of(plan))
@@ -163,8 +163,8 @@ class PlanHandle(Handle):
 class RequestHandle(Handle):
     """Wraps one MPI request: a native collective, a barrier, a check-mode exchange."""
 
-    def __init__(self, progress, describe, finish, start_request, timeout=None, call=0, nbytes=0):
-        super().__init__(progress, describe, finish, timeout, call)
+    def __init__(self, progress, describe, finish, start_request, timeout=None, sequence=0, nbytes=0):
+        super().__init__(progress, describe, finish, timeout, sequence)
         try:
             self._add_request(start_request(), 0)
         except MPI.Exception as exc:

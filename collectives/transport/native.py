@@ -113,11 +113,11 @@ class RootSizeFirst:
             bcast([flat, MPI.BYTE], root)
 
 
-def agreeing(comm, call, nbytes, describe, fail):
-    """``call(send, receive)`` (MPI's blocking collective, as the lean path keeps it per
+def agreeing(comm, collective, nbytes, describe, fail):
+    """``collective(send, receive)`` (MPI's blocking collective, as the lean path keeps it per
     kind of call) once the ranks of ``comm`` have compared ``nbytes``: where they differ,
     ``fail(error)`` (the communicator breaks) and raise it, on every rank alike, before
-    ``call``; the buffer it agrees in is made once."""
+    ``collective``; the buffer it agrees in is made once."""
     agreed = np.empty(2, np.int64)
     allreduce, maximum = comm.Allreduce, MPI.MAX
 
@@ -128,7 +128,7 @@ def agreeing(comm, call, nbytes, describe, fail):
             error = mismatch(describe(), agreed)
             fail(error)
             raise error
-        call(send, receive)
+        collective(send, receive)
 
     return run
 
@@ -158,7 +158,7 @@ class AgreedHandle(RequestHandle):
     ``comm`` first, posted at call time like any collective. It can time out and warn
     like any call."""
 
-    def __init__(self, progress, describe, finish, comm, deferred, nbytes, start_request, timeout=None, call=0,
+    def __init__(self, progress, describe, finish, comm, deferred, nbytes, start_request, timeout=None, sequence=0,
                  total=0):
         self._sizes = np.array([nbytes, -nbytes], np.int64)
         self._start_collective = start_request
@@ -166,7 +166,7 @@ class AgreedHandle(RequestHandle):
         self._agreed = False  # the agreement completed and the sizes are equal
         self._posted = False  # MPI's collective posted
         super().__init__(progress, describe, finish, lambda: comm.Iallreduce(MPI.IN_PLACE, self._sizes, MPI.MAX),
-                         timeout, call, total)
+                         timeout, sequence, total)
         deferred.waiting.append(self)
 
     def _on_request_done(self, token, status):

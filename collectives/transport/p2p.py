@@ -31,8 +31,8 @@ class PointHandle(Handle):
     truncation is never relied on (Open MPI's shared-memory path writes a longer
     message past the end of the buffer before it reports it)."""
 
-    def __init__(self, progress, describe, finish, comm, buffer, peer, tag, receive, timeout=None, call=0):
-        super().__init__(progress, describe, finish, timeout, call)
+    def __init__(self, progress, describe, finish, comm, buffer, peer, tag, receive, timeout=None, sequence=0):
+        super().__init__(progress, describe, finish, timeout, sequence)
         self._peer, self._message_tag, self._nbytes, self._receive = peer, tag, buffer.nbytes, receive
         self.source = None
         if receive:

@@ -58,7 +58,7 @@ class Progress:
         self.broken = None  # the error that broke the engine, once one has
         self.liveness = liveness  # asked which ranks are alive when a wait times out
         self.stall_warn = stall_warn  # seconds of waiting between stall warnings, or None
-        self.call = 0  # the sequence number of the newest call, for liveness replies
+        self.sequence = 0  # the number of the newest call, for liveness replies
         self._requests = []  # requests posted and not yet compacted away
         self._owners = []  # (handle, token) for each entry of _requests
         self._statuses = []  # filled by Testsome: entry k is for the k-th finished request
@@ -246,7 +246,7 @@ class Progress:
         (raising, for ``handle``'s wait, an error that says which rank and why)."""
         if self.liveness is None:
             return
-        notice = self.liveness.answer(self.call)
+        notice = self.liveness.answer(self.sequence)
         if notice is None:
             return
         source, (call, code, peer, step) = notice
@@ -265,8 +265,8 @@ class Progress:
         A message-size or MPI error is reported to the other ranks (with ``notify``)."""
         if notify and self.broken is None and isinstance(error, TransportError) and self.liveness is not None:
             code = 1 if isinstance(error, MessageSizeError) else 2
-            call = culprit._call if culprit is not None else self.call
-            self.liveness.notify(call, code, getattr(error, "peer", -1), getattr(error, "step", -1))
+            sequence = culprit._sequence if culprit is not None else self.sequence
+            self.liveness.notify(sequence, code, getattr(error, "peer", -1), getattr(error, "step", -1))
         if self.broken is None:
             self.broken = error
         for handle in self.active:
@@ -296,7 +296,7 @@ class Progress:
         outstanding = handle._outstanding()
         alive = ""
         if self.liveness is not None and self.liveness.size > 1:
-            alive = ". Liveness: " + describe_liveness(*self.liveness.check(handle._call), DEFAULT_GRACE)
+            alive = ". Liveness: " + describe_liveness(*self.liveness.check(handle._sequence), DEFAULT_GRACE)
         error = CollectiveTimeoutError(f"rank {_rank(self)}: {handle._describe}: Timed out after {waited:.1f} s "
                                        f"{outstanding}{alive}")
         self.fail(error, culprit=handle)
@@ -350,7 +350,7 @@ class Handle:
     """A collective in flight. ``test()`` says whether it has finished (and advances
     it); ``wait()`` blocks until it has and returns the result."""
 
-    def __init__(self, progress, describe, finish, timeout=None, call=0):
+    def __init__(self, progress, describe, finish, timeout=None, sequence=0):
         self._progress = progress
         self._describe = describe  # for error messages: "allreduce(ring) call #3" etc.
         self._finish = finish
@@ -358,7 +358,7 @@ class Handle:
         self._result = None
         self._error = None  # set when the call failed or was cancelled
         self._timeout = timeout  # seconds, the default of wait(); None: no limit
-        self._call = call
+        self._sequence = sequence  # the call's number (its messages' base tag)
 
     def test(self):
         """True once the call has finished; raises its error if it failed."""
@@ -461,13 +461,13 @@ class Handle:
 class QueuedHandle(Handle):
     """A call in flight that the :class:`Progress` engine runs in its queue of
     shared-memory calls (``shm``: oldest first, each to its end before the next starts)
-    whenever it polls: ``call`` has ``step()`` (True if it moved), ``done`` and
+    whenever it polls: ``running`` (the call's running state) has ``step()`` (True if it moved), ``done`` and
     ``outstanding()``. The shared-memory calls (:mod:`.shm`) and the peer reads
     (:mod:`.device_node`) are such calls."""
 
-    def __init__(self, progress, describe, finish, call, timeout=None, sequence=0):
+    def __init__(self, progress, describe, finish, running, timeout=None, sequence=0):
         super().__init__(progress, describe, finish, timeout, sequence)
-        self._run = call
+        self._running = running
 
     def start(self):
         self._progress.shm.append(self)
@@ -475,13 +475,13 @@ class QueuedHandle(Handle):
         return self
 
     def step(self):
-        moved = self._run.step()
-        if self._run.done:
+        moved = self._running.step()
+        if self._running.done:
             self._check_done()
         return moved
 
     def _is_done(self):
-        return self._run.done
+        return self._running.done
 
     def _outstanding(self):
-        return self._run.outstanding()
+        return self._running.outstanding()
