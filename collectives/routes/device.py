@@ -93,13 +93,12 @@ class Device(Route):
             work.finish()
             return returned
 
-        tag = ctx.tags.call(ctx.sequence)
         if call.algorithm == "native":
             # Posted once the input is on the host: on the deferred calls' communicator, in call order.
             start_mpi = spec.native(ctx.deferred.comm, call.op, call.root, call.counts)
             checked = spec.name in ctx.native_checked  # the ranks agree on the size first
             handle = device_call.start_native(ctx.progress, describe, finish, work, start_mpi, inp, result,
-                                              spec.one_buffer, call.timeout, tag, inp.nbytes, ctx.deferred,
+                                              spec.one_buffer, call.timeout, ctx.sequence, inp.nbytes, ctx.deferred,
                                               ctx.comm if checked else None,
                                               agreement.unit(spec, inp, result) if checked else 0)
         else:
@@ -111,9 +110,9 @@ class Device(Route):
             plan = base.compiled_plan(name, algorithm, rank, ctx.size, call.count, call.root, segment, inplace,
                                  options.deterministic, split, counts,
                                  ctx.topology if (name, algorithm) in TOPOLOGICAL else None)
-            handle = device_call.start_plan(ctx.progress, describe, finish, ctx.comm, tag, plan, inp,
-                                            result if result is not None else inp[:0], call.op, x.dtype, work,
-                                            call.timeout)
+            handle = device_call.start_plan(ctx.progress, describe, finish, ctx.comm, ctx.tags.call(ctx.sequence),
+                                            plan, inp, result if result is not None else inp[:0], call.op, work,
+                                            call.timeout, ctx.sequence)
         return handle.wait() if call.blocking else handle
 
 

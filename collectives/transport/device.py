@@ -419,10 +419,11 @@ class DevicePlanHandle(PlanHandle):
     they become ready out of order (a later segment's device copy can finish first):
     each waits in ``_order`` until those before it are posted."""
 
-    def __init__(self, progress, describe, finish, comm, tag, plan, buffers, op, dtype, ctx, inputs_ready,
-                 timeout=None, sequence=0):
-        self._ctx, self._dtype, self._backend = ctx, dtype, ctx.backend
-        self._inputs_ready = inputs_ready  # the event before which MPI must not touch the buffers (None: passed)
+    def __init__(self, progress, describe, finish, comm, tag, plan, buffers, op, work, timeout=None, sequence=0):
+        """``work``: the call's device side (:class:`~.device_call.DeviceCall`): its
+        device context, dtype and the event its inputs are ready at."""
+        self._ctx, self._dtype, self._backend = work.ctx, work.dtype, work.ctx.backend
+        self._inputs_ready = work.inputs_ready  # the event before which MPI must not touch the buffers (None: passed)
         self._done_on = [None] * len(plan.ops)  # (stream, event) of op i's device work, once queued
         self._order = {}  # (kind, peer) -> deque of [op, post or None] in schedule order
         self._waiting_for = {}  # op -> device events the host still waits for before posting it

@@ -146,16 +146,15 @@ class DeviceCall:
         self._workspace = []
 
 
-def start_plan(progress, describe, finish, comm, tag, plan, inp, out, op, dtype, call, timeout):
-    """Start a device plan handle; its workspace ``tmp`` comes from ``call``."""
-    tmp = call.workspace(plan.tmp)
-    buffers = Buffers(inp, out, tmp)
-    return DevicePlanHandle(progress, describe, finish, comm, tag, plan, buffers, op, dtype, call.ctx,
-                            call.inputs_ready, timeout, tag).start()
+def start_plan(progress, describe, finish, comm, tag, plan, inp, out, op, work, timeout, sequence):
+    """Start a device plan handle for ``work`` (a :class:`DeviceCall`), whose workspace
+    gives ``tmp``, as the call numbered ``sequence``."""
+    buffers = Buffers(inp, out, work.workspace(plan.tmp))
+    return DevicePlanHandle(progress, describe, finish, comm, tag, plan, buffers, op, work, timeout, sequence).start()
 
 
-def start_native(progress, describe, finish, call, start_mpi, dev_in, dev_out, one_buffer, timeout, tag, nbytes,
-                 deferred, agree_comm=None, unit=0):
+def start_native(progress, describe, finish, call, start_mpi, dev_in, dev_out, one_buffer, timeout, sequence,
+                 nbytes, deferred, agree_comm=None, unit=0):
     """Start ``native`` on device buffers: MPI's collective on pinned host copies of
     ``dev_in``/``dev_out`` (``dev_out`` None: no result here; ``one_buffer``: the
     collective works in one buffer, as broadcast), or on the device buffers themselves
@@ -183,5 +182,5 @@ def start_native(progress, describe, finish, call, start_mpi, dev_in, dev_out, o
         return result
 
     native = NativeOnDevice(start_mpi, dev_in, dev_out, host_in, host_out, nbytes, deferred, agree_comm, unit)
-    handle = DeviceNativeHandle(progress, describe, finish_then_release, ctx, native, timeout, tag)
+    handle = DeviceNativeHandle(progress, describe, finish_then_release, ctx, native, timeout, sequence)
     return handle.start()

@@ -249,12 +249,12 @@ class Progress:
         notice = self.liveness.answer(self.sequence)
         if notice is None:
             return
-        source, (call, code, peer, step) = notice
+        source, (sequence, code, peer, step) = notice
         kind = _REASONS.get(code, TransportError)
         why = ("found a message of the wrong size (the ranks called it with buffers of different sizes)"
                if kind is MessageSizeError else "hit an MPI error")
         where = f" from rank {peer} at step {step}" if peer >= 0 else ""
-        error = kind(f"rank {_rank(self)}: {handle._describe} stopped: rank {source} {why} in its call #{call}"
+        error = kind(f"rank {_rank(self)}: {handle._describe} stopped: rank {source} {why} in its call #{sequence}"
                      f"{where}, and gave up")
         self.fail(error, culprit=handle, notify=False)
         raise error

@@ -11,6 +11,7 @@ node, staging through pinned host memory, and CUDA-aware MPI) each run everythin
 """
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from collectives import mpi_library
 from collectives.algorithms import PEER_READS, SHARED_MEMORY, block_bounds
 from collectives.device import bfloat16
 from collectives.transport import retired
+from collectives.transport.liveness import Liveness
 
 from conftest import (
     ALL_DTYPES,
@@ -546,6 +548,33 @@ def mismatch_raises(path, segment, algorithm="ring", timeout=30):
     around = np.concatenate([D.asnumpy(whole)[:GUARD], D.asnumpy(whole)[GUARD + count:]])
     assert (around == -7).all(), f"{np.count_nonzero(around != -7)} elements outside the result were written"
     comm.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algorithm", ["ring", "native"])
+def test_a_failed_device_call_tells_the_others_its_own_number(mpi_comm, monkeypatch, algorithm):
+    """A rank whose device call fails on a message of the wrong size tells the other
+    ranks which call it was: the number its own error names (``call #N``), which is
+    what the others' errors then name (``in its call #N``)."""
+    told = []
+    real = Liveness.notify
+    monkeypatch.setattr(Liveness, "notify", lambda self, sequence, *rest: (told.append(sequence),
+                                                                            real(self, sequence, *rest))[1])
+    monkeypatch.setenv(mpi_library.NATIVE_CHECK_ENV, "1")
+    comm = device_communicator("staged", device_segment_size=SEGMENT)
+    comm.allreduce(D.asarray(np.ones(4, np.float32)), algorithm=algorithm)  # a call before: the numbers differ
+    count = 64 + (0 if comm.rank else 32)
+    with pytest.raises(cc.MessageSizeError) as raised:
+        comm.allreduce(D.asarray(np.ones(count, np.float32)), algorithm=algorithm, timeout=30)
+    comm.free()
+    own = int(re.search(r"\) call #(\d+)", str(raised.value)).group(1))
+    problems = [f"told the others call #{n}, its error names call #{own}" for n in told if n != own]
+    named = re.search(r"in its call #(\d+)", str(raised.value))
+    if named and int(named.group(1)) != own:
+        problems.append(f"another rank named its call #{named.group(1)}, this rank's is #{own}")
+    if not mpi_comm.allreduce(len(told)):
+        problems.append("no rank told the others of its failure")
+    agree(mpi_comm, problems)
 
 
 @pytest.mark.mpi(min_size=2)
