@@ -51,6 +51,6 @@ def abandon(*requests: Any) -> None:
     _ABANDONED[:] = still + list(requests)
 
 
-def abandoned() -> int:
-    """How many requests given up on MPI may still be using."""
-    return len(_ABANDONED)
+def abandoned() -> tuple[Any, ...]:
+    """The requests given up on that MPI may still be using."""
+    return tuple(_ABANDONED)

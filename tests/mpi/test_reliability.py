@@ -15,6 +15,7 @@ import pytest
 from mpi4py import MPI
 
 import collectives as cc
+from collectives.transport import retired
 
 from conftest import agree, runs_here
 
@@ -235,6 +236,38 @@ def test_timeout_names_step_peers_bytes_and_the_absent_rank(algorithm):
         later, text = outcome(lambda: comm.barrier())
         if later != "CollectiveError" or "broken" not in text:
             problems.append(f"the broken communicator accepted a call: {later} {text}")
+    agree(WORLD, problems)
+
+
+# (elements, blocking): a persistent program (4 KB), the lean executor (64 KB), the
+# engine (a non-blocking call of 64 KB: its receives are posted, not probed for).
+GIVEN_UP = [(1024, True), (16384, True), (16384, False)]
+
+
+@needs_peers
+@pytest.mark.parametrize("count,blocking", GIVEN_UP, ids=["persistent", "lean", "engine"])
+def test_receives_given_up_on_keep_their_buffers(count, blocking):
+    """A call that times out gives up on the receives it has posted. A cancel does not
+    take on a receive that has matched its message and MPI goes on writing into its
+    buffer (Intel MPI on shared memory: at the next call into MPI, a segmentation
+    fault once the buffer's memory is gone), so every executor keeps them
+    (``retired``) instead of dropping them with their buffers."""
+    comm = cc.Communicator()
+    before = retired.abandoned()  # held here, so that no new request takes one's id
+
+    def allreduce():
+        x = np.ones(count, np.float32)
+        if blocking:
+            return comm.allreduce(x, algorithm="ring", timeout=1.0)
+        return comm.allreduce_async(x, algorithm="ring", timeout=1.0).wait()
+
+    kind, message, _ = skipping_last_rank(allreduce, 1.0)
+    problems = []
+    if comm.rank != LAST:
+        if kind != "CollectiveTimeoutError":
+            problems.append(f"{kind}: {message}")
+        elif not [r for r in retired.abandoned() if all(r is not old for old in before)]:
+            problems.append("the receives given up on were dropped, and their buffers with them")
     agree(WORLD, problems)
 
 
