@@ -219,17 +219,18 @@ class Selector:
         self._cache.clear()
         return True
 
-    def learn_gpus(self, gpus, ranks, mechanism):
-        """The node's ``ranks`` are on ``gpus`` GPUs and meet at fences of ``mechanism``,
-        as the first peer-read call learnt (the same on every rank): the device cost
-        model predicts for that from now on (the leader only where every rank is on one
-        GPU; each GPU's processes switching where it carries several ranks; a fence's
-        cost by its mechanism)."""
-        known = (int(gpus), int(ranks), mechanism)
+    def learn_gpus(self, gpus, ranks, fences):
+        """The node's ``ranks`` are on ``gpus`` GPUs and meet at ``fences`` (the node's
+        fence mechanism, a :class:`~collectives.transport.peer_fences.Fences`: its
+        ``name``, and whether it waits ``in_kernel``), as the first peer-read call
+        learnt (the same on every rank): the device cost model predicts for that from
+        now on (the leader only where every rank is on one GPU; each GPU's processes
+        switching where it carries several ranks; a fence's cost by its mechanism)."""
+        known = (int(gpus), int(ranks), fences.name)
         if known != self.gpus:
             self.gpus = known
             self.device_model = replace(self.device_model, shared=gpus < ranks, one_gpu=gpus == 1,
-                                        kernel_fences=mechanism == "kernel")
+                                        kernel_fences=fences.in_kernel)
             self._cache.clear()
 
     def _describe_gpus(self):

@@ -49,7 +49,7 @@ def peer_node(ctx: Any, device: Any, timeout: float | None) -> Any:
         # auto's device choices from now on know the node's GPUs and fences (the kinds
         # of call resolved before did not: made anew)
         peer = device.peer
-        ctx.selector.learn_gpus(peer.gpus, ctx.node_comm.Get_size(), peer.fence.name)
+        ctx.selector.learn_gpus(peer.gpus, ctx.node_comm.Get_size(), peer.fence)
         ctx.call_kinds.clear()
     return device.peer
 

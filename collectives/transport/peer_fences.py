@@ -57,6 +57,7 @@ class Fences:
     here; what a call keeps between its steps (arrived, waiting ...) stays on the call."""
 
     name = ""  # the device_fence value that chooses it
+    in_kernel = False  # a rank's own kernel waits at the fences (the device cost model's own_fence)
 
     def __init__(self, node, exchange):
         """Set up on ``node`` (collective over the node where the mechanism needs it:
@@ -254,6 +255,7 @@ class KernelFences(_SignalledFences):
     GPUs), the first fence's on a call of whole registered arrays too."""
 
     name = "kernel"
+    in_kernel = True
 
     def __init__(self, node, exchange):
         super().__init__(node, exchange)

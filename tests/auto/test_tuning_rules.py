@@ -27,6 +27,7 @@ from collectives.auto import selector as auto_selector
 from collectives.auto import table as auto_table
 from collectives.tools.bench import timing, tune
 from collectives.topology import Topology
+from collectives.transport import peer_fences
 
 from conftest import agree
 
@@ -521,14 +522,15 @@ def test_the_selector_predicts_for_the_node_its_first_device_call_learnt(clean_e
     selector = Selector.from_environment(Job(4), {})
     choice, why = selector.explain("allreduce", 4096, device=True)
     assert choice == "leader" and "taken to share one GPU until a device call learns it" in why, why
-    cases = {(1, "host"): ("the node's ranks share one GPU, host fences", True),
-             (4, "kernel"): ("each of the node's ranks has a GPU of its own, kernel fences", False),
-             (4, "host"): ("each of the node's ranks has a GPU of its own, host fences", False),
-             (2, "host"): ("the node's 4 ranks share 2 GPUs, host fences", False)}
-    for (gpus, mechanism), (said, leader) in cases.items():
-        selector.learn_gpus(gpus, 4, mechanism)
+    host, kernel = peer_fences.HostFences, peer_fences.KernelFences
+    cases = {(1, host): ("the node's ranks share one GPU, host fences", True),
+             (4, kernel): ("each of the node's ranks has a GPU of its own, kernel fences", False),
+             (4, host): ("each of the node's ranks has a GPU of its own, host fences", False),
+             (2, host): ("the node's 4 ranks share 2 GPUs, host fences", False)}
+    for (gpus, fences), (said, leader) in cases.items():
+        selector.learn_gpus(gpus, 4, fences)
         model = selector.device_model
-        assert (model.shared, model.one_gpu, model.kernel_fences) == (gpus < 4, gpus == 1, mechanism == "kernel")
+        assert (model.shared, model.one_gpu, model.kernel_fences) == (gpus < 4, gpus == 1, fences is kernel)
         times = auto.predict_device("allreduce", 4096, 4, model)
         choice, why = selector.explain("allreduce", 4096, device=True)
         assert said in why and choice == min(times, key=times.get) and ("leader" in times) == leader, (gpus, why)
