@@ -7,13 +7,14 @@ or a subprocess (``subprocess.``), or it is in a file about exactly that
 ``make test-multihost``, as root, inside a testbed.
 
     python tests/harness/waiting_tests.py            # the list, one node id a line
-    python tests/harness/waiting_tests.py --loop 20  # each run: the serial ones, then 2-4 ranks
+    python tests/harness/waiting_tests.py --loop 20  # each run: the serial ones, then 2 ranks
 
-``--loop N`` runs them N times as ``make test`` runs them (serially those marked
-``serial``, under ``mpiexec -n 2`` all the others, at 3 and 4 ranks those not marked
-``any_size``; never the ``long`` ones), and ends with how many of the N runs passed at
-each. Its exit status is non-zero if any run failed. Start the load yourself (for
-instance ``yes > /dev/null &``).
+``--loop N`` runs them N times as ``make test`` runs them: those marked ``serial`` on
+every core (pytest-xdist), all the others under ``mpiexec -n 2``, where ``make test``
+runs every test (``--sizes 2,3,4``: also at 3 and 4 ranks, those not marked
+``any_size``); never the ``long`` ones. It ends with how many of the N runs passed at
+each, and exits non-zero if any failed. Start the load yourself (for instance
+``yes > /dev/null &``).
 """
 
 import argparse
@@ -45,13 +46,13 @@ def waiting_tests():
     return ids
 
 
-def runs(ids, python, mpiexec):
+def runs(ids, python, mpiexec, sizes):
     """(label, command) of one pass, as make test runs the tests."""
     pytest = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--color=no", "--with-mpi"]
-    yield "serial", [*pytest, "-m", "serial and not long", *ids]
-    yield "2 ranks", [mpiexec, "-n", "2", *pytest, "-m", "not serial and not long", *ids]
-    for n in (3, 4):
-        yield f"{n} ranks", [mpiexec, "-n", str(n), *pytest, "-m", "not serial and not long and not any_size", *ids]
+    yield "serial", [*pytest, "-n", "auto", "--dist", "loadscope", "-m", "serial and not long", *ids]
+    for n in sizes:
+        only = "not serial and not long" + ("" if n == 2 else " and not any_size")
+        yield f"{n} ranks", [mpiexec, "-n", str(n), *pytest, "-m", only, *ids]
 
 
 def main():
@@ -60,6 +61,7 @@ def main():
     parser.add_argument("--python", default=sys.executable)
     parser.add_argument("--mpiexec", default=os.environ.get("MPIEXEC",
                                                             str(pathlib.Path(sys.executable).with_name("mpiexec"))))
+    parser.add_argument("--sizes", default="2", help="world sizes of the MPI runs, comma-separated")
     parser.add_argument("--logs", default="waiting-tests-logs", help="a failed run's output goes here")
     args = parser.parse_args()
     ids = waiting_tests()
@@ -69,7 +71,7 @@ def main():
     passed = {}
     os.makedirs(args.logs, exist_ok=True)
     for i in range(1, args.loop + 1):
-        for label, command in runs(ids, args.python, args.mpiexec):
+        for label, command in runs(ids, args.python, args.mpiexec, [int(n) for n in args.sizes.split(",")]):
             done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
             tail = (done.stdout.strip().splitlines() or [""])[-1]
             ok = done.returncode in (0, 5)  # 5: nothing selected at this size
