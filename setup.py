@@ -12,6 +12,7 @@ setup(
     long_description=(here / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="MIT",
+    license_files=["LICENSE"],
     python_requires=">=3.10",
     # kernels/ (the CUDA sources) ships inside the package as collectives.kernels, so no
     # generic top-level module called `kernels` is installed.

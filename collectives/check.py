@@ -45,14 +45,14 @@ MEMORY = ("-", "host", "cuda", "standin")  # where the arrays live
 ORDERS = ("-", "any", "rank order (deterministic)")  # how a reduction folds the ranks' contributions
 
 
-def fingerprint(call, collective, algorithm="-", op="-", dtype=None, shape=(), root=-1, how="-", memory="-",
+def fingerprint(sequence, collective, algorithm="-", op="-", dtype=None, shape=(), root=-1, how="-", memory="-",
                 order="-"):
     """The int64 record the ranks compare (``-`` / -1: not part of this collective).
     ``how`` is one of ``_HOW_IT_RUNS``, ``memory`` one of ``MEMORY``, ``order``
     one of ``ORDERS``."""
     shape = tuple(int(n) for n in shape)
     record = np.full(LENGTH, -1, np.int64)
-    record[:10] = (call, CALLS.index(collective), ALGORITHMS.index(algorithm), OP_NAMES.index(op),
+    record[:10] = (sequence, CALLS.index(collective), ALGORITHMS.index(algorithm), OP_NAMES.index(op),
                    DTYPES.index(np.dtype(dtype).name if dtype is not None else "-"), root,
                    _HOW_IT_RUNS.index(how), len(shape), MEMORY.index(memory), ORDERS.index(order))
     shown = shape[:SHOWN_DIMS]

@@ -88,8 +88,8 @@ _PATTERNS = (  # (family, pattern whose group 1 is the version), first match win
 
 def parse(text):
     """The :class:`Library` a version string names: ``MPI.Get_library_version()``'s,
-    or a tuning file's ``mpi`` field (the first line, as fingerprints stored it before
-    they named the family: "MPICH Version: 5.0.2"; or as now: "MPICH 5.0.2")."""
+    or a tuning file's ``mpi`` field (the first line, in either form a fingerprint
+    holds: "MPICH Version: 5.0.2" or "MPICH 5.0.2")."""
     text = str(text)
     first = _squeeze(text.strip().split("\n")[0]) if text.strip() else ""
     for family, pattern in _PATTERNS:

@@ -4,10 +4,10 @@ A rank that times out knows only its own peers: in a ring, rank 1 waits for rank
 which waits for the rank that died. So the timed-out rank asks every other rank, on a
 communicator of its own (never the one collectives use):
 
-    timed-out rank r  --PROBE [call]-->  every other rank
-                      <--REPLY [call]--  ranks waiting inside the library (they poll
-                                         for probes every few ms while they wait)
-                      <--PROBE [call]--  ranks that timed out too and ask in turn
+    timed-out rank r  --PROBE [sequence]-->  every other rank
+                      <--REPLY [sequence]--  ranks waiting inside the library (they poll
+                                             for probes every few ms while they wait)
+                      <--PROBE [sequence]--  ranks that timed out too and ask in turn
 
 Whoever answers within the grace period (or probed this rank earlier) is alive and
 says which call it is in; the others are dead, hung, busy outside the library, or
@@ -15,7 +15,7 @@ blocked in a blocking MPI call. Probes are 16-byte buffer messages, never pickle
 Each rank asks at most once: the communicator is broken after a timeout.
 
 The same communicator carries one more message: a rank whose call failed on a message
-of the wrong size (or an MPI error) tells every other rank (BROKEN [call, code, peer,
+of the wrong size (or an MPI error) tells every other rank (BROKEN [sequence, code, peer,
 step]), so that ranks whose own messages were fine stop too instead of waiting for a
 rank that has given up.
 """
@@ -55,9 +55,9 @@ class Liveness:
         requests += [self._comm.Isend([token, MPI.BYTE], r, CONNECT) for r in peers]
         MPI.Request.Waitall(requests)
 
-    def answer(self, call):
-        """Reply to every probe that has arrived: "this rank is waiting in ``call``".
-        Returns ``(rank, [call, code, peer, step])`` if a rank reported a failure
+    def answer(self, sequence):
+        """Reply to every probe that has arrived: "this rank is waiting in the call
+        numbered ``sequence``". Returns ``(rank, [sequence, code, peer, step])`` if a rank reported a failure
         (:meth:`notify`), else None."""
         status = MPI.Status()
         if self._comm.Iprobe(MPI.ANY_SOURCE, BROKEN, status):
@@ -69,15 +69,16 @@ class Liveness:
             got = np.empty(2, np.int64)
             self._comm.Recv([got, MPI.BYTE], source, PROBE)
             self.heard[source] = (int(got[0]), "timed out")
-            reply = np.array([call, 0], np.int64)
+            reply = np.array([sequence, 0], np.int64)
             self._sent.append(self._comm.Isend([reply, MPI.BYTE], source, REPLY))
         self._sent = [q for q in self._sent if not q.Test()]
         return None
 
-    def notify(self, call, code, peer, step):
-        """Tell every other rank that this rank's ``call`` failed (``code``: an index
-        into the caller's table of reasons) on a message from ``peer`` at ``step``."""
-        notice = np.array([call, code, peer, step], np.int64)
+    def notify(self, sequence, code, peer, step):
+        """Tell every other rank that this rank's call numbered ``sequence`` failed
+        (``code``: an index into the caller's table of reasons) on a message from
+        ``peer`` at ``step``."""
+        notice = np.array([sequence, code, peer, step], np.int64)
         for r in range(self.size):
             if r != self.rank:
                 try:
@@ -85,12 +86,12 @@ class Liveness:
                 except MPI.Exception:
                     pass
 
-    def check(self, call, grace=DEFAULT_GRACE):
+    def check(self, sequence, grace=DEFAULT_GRACE):
         """Ask every other rank; return ``(alive, silent)``: ``alive`` maps each rank
         that answered (now or earlier) to ``(its call, "waiting" | "timed out")``,
         ``silent`` lists the ranks that did not answer within ``grace`` seconds."""
         others = [r for r in range(self.size) if r != self.rank]
-        probe = np.array([call, 0], np.int64)
+        probe = np.array([sequence, 0], np.int64)
         inbox = {r: np.empty(2, np.int64) for r in others if r not in self.heard}
         receives = {}
         for r in others:

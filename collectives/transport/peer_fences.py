@@ -53,8 +53,9 @@ DEFAULT_KERNEL_LIMIT = 300.0  # seconds an in-kernel wait lasts at most where th
 
 class Fences:
     """A fence mechanism of one node's peer-read calls (one per :class:`~.peer_node.PeerNode`,
-    made with it). A call (:class:`~.device_node.PeerCall`) hands each of its fences
-    here; what a call keeps between its steps (arrived, waiting ...) stays on the call."""
+    made with it). A running call (:class:`~.device_node.PeerCall`, ``running`` in the
+    methods) hands each of its fences here; what it keeps between its steps (arrived,
+    waiting ...) stays on it."""
 
     name = ""  # the device_fence value that chooses it
     in_kernel = False  # a rank's own kernel waits at the fences (the device cost model's own_fence)
@@ -64,28 +65,28 @@ class Fences:
         ``exchange(words)``, every node rank's int64 ``words``)."""
         self.node, self.backend, self.window = node, node.backend, node.window
 
-    def start(self, call):
-        """At ``call``'s start, before its first phase is queued."""
+    def start(self, running):
+        """At ``running``'s start, before its first phase is queued."""
 
-    def fence(self, call, k):
-        """Fence ``k`` (1-based) of ``call``: True once passed (the call then queues the
+    def fence(self, running, k):
+        """Fence ``k`` (1-based) of ``running``: True once passed (the call then queues the
         next phase), False while it must be asked again."""
         raise NotImplementedError
 
-    def covers_end(self, call):
-        """Whether the event of ``call``'s last fence already marks the end of its device
+    def covers_end(self, running):
+        """Whether the event of ``running``'s last fence already marks the end of its device
         work (so no end event is recorded)."""
         return False
 
-    def finished(self, call):
-        """Once ``call``'s device work has run: raise what the device found wrong."""
+    def finished(self, running):
+        """Once ``running``'s device work has run: raise what the device found wrong."""
 
-    def waiting(self, call, k):
-        """What ``call`` waits for at fence ``k``, for timeout and stall messages."""
+    def waiting(self, running, k):
+        """What ``running`` waits for at fence ``k``, for timeout and stall messages."""
         raise NotImplementedError
 
-    def late_on_device(self, call):
-        """Where ``call``'s device waits for other ranks after its host went on: a
+    def late_on_device(self, running):
+        """Where ``running``'s device waits for other ranks after its host went on: a
         clause for messages, or ""."""
         return ""
 
@@ -102,50 +103,50 @@ class HostFences(Fences):
 
     name = "host"
 
-    def fence(self, call, k):
-        epoch = call.base + k
-        if not call.arrived:
-            if not self._work_done(call):
+    def fence(self, running, k):
+        epoch = running.base + k
+        if not running.arrived:
+            if not self._work_done(running):
                 return False
             if k == 1:
-                call.publish()
+                running.publish()
             self.window.arrive(_EPOCH, epoch)
-            call.arrived = True
-        if not self._others_arrived(call, k, epoch):
+            running.arrived = True
+        if not self._others_arrived(running, k, epoch):
             return False
-        call.arrived = False
+        running.arrived = False
         self.node.counters["host meetings"] += 1  # the fence is the hosts' meeting
         if k == 1:
-            call.meet()
+            running.meet()
         return True
 
-    def _work_done(self, call):
+    def _work_done(self, running):
         """Whether this rank's device work before the fence has run (recording the event
         that says so the first time, unless nothing was queued since the last fence's,
         which has run)."""
         node = self.node
-        if not call.waiting:
-            if not call.unrecorded:
+        if not running.waiting:
+            if not running.unrecorded:
                 return True
             self.backend.record(node.fence_event, node.stream)
-            call.waiting = True
+            running.waiting = True
         if not self.backend.query(node.fence_event):
             return False
-        call.waiting = call.unrecorded = False
+        running.waiting = running.unrecorded = False
         return True
 
-    def _others_arrived(self, call, k, epoch):
+    def _others_arrived(self, running, k, epoch):
         """Whether every rank has arrived at fence ``k``."""
         return self.window.passed(_EPOCH, epoch)
 
-    def covers_end(self, call):
-        return not call.unrecorded  # nothing queued since the last fence's event, which has run
+    def covers_end(self, running):
+        return not running.unrecorded  # nothing queued since the last fence's event, which has run
 
-    def waiting(self, call, k):
-        if call.arrived:
-            return (f"waiting at fence {k} of {call.fences} for "
-                    f"{ranks(self.window.behind(_EPOCH, call.base + k))} to arrive")
-        return f"waiting for this rank's device work before fence {k} of {call.fences}"
+    def waiting(self, running, k):
+        if running.arrived:
+            return (f"waiting at fence {k} of {running.fences} for "
+                    f"{ranks(self.window.behind(_EPOCH, running.base + k))} to arrive")
+        return f"waiting for this rank's device work before fence {k} of {running.fences}"
 
 
 class _SignalledFences(Fences):
@@ -158,34 +159,34 @@ class _SignalledFences(Fences):
         super().__init__(node, exchange)
         self.inbox = self.backend.map_host(self.window.inbox)  # every stream signals the first fence here
 
-    def fence(self, call, k):
-        epoch = call.base + k
+    def fence(self, running, k):
+        epoch = running.base + k
         if k > 1:  # the devices' own: the host enqueues it and goes on
-            self._on_devices(call, k, epoch)
+            self._on_devices(running, k, epoch)
             return True
-        if not call.arrived:  # where the inputs are, and that they are ready: the host sees both
-            self._announce(call)
-            self.window.arrive(_ANNOUNCED, call.number)  # (nobody waits for it: see PeerCall.check_announced)
-            self._signal(call, k, epoch)
-            call.arrived = True
-        if not self._first_passed(call, k, epoch):
+        if not running.arrived:  # where the inputs are, and that they are ready: the host sees both
+            self._announce(running)
+            self.window.arrive(_ANNOUNCED, running.number)  # (nobody waits for it: see PeerCall.check_announced)
+            self._signal(running, k, epoch)
+            running.arrived = True
+        if not self._first_passed(running, k, epoch):
             return False
-        call.arrived = False
+        running.arrived = False
         return True
 
-    def _announce(self, call):
+    def _announce(self, running):
         """Publish what the others read at the first fence."""
-        call.publish()
+        running.publish()
 
-    def _first_passed(self, call, k, epoch):
+    def _first_passed(self, running, k, epoch):
         """Whether the first fence is passed (signalled already)."""
         raise NotImplementedError
 
-    def _on_devices(self, call, k, epoch):
+    def _on_devices(self, running, k, epoch):
         """Queue fence ``k`` (the second) on the devices."""
         raise NotImplementedError
 
-    def _signal(self, call, k, epoch):
+    def _signal(self, running, k, epoch):
         """Once the work before it has run, the stream writes fence ``k``'s number into
         every peer's row."""
         node, window, value = self.node, self.window, epoch & 0xFFFFFFFF
@@ -193,21 +194,22 @@ class _SignalledFences(Fences):
             if q != window.rank:
                 self.backend.write_value(node.stream, self.inbox, window.word(q, window.rank), value)
 
-    def _others_signalled(self, call, epoch):
+    def _others_signalled(self, running, epoch):
         """The first fence: whether every peer's stream has signalled it (so its input is
         ready, and where it is has been published)."""
         return self.window.signalled(epoch & 0xFFFFFFFF)
 
-    def waiting(self, call, k):
-        return (f"waiting at fence {k} of {call.fences} for "
-                f"{ranks(self.window.behind_on_device(call.base + k))} to arrive")
+    def waiting(self, running, k):
+        return (f"waiting at fence {k} of {running.fences} for "
+                f"{ranks(self.window.behind_on_device(running.base + k))} to arrive")
 
-    def late_on_device(self, call):
+    def late_on_device(self, running):
         behind = self._behind()
-        for k in range(1 if call.assumed else 2, call.fences + 1):  # (the host saw the first passed, unless assumed)
-            late = behind((call.base + k) & 0xFFFFFFFF)
+        first = 1 if running.assumed else 2  # the host saw the first passed, unless assumed
+        for k in range(first, running.fences + 1):
+            late = behind((running.base + k) & 0xFFFFFFFF)
             if late:
-                return f" (at fence {k} of {call.fences} it waits for {ranks(late)} to arrive)"
+                return f" (at fence {k} of {running.fences} it waits for {ranks(late)} to arrive)"
         return ""
 
     def _behind(self):
@@ -223,19 +225,19 @@ class StreamFences(_SignalledFences):
 
     name = "stream"
 
-    def _first_passed(self, call, k, epoch):
-        if not self._others_signalled(call, epoch):
-            call.check_announced()
+    def _first_passed(self, running, k, epoch):
+        if not self._others_signalled(running, epoch):
+            running.check_announced()
             return False
         self.node.counters["host meetings"] += 1
-        call.meet()
+        running.meet()
         return True
 
-    def _on_devices(self, call, k, epoch):
-        self._signal(call, k, epoch)
-        self._wait_for_others(call, k, epoch)
+    def _on_devices(self, running, k, epoch):
+        self._signal(running, k, epoch)
+        self._wait_for_others(running, k, epoch)
 
-    def _wait_for_others(self, call, k, epoch):
+    def _wait_for_others(self, running, k, epoch):
         """The stream waits until every peer has written fence ``k``'s number into this
         rank's row."""
         node, window, value = self.node, self.window, epoch & 0xFFFFFFFF
@@ -273,73 +275,73 @@ class KernelFences(_SignalledFences):
         self.table = backend.pointer_table(inboxes)
         self._flag_stream = None  # where flags_now copies the flags out
 
-    def start(self, call):
+    def start(self, running):
         """The previous call's fence kernels have all run: clear what they marked."""
         window, row = self.window, self.window.rank * self.window.row
         window.late[row : row + window.rank] = 0  # (not the rank's own word: release's, see release)
         window.late[row + window.rank + 1 : row + window.size] = 0
 
-    def _announce(self, call):
-        call.publish()
-        self._assume(call)
-        self.window.publish_digest(call.parity, call.digest if call.assumed else 0)
+    def _announce(self, running):
+        running.publish()
+        self._assume(running)
+        self.window.publish_digest(running.parity, running.digest if running.assumed else 0)
 
-    def _first_passed(self, call, k, epoch):
-        if call.assumed:  # the devices meet alone
-            self._fence_kernel(call, k, epoch)
+    def _first_passed(self, running, k, epoch):
+        if running.assumed:  # the devices meet alone
+            self._fence_kernel(running, k, epoch)
             return True
         # a rank that asks: ranks that did not may wait for it on their devices
-        if not self._others_signalled(call, epoch):
-            self._signalling_if_it_raises(call, call.check_announced, 1)
+        if not self._others_signalled(running, epoch):
+            self._signalling_if_it_raises(running, running.check_announced, 1)
             return False
         self.node.counters["host meetings"] += 1
-        self._signal_fences(call, (1,))  # first: so that they go on while this host opens buffers
-        self._signalling_if_it_raises(call, lambda: self._meet_having_asked(call), 2)
+        self._signal_fences(running, (1,))  # first: so that they go on while this host opens buffers
+        self._signalling_if_it_raises(running, lambda: self._meet_having_asked(running), 2)
         return True
 
-    def _on_devices(self, call, k, epoch):
-        self._fence_kernel(call, k, epoch)
+    def _on_devices(self, running, k, epoch):
+        self._fence_kernel(running, k, epoch)
 
-    def _fence_kernel(self, call, k, epoch):
+    def _fence_kernel(self, running, k, epoch):
         """One small kernel writes fence ``k``'s number (and the call's digest) into every
         peer's flags and waits for theirs in its own, at most the call's ``limit``
         seconds; at the first fence (a rank that took the peers' registered arrays
         without asking) it compares the peers' digests with this rank's."""
-        self._launch(call, epoch, wait=True, check=k == 1)
+        self._launch(running, epoch, wait=True, check=k == 1)
 
-    def _launch(self, call, epoch, wait, check=False):
-        """The fence kernel at ``epoch`` with ``call``'s digest: waiting, or only signalling."""
+    def _launch(self, running, epoch, wait, check=False):
+        """The fence kernel at ``epoch`` with ``running``'s digest: waiting, or only signalling."""
         node, window = self.node, self.window
-        self.backend.fence_kernel(node.stream, self.table, self.flags, window.rank, epoch & 0xFFFFFFFF, call.limit,
-                                  self.late, window.rank * window.row, digest=call.digest, wait=wait, check=check)
+        self.backend.fence_kernel(node.stream, self.table, self.flags, window.rank, epoch & 0xFFFFFFFF, running.limit,
+                                  self.late, window.rank * window.row, digest=running.digest, wait=wait, check=check)
 
-    def _assume(self, call):
+    def _assume(self, running):
         """The first fence: where this rank's input is a whole registered array
         (``Communicator.empty(device=)``) and the call needs no window slot, take every
         peer's input to be its counterpart, its array of the same ``empty`` (so the host
         need not wait to see where they are: the devices then meet alone). The digest
         the fence kernels compare names where every rank's input is, so a rank that
         passed another array makes every rank raise."""
-        if call.slot or call.shared_out or not call.arrays["in"].nbytes:
+        if running.slot or running.shared_out or not running.arrays["in"].nbytes:
             return
         node = self.node
-        found = node.counterparts(call.mine)
+        found = node.counterparts(running.mine)
         if found is None:
             return
         rows, placement = found
-        storage = call.arrays["in"].dtype
-        call.peers = {q: (node.peer_buffer(q, rows[q].tobytes(), "input", storage), None, None)
+        storage = running.arrays["in"].dtype
+        running.peers = {q: (node.peer_buffer(q, rows[q].tobytes(), "input", storage), None, None)
                       for q in range(self.window.size) if q != self.window.rank}
-        call.digest = call_digest(call.signature, placement)
-        call.assumed = True
+        running.digest = call_digest(running.signature, placement)
+        running.assumed = True
         node.counters["registered calls"] += 1
 
-    def _meet_having_asked(self, call):
+    def _meet_having_asked(self, running):
         """:meth:`PeerCall.meet`, then the published digests compared with this rank's."""
-        call.meet()
-        self._compare_digests(call)
+        running.meet()
+        self._compare_digests(running)
 
-    def _signal_fences(self, call, fences):
+    def _signal_fences(self, running, fences):
         """A rank whose host asked where the buffers are: where a rank took its
         registered array without asking (it published a digest), its fence kernels wait
         for this rank's on its device, so write this rank's digest and the numbers of
@@ -348,14 +350,14 @@ class KernelFences(_SignalledFences):
         Where every rank asked, no device waits at the first fence: no kernel. True if it
         signalled."""
         window = self.window
-        if not any(window.digests(call.parity)):
+        if not any(window.digests(running.parity)):
             return False
-        call.digest = call_digest(call.signature, placement_crc(window.descriptors(call.parity, 0)))
+        running.digest = call_digest(running.signature, placement_crc(window.descriptors(running.parity, 0)))
         for k in fences:
-            self._launch(call, call.base + k, wait=False)
+            self._launch(running, running.base + k, wait=False)
         return True
 
-    def _signalling_if_it_raises(self, call, check, first):
+    def _signalling_if_it_raises(self, running, check, first):
         """Run ``check``; if it raises a disagreement (a :class:`CollectiveError`: another
         call, a buffer that cannot be shared, another digest; this rank's digest then
         differs from theirs, so they raise too), first signal fences ``first`` … the
@@ -367,28 +369,28 @@ class KernelFences(_SignalledFences):
         try:
             check()
         except CollectiveError:
-            if self._signal_fences(call, range(first, call.fences + 1)):
+            if self._signal_fences(running, range(first, running.fences + 1)):
                 backend, event = self.backend, self.node.fence_event
                 backend.record(event, self.node.stream)
-                until = time.monotonic() + min(call.limit, 10.0)
+                until = time.monotonic() + min(running.limit, 10.0)
                 while not backend.query(event) and time.monotonic() < until:
                     time.sleep(1e-4)
             raise
 
-    def _compare_digests(self, call):
+    def _compare_digests(self, running):
         """Past the first fence's hosts' meeting: the ranks that took the buffers without
         asking published their digest; raise if one differs from this rank's (which
         names the call and where every rank's input is). This rank's fence kernel has
         signalled already, with its own digest, so those ranks' kernels pass and see the
         difference too, and every rank raises (:meth:`PeerCall.meet`'s errors too)."""
-        differ = [q for q, d in enumerate(self.window.digests(call.parity)) if d and d != call.digest]
+        differ = [q for q, d in enumerate(self.window.digests(running.parity)) if d and d != running.digest]
         if differ:
             raise CollectiveMismatchError(
-                f"{call.describe}: {ranks(differ)} passed a whole registered array (Communicator.empty(device=)) "
+                f"{running.describe}: {ranks(differ)} passed a whole registered array (Communicator.empty(device=)) "
                 "and so read this rank's array of the same empty() without asking, but this rank passed another "
                 "buffer or made another call: on whole registered arrays every rank must pass its own alike")
 
-    def finished(self, call):
+    def finished(self, running):
         """Raise naming the ranks a fence kernel gave up on, or whose digest of the call
         differed from this rank's."""
         window = self.window
@@ -396,12 +398,12 @@ class KernelFences(_SignalledFences):
         differ = [q for q in range(window.size) if row[q] == 2 and q != window.rank]  # (its own word: release's)
         if differ:  # (first: ranks that called something else may well be late too)
             raise CollectiveMismatchError(
-                f"{call.describe}: {ranks(differ)} made another call, or passed another buffer: a call on a whole "
+                f"{running.describe}: {ranks(differ)} made another call, or passed another buffer: a call on a whole "
                 "registered array (Communicator.empty(device=)) reads every rank's array of the same empty() "
                 "without asking where it is, so every rank must pass its own alike (the result is undefined)")
         late = [q for q in range(window.size) if row[q] == 1 and q != window.rank]
         if late:
-            raise CollectiveTimeoutError(f"{call.describe}: its in-kernel fences waited {call.limit:g} s for "
+            raise CollectiveTimeoutError(f"{running.describe}: its in-kernel fences waited {running.limit:g} s for "
                                          f"{ranks(late)} to arrive, and gave up (the call's timeout, else "
                                          f"{DEFAULT_KERNEL_LIMIT:g} s: a kernel cannot be stopped from outside)")
 
