@@ -154,8 +154,8 @@ test-long: install
 	@$(call mpi_runs,$(LONG_SIZES),)
 
 # Line coverage (.coveragerc: the package and bench/) over make test and make test-long,
-# every process's data combined: the report, and coverage-report.txt. Runs the suites slower
-# than they run alone (a tracer in every process); a failing run still counts what it ran.
+# every process's data combined: the report, and coverage-report.txt. About 50 minutes on
+# 2 cores (a tracer in every process); a failing run still counts what it ran.
 COVERAGE_DATA ?= .coverage-data
 coverage: install
 	$(PYTHON) -m pip install -q coverage
