@@ -57,8 +57,8 @@ class Liveness:
 
     def answer(self, sequence):
         """Reply to every probe that has arrived: "this rank is waiting in the call
-        numbered ``sequence``". Returns ``(rank, [sequence, code, peer, step])`` if a rank reported a failure
-        (:meth:`notify`), else None."""
+        numbered ``sequence``". Returns ``(rank, [sequence, code, peer, step])`` if a
+        rank reported a failure (:meth:`notify`), else None."""
         status = MPI.Status()
         if self._comm.Iprobe(MPI.ANY_SOURCE, BROKEN, status):
             notice = np.empty(4, np.int64)

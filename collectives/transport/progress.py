@@ -461,8 +461,8 @@ class Handle:
 class QueuedHandle(Handle):
     """A call in flight that the :class:`Progress` engine runs in its queue of
     shared-memory calls (``shm``: oldest first, each to its end before the next starts)
-    whenever it polls: ``running`` (the call's running state) has ``step()`` (True if it moved), ``done`` and
-    ``outstanding()``. The shared-memory calls (:mod:`.shm`) and the peer reads
+    whenever it polls: ``running`` (the call's running state) has ``step()`` (True if
+    it moved), ``done`` and ``outstanding()``. The shared-memory calls (:mod:`.shm`) and the peer reads
     (:mod:`.device_node`) are such calls."""
 
     def __init__(self, progress, describe, finish, running, timeout=None, sequence=0):
