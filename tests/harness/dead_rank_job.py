@@ -2,7 +2,8 @@
 itself (SIGSTOP: a hung rank, which no launcher notices), in the middle of an
 allreduce of COUNT float32s (ALGORITHM: ring, whose messages go through MPI, or shm,
 whose ranks wait on each other's counters in shared memory); every survivor must
-raise, naming it, within timeout + 1 s, and the job must end with a non-zero exit.
+raise, naming it, within timeout + 1 s, and the job must end with a non-zero exit. The
+doomed rank writes the time it dies at to OUTDIR/died-at.txt.
 
     mpiexec -disable-auto-cleanup -n 4 python -m mpi4py tests/harness/dead_rank_job.py OUTDIR TIMEOUT COUNT \
         [ALGORITHM [kill|stop]]
@@ -50,6 +51,8 @@ comm.barrier()
 if comm.rank == doomed:
     handle = comm.allreduce_async(x, algorithm=algorithm)  # its first sends go out
     handle.test()
+    with open(os.path.join(outdir, "died-at.txt"), "w") as f:  # when the job lost it (the clock all ranks share)
+        f.write(repr(time.time()))
     os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)  # stopped: the launcher's abort kills it
 
 start = time.monotonic()
