@@ -20,7 +20,7 @@ nodes are keyed by it, and ``python -m collectives.tools.bench.link`` reports it
 import statistics
 import time
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 LINK_PROBE_BYTES = 1 << 20  # what each stream sends when auto's key is measured
 
@@ -58,11 +58,13 @@ class Topology:
         return cls.from_labels(r // ranks_per_node for r in range(size))
 
     @classmethod
+    @lru_cache(maxsize=256)
     def single(cls, size):
-        """Every rank on one node."""
+        """Every rank on one node. One object per size: the two-level schedules ask for
+        it at every rank they are built for, and its cached tables are then made once."""
         return cls((tuple(range(size)),))
 
-    @property
+    @cached_property
     def size(self):
         """The number of ranks."""
         return sum(len(node) for node in self.nodes)
