@@ -31,9 +31,12 @@ MPIEXEC_FLAGS ?=
 # does not depend on the world size). make test runs none marked long: the serial tests;
 # the MPI suite at world size 1 (SMOKE_FILES); at ANY_SIZE_AT ranks all of it; at the
 # other WORLD_SIZES, SIZE_FILES (the files where the world size matters) but any_size.
-# make test-long runs the long ones the same way, then SIZE_FILES whole at LONG_SIZES.
+# make test-long runs the long ones the same way, then SIZE_FILES at LONG_SIZES: whole at
+# DEEP_AT, less their long tests at the others (the long tests take the paths the others
+# take at every size through more dtypes, ops, counts and segmentings).
 WORLD_SIZES   ?= 2 3 4
 LONG_SIZES    ?= 5 6 7 8
+DEEP_AT       ?= 8
 ANY_SIZE_AT   ?= 2
 SMOKE_FILES   ?= tests/mpi/test_collectives.py tests/mpi/test_alltoallv.py tests/mpi/test_p2p.py \
                  tests/mpi/test_errors.py tests/device/test_device.py
@@ -146,12 +149,14 @@ test-mpi: install
 	@$(call mpi_runs,$(WORLD_SIZES),not long)
 
 # What `make test` leaves out: the long tests, serially (on every core) and at each of
-# WORLD_SIZES as make test runs the others; then SIZE_FILES whole at each of LONG_SIZES.
+# WORLD_SIZES as make test runs the others; then SIZE_FILES at each of LONG_SIZES (whole
+# at DEEP_AT, the long tests left out at the others).
 # CI runs both targets.
 test-long: install
 	$(PYTHON) -m pytest -q -n $(SERIAL_JOBS) --dist loadscope --with-mpi -m "serial and long$(mark)" tests
 	@$(call mpi_runs,$(WORLD_SIZES),long)
-	@$(call mpi_runs,$(LONG_SIZES),)
+	@$(call mpi_runs,$(filter-out $(DEEP_AT),$(LONG_SIZES)),not long)
+	@$(call mpi_runs,$(filter $(DEEP_AT),$(LONG_SIZES)),)
 
 # Line coverage (.coveragerc: the package and bench/) over make test and make test-long,
 # every process's data combined: the report, and coverage-report.txt. About 50 minutes on
