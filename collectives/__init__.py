@@ -16,6 +16,7 @@ import importlib
 from . import (
     _aliases,
     device,
+    launcher,
     mpi_library,  # first: importing it prepares MPI's environment, before mpi4py.MPI loads
 )
 from .algorithms import COLLECTIVES, algorithms
@@ -28,6 +29,10 @@ from .transport.progress import Handle
 
 __version__ = "0.1.0"
 
+# LOCAL_RANK and LOCAL_WORLD_SIZE, for scripts written for torchrun: from mpiexec's own
+# variables, or 0 and 1 in a process started alone.
+launcher.export_local_ranks()
+launcher.export_single_process()
 _aliases.install()  # collectives.torch, collectives.horovod.torch, ...: the adapters by their short names
 
 # Loaded at first use: cc.sim.run(...), cc.training.GradientReducer, cc.ps.ParameterServer.

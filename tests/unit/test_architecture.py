@@ -123,7 +123,7 @@ def test_the_cycle_finder_finds_a_circle():
 # top-level module or a subpackage of collectives ("collectives" itself: the package's
 # __init__, the face users import).
 LAYERS = (
-    ("foundations", ("errors", "dtypes", "cache", "mpi_library", "topology", "schedule", "_aliases")),
+    ("foundations", ("errors", "dtypes", "cache", "mpi_library", "launcher", "topology", "schedule", "_aliases")),
     ("arrays and ops", ("ops", "device", "arrays", "call")),
     ("what a collective is", ("algorithms", "options", "reference", "specs")),
     ("transport", ("transport",)),
