@@ -8,7 +8,9 @@ and alltoall(v) built on MPI point-to-point messages, each in several algorithms
 ``import collectives`` loads the core library only. The simulator (``cc.sim``), the
 framework adapters (``cc.training``, ``cc.ps``, ``collectives.torch``,
 ``collectives.horovod.torch``; they live in :mod:`collectives.adapters`) and the tools
-(:mod:`collectives.tools`) load when first used.
+(:mod:`collectives.tools`) load when first used. It sets torch's ``LOCAL_RANK`` and
+``LOCAL_WORLD_SIZE`` where unset, from MPI's node split (:mod:`collectives.launcher`):
+under ``mpiexec`` every rank must import it, as every rank initialises MPI.
 """
 
 import importlib
@@ -29,10 +31,7 @@ from .transport.progress import Handle
 
 __version__ = "0.1.0"
 
-# LOCAL_RANK and LOCAL_WORLD_SIZE, for scripts written for torchrun: from mpiexec's own
-# variables, or 0 and 1 in a process started alone.
-launcher.export_local_ranks()
-launcher.export_single_process()
+launcher.export_local_ranks()  # LOCAL_RANK, LOCAL_WORLD_SIZE where unset, as torchrun sets them
 _aliases.install()  # collectives.torch, collectives.horovod.torch, ...: the adapters by their short names
 
 # Loaded at first use: cc.sim.run(...), cc.training.GradientReducer, cc.ps.ParameterServer.

@@ -11,10 +11,9 @@ Rank and world size come from MPI. torch still makes its TCP store at
 import, where ``MASTER_ADDR`` is not set, rank 0 picks a free port and tells the others
 (one MPI broadcast: every rank must import the module), and ``RANK``/``WORLD_SIZE``
 default to MPI's. Where they are set and disagree with MPI, ``init_process_group``
-raises. ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``, where neither the user nor ``import
-collectives`` (from mpiexec's variables, :mod:`collectives.launcher`) set them, come
-from MPI's node split, so ``torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))`` works
-as under torchrun.
+raises. ``import collectives`` has set ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` where
+unset (:mod:`collectives.launcher`), so ``torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))``
+works as under torchrun.
 
 Each torch call becomes the library's async call on the group's communicator and
 returns a Work whose ``wait()`` waits for it. The library's messages move while
@@ -48,7 +47,6 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from .. import launcher
 from ..communicator import Communicator
 from .tensors import BFLOAT16, BIT_TWINS, to_array
 
@@ -676,17 +674,10 @@ def _routable_address():
 
 def set_rendezvous_environment(world=None):
     """Give torch's ``env://`` rendezvous what it needs from MPI: ``RANK`` and
-    ``WORLD_SIZE`` where unset, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (from the node
-    split) where unset, and where ``MASTER_ADDR`` is unset rank 0's address and a free
-    port on it. Collective over ``world`` (MPI.COMM_WORLD): a node split where the
-    local variables are unset (on every rank alike: the launcher sets them for all or
-    none), a gather of the host names and a broadcast of the address, which every rank
-    must reach."""
+    ``WORLD_SIZE`` where unset, and where ``MASTER_ADDR`` is unset rank 0's address and a
+    free port on it. Collective over ``world`` (MPI.COMM_WORLD): a gather of the host
+    names and a broadcast of the address, which every rank must reach."""
     world = MPI.COMM_WORLD if world is None else world
-    if launcher.LOCAL_RANK not in os.environ or launcher.LOCAL_WORLD_SIZE not in os.environ:
-        node = world.Split_type(MPI.COMM_TYPE_SHARED)
-        launcher.export_node_split(node.Get_rank(), node.Get_size())
-        node.Free()
     rank, size = world.Get_rank(), world.Get_size()
     env_rank, env_size = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
     if size > 1 and (env_rank not in (None, str(rank)) or env_size not in (None, str(size))):

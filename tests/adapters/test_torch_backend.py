@@ -10,7 +10,6 @@ tolerances of the adapter's tests.
 """
 
 import datetime
-import os
 import subprocess
 import sys
 import time
@@ -668,21 +667,6 @@ def test_fsdp2_trains_equal_to_single_process(gloo):
 
 
 # -- rendezvous --------------------------------------------------------------------------------------
-def test_local_rank_comes_from_the_node_split_where_no_launcher_gave_it(monkeypatch):
-    """Where neither the user nor mpiexec's variables set LOCAL_RANK and
-    LOCAL_WORLD_SIZE (a launcher collectives.launcher does not know), the rendezvous
-    set-up takes them from MPI's node split."""
-    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    torch_backend.set_rendezvous_environment()
-    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        want = (str(node.Get_rank()), str(node.Get_size()))
-    finally:
-        node.Free()
-    assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == want
-
-
 JOB = """
 import datetime, sys, warnings, torch.distributed as dist
 warnings.simplefilter("ignore")

@@ -1,6 +1,6 @@
 """Under mpiexec (every MPI family the suite runs on), ``import collectives`` has set
-torch's LOCAL_RANK and LOCAL_WORLD_SIZE, and they agree with MPI's node split. (The
-parsing, and a process started alone: tests/unit/test_launcher.py.)"""
+torch's LOCAL_RANK and LOCAL_WORLD_SIZE to MPI's node split, and never overwrites what
+is set. (A process started alone: tests/unit/test_launcher.py.)"""
 
 import os
 
@@ -9,12 +9,22 @@ from mpi4py import MPI
 from collectives import launcher
 
 
-def test_local_rank_and_world_size_are_the_node_splits():
+def node_split():
     node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        want = (str(node.Get_rank()), str(node.Get_size()))
+        return str(node.Get_rank()), str(node.Get_size())
     finally:
         node.Free()
-    assert (os.environ.get("LOCAL_RANK"), os.environ.get("LOCAL_WORLD_SIZE")) == want
-    if MPI.COMM_WORLD.Get_size() > 1:  # started by mpiexec, which says so in its own variables
-        assert launcher.local_ranks() == (int(want[0]), int(want[1]))
+
+
+def test_local_rank_and_world_size_are_the_node_splits():
+    assert (os.environ.get("LOCAL_RANK"), os.environ.get("LOCAL_WORLD_SIZE")) == node_split()
+
+
+def test_what_is_set_stays_on_the_ranks_that_set_it():
+    """Set on rank 0 only: every rank still takes part in the split (nothing hangs),
+    rank 0 keeps its value, the others get the split's."""
+    environ = {"LOCAL_RANK": "7"} if MPI.COMM_WORLD.Get_rank() == 0 else {}
+    launcher.export_local_ranks(environ=environ)
+    rank, size = node_split()
+    assert environ == {"LOCAL_RANK": "7" if MPI.COMM_WORLD.Get_rank() == 0 else rank, "LOCAL_WORLD_SIZE": size}
