@@ -8,9 +8,9 @@ and alltoall(v) built on MPI point-to-point messages, each in several algorithms
 ``import collectives`` loads the core library only. The simulator (``cc.sim``), the
 framework adapters (``cc.training``, ``cc.ps``, ``collectives.torch``,
 ``collectives.horovod.torch``; they live in :mod:`collectives.adapters`) and the tools
-(:mod:`collectives.tools`) load when first used. It sets torch's ``LOCAL_RANK`` and
-``LOCAL_WORLD_SIZE`` where unset, from MPI's node split (:mod:`collectives.launcher`):
-under ``mpiexec`` every rank must import it, as every rank initialises MPI.
+(:mod:`collectives.tools`) load when first used. Under ``mpiexec`` it sets torch's
+``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` where unset, from MPI's node split
+(:mod:`collectives.launcher`): every rank must import it, as every rank initialises MPI.
 """
 
 import importlib

@@ -29,7 +29,7 @@ import sys
 _JOB_VARIABLES = ("PMI_", "PMIX_", "MPIR_", "HYDRA_", "HYDI_", "PRTE_", "OMPI_COMM_WORLD", "OMPI_UNIVERSE",
                   "OMPI_APP_CTX", "OMPI_FIRST_RANKS", "OMPI_NUM_APP_CTX", "OMPI_ARGV", "OMPI_COMMAND",
                   "OMPI_FILE_LOCATION", "OMPI_MCA_ess", "OMPI_MCA_orte", "OMPI_MCA_pmix", "OMPI_MCA_prte",
-                  "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+                  "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 def path():

@@ -1,9 +1,10 @@
 """Under mpiexec (every MPI family the suite runs on), ``import collectives`` has set
 torch's LOCAL_RANK and LOCAL_WORLD_SIZE to MPI's node split, and never overwrites what
-is set. (A process started alone: tests/unit/test_launcher.py.)"""
+is set; alone, it sets nothing. (tests/unit/test_launcher.py: a process started alone.)"""
 
 import os
 
+import pytest
 from mpi4py import MPI
 
 from collectives import launcher
@@ -18,12 +19,15 @@ def node_split():
 
 
 def test_local_rank_and_world_size_are_the_node_splits():
-    assert (os.environ.get("LOCAL_RANK"), os.environ.get("LOCAL_WORLD_SIZE")) == node_split()
+    want = node_split() if MPI.COMM_WORLD.Get_size() > 1 else (None, None)  # alone: nothing set
+    assert (os.environ.get("LOCAL_RANK"), os.environ.get("LOCAL_WORLD_SIZE")) == want
 
 
 def test_what_is_set_stays_on_the_ranks_that_set_it():
     """Set on rank 0 only: every rank still takes part in the split (nothing hangs),
     rank 0 keeps its value, the others get the split's."""
+    if MPI.COMM_WORLD.Get_size() == 1:
+        pytest.skip("a world of one sets nothing (tests/unit/test_launcher.py)")
     environ = {"LOCAL_RANK": "7"} if MPI.COMM_WORLD.Get_rank() == 0 else {}
     launcher.export_local_ranks(environ=environ)
     rank, size = node_split()
