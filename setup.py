@@ -58,7 +58,8 @@ setup(
         # validation; mkdocstrings-python 2 (griffe 2) for docs/_ext/sphinx_roles.py.
         "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=1.0", "mkdocstrings-python>=2.0"],
     },
-    entry_points={"console_scripts": ["collectives-bench=collectives.tools.bench.cli:main"]},
+    entry_points={"console_scripts": ["collectives-bench=collectives.tools.bench.cli:main",
+                                      "collectives-run=collectives.tools.run:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: System :: Distributed Computing",
