@@ -567,6 +567,30 @@ def test_init_registers_the_process_sets_it_is_given():
         hvd.init()
 
 
+def test_horovods_own_variables_get_a_one_line_warning_on_rank_0(monkeypatch):
+    hvd.shutdown()
+    try:
+        monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "0")
+        monkeypatch.setenv("HOROVOD_CYCLE_TIME", "5")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hvd.init()
+        said = [str(w.message) for w in caught if "HOROVOD_" in str(w.message)]
+        if ME == 0:
+            assert len(said) == 1 and said[0].startswith("HOROVOD_CYCLE_TIME, HOROVOD_FUSION_THRESHOLD: "), said
+            assert "\n" not in said[0]
+        else:
+            assert said == []
+    finally:
+        hvd.shutdown()
+        monkeypatch.delenv("HOROVOD_FUSION_THRESHOLD")
+        monkeypatch.delenv("HOROVOD_CYCLE_TIME")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hvd.init()
+        assert not [w for w in caught if "HOROVOD_" in str(w.message)]
+
+
 def test_distributed_optimizer_on_a_process_set():
     """The set's ranks average their gradients over the set (single-process training on
     their shards together); the others step alone on their own shard."""

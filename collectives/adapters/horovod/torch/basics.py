@@ -4,6 +4,7 @@ the reduction ops (``Average``, ``Sum`` ...) and ``HorovodInternalError``."""
 
 import importlib.util
 import os
+import warnings
 
 from mpi4py import MPI
 
@@ -29,10 +30,21 @@ def _check_enabled():
     return text == "1"
 
 
+def _warn_of_horovod_variables(environ, rank):
+    """One line, on rank 0, naming the ``HOROVOD_*`` variables set: Horovod's own
+    settings (fusion, cycle time, timeline, autotune, ...), none of which this module
+    reads. Silence would let a user believe them in force."""
+    names = sorted(name for name in environ if name.startswith("HOROVOD_"))
+    if names and rank == 0:
+        warnings.warn(f"{', '.join(names)}: Horovod's settings, which collectives.horovod.torch does not read "
+                      "(its calls take the library's options: COLLECTIVES_* variables)", stacklevel=3)
+
+
 def init(comm=None, process_sets=None):
     """Start: every later call works over ``comm`` (an mpi4py intracommunicator; default
     ``MPI.COMM_WORLD``), and ``process_sets`` (ProcessSets of rank lists) are
-    registered. Collective. Calling it again does nothing, as in Horovod."""
+    registered. Collective. Calling it again does nothing, as in Horovod. A
+    ``HOROVOD_*`` variable in the environment gets a warning on rank 0: none is read."""
     if comm is None:
         comm = MPI.COMM_WORLD
     if isinstance(comm, (list, tuple, range)):
@@ -48,6 +60,7 @@ def init(comm=None, process_sets=None):
     if runtime.current() is not None:
         return
     check = _check_enabled()
+    _warn_of_horovod_variables(os.environ, comm.Get_rank())
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     local_rank, local_size = node.Get_rank(), node.Get_size()
     node.Free()
