@@ -353,7 +353,7 @@ bench: install
 # and once under mpiexec: the final test accuracies must agree (same_accuracy.py).
 examples: install
 	mkdir -p $(RESULTS)
-	@for ex in numpy $(if $(TORCH),torch); do \
+	@for ex in numpy $(if $(TORCH),torch ddp); do \
 	  timeout $(RUN_TIMEOUT) $(PYTHON) examples/train_$$ex.py --no-progress $(EXAMPLE_ARGS) \
 	    --json $(RESULTS)/latest-train-$$ex-n1.json || exit 1; \
 	  timeout $(RUN_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $(EXAMPLE_RANKS) $(PYTHON) examples/train_$$ex.py \
@@ -361,6 +361,10 @@ examples: install
 	  $(PYTHON) examples/same_accuracy.py $(RESULTS)/latest-train-$$ex-n1.json \
 	    $(RESULTS)/latest-train-$$ex-n$(EXAMPLE_RANKS).json || exit 1; \
 	done
+	$(if $(TORCH),timeout $(RUN_TIMEOUT) $(VENV)/bin/collectives-run -np $(EXAMPLE_RANKS) $(PYTHON) examples/train_ddp.py \
+	  --no-progress $(EXAMPLE_ARGS) --json $(RESULTS)/latest-train-ddp-run-n$(EXAMPLE_RANKS).json && \
+	  $(PYTHON) examples/same_accuracy.py $(RESULTS)/latest-train-ddp-n1.json \
+	    $(RESULTS)/latest-train-ddp-run-n$(EXAMPLE_RANKS).json)
 
 # Step time of data-parallel training with the gradient allreduce overlapped with
 # backward against the same after backward (a 20 MiB NumPy MLP at BENCH_RANKS ranks).
