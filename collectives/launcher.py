@@ -5,11 +5,12 @@ rank's index on its host and the host's rank count, as ``LOCAL_RANK`` and
 torchrun sets ``LOCAL_RANK`` for every process it starts, and training scripts pick
 their GPU with it (``torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))``). Under
 ``mpiexec`` nothing sets it, so ``import collectives`` does (:func:`export_local_ranks`),
-where it is unset, in a world of two ranks or more, from MPI's node split: the ranks that share a host, in the order of
-their ranks in ``MPI.COMM_WORLD``. That is the order of ``hvd.local_rank()`` and of
-:class:`~collectives.Topology`'s ``local_rank``. The launchers' own variables are not
-always that order: Open MPI 5.0.11's ``OMPI_COMM_WORLD_LOCAL_RANK`` gave world ranks 1
-and 2 of 4 local ranks 2 and 1 on the 2-core development machine (``--oversubscribe``).
+where it is unset, in a world of two ranks or more, from MPI's node split: the ranks
+that share a host, in the order of their ranks in ``MPI.COMM_WORLD``. That is the order
+of ``hvd.local_rank()`` and of :class:`~collectives.Topology`'s ``local_rank``. The
+launchers' own variables are not always that order: Open MPI 5.0.11's
+``OMPI_COMM_WORLD_LOCAL_RANK`` gave world ranks 1 and 2 of 4 the local ranks 2 and 1
+(2026-12-08, the 2-core development machine, ``--oversubscribe``).
 """
 
 import os
@@ -24,9 +25,12 @@ def export_local_ranks(world=None, environ=None):
     any rank (a ``Split_type``): every rank of ``world`` must call it, as every rank
     calls ``MPI_Init``. In a world of one it sets nothing: a process started alone
     (a script, a driver that starts jobs of its own) must not hand "0 of 1" to the
-    ranks of a job it launches."""
+    ranks of a job it launches. Nor does it where MPI is not running (a program that
+    initialises MPI itself, ``mpi4py.rc.initialize = False``)."""
     from mpi4py import MPI  # (here: importing this module must not start MPI)
 
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return
     world = MPI.COMM_WORLD if world is None else world
     environ = os.environ if environ is None else environ
     if world.Get_size() == 1:
