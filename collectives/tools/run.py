@@ -176,10 +176,11 @@ def job_from(args, environ):
     if not args.command:
         raise ValueError("give the command to run, e.g. collectives-run -np 4 python train.py")
     hosts = parse_hosts(args.hosts) if args.hosts else read_hostfile(args.hostfile) if args.hostfile else ()
-    ranks = args.ranks if args.ranks is not None else sum(n for _, n in hosts)
-    if ranks is None or ranks < 1:
-        raise ValueError("-np: give the number of ranks (at least 1), or hosts with -H or --hostfile"
-                         if not hosts and args.ranks is None else f"-np must be at least 1; got {args.ranks}")
+    if args.ranks is None and not hosts:
+        raise ValueError("-np: give the number of ranks, or hosts with -H or --hostfile")
+    ranks = sum(n for _, n in hosts) if args.ranks is None else args.ranks
+    if ranks < 1:
+        raise ValueError(f"-np must be at least 1; got {ranks}")
     env = []
     for item in args.env:
         name, has_value, value = item.partition("=")
