@@ -27,7 +27,8 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NAMES = re.compile(r"timeout|Timeout|time_out|launch\.|subprocess\.")
-WHOLE_FILES = ("tests/mpi/test_dead_rank.py", "tests/mpi/test_reliability.py", "tests/mpi/test_sizes.py")
+WHOLE_FILES = ("tests/mpi/test_dead_rank.py", "tests/mpi/test_reliability.py", "tests/mpi/test_sizes.py",
+               "tests/tools/test_run.py")
 LEFT_OUT = ("tests/tools/test_multihost.py", "tests/tools/test_testbed.py")
 
 
