@@ -51,7 +51,7 @@ SERIAL_JOBS   ?= auto
 SERIAL_IGNORE ?=
 # make test-impi: the tests run at world size 1 and under mpiexec at each of WORLD_SIZES.
 IMPI_TESTS    ?= tests/mpi/test_collectives.py tests/mpi/test_reliability.py tests/adapters/test_torch_backend.py \
-                 tests/mpi/test_sizes.py tests/mpi/test_dead_rank.py tests/mpi/test_lean_path.py tests/mpi/test_p2p.py tests/mpi/test_launcher.py
+                 tests/mpi/test_sizes.py tests/mpi/test_dead_rank.py tests/mpi/test_lean_path.py tests/mpi/test_p2p.py tests/mpi/test_local_rank.py
 # A hung run must fail, not stall CI: seconds per mpiexec run.
 RUN_TIMEOUT   ?= 900
 # torch for the gloo comparison (collectives-bench --peers gloo). Here pip finds a

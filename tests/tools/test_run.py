@@ -85,10 +85,14 @@ JOB = """
 import os, sys
 import numpy as np
 import collectives as cc
+from mpi4py import MPI
 comm = cc.Communicator()
 total = comm.allreduce(np.array([comm.rank], np.int64), algorithm="ring")[0]
 seen = (os.environ.get("GREETING"), os.environ.get("COLLECTIVES_CHECK"), os.environ.get("COLLECTIVES_TIMEOUT"))
-print("RANK", comm.rank, comm.size, total, *seen, comm.check, comm.timeout, flush=True)
+line = " ".join(map(str, ("RANK", comm.rank, comm.size, total, *seen, comm.check, comm.timeout)))
+lines = MPI.COMM_WORLD.gather(line)  # printed by rank 0 alone: the ranks' own prints may interleave
+if comm.rank == 0:
+    print("\\n".join(lines), flush=True)
 sys.exit(int(sys.argv[1]) if comm.rank == 1 else 0)
 """
 

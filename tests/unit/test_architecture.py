@@ -15,7 +15,8 @@ import pytest
 
 pytestmark = pytest.mark.serial
 
-PACKAGE = Path(__file__).resolve().parents[2] / "collectives"
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "collectives"
 PACKAGE_NAME = "collectives"
 
 
@@ -249,3 +250,12 @@ def test_the_old_names_of_auto_are_its_modules():
     code = ("import collectives.tuning as tuning, collectives.calibration as calibration, collectives.auto as auto; "
             "assert tuning is auto and calibration is auto.calibration and tuning.Selector is auto.selector.Selector")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_no_two_test_files_share_a_name():
+    """pytest imports each test file by its name alone (the folders are no packages):
+    a second file of the same name in another folder fails to collect."""
+    names = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert not [paths for paths in names.values() if len(paths) > 1]

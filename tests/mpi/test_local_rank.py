@@ -1,6 +1,6 @@
 """Under mpiexec (every MPI family the suite runs on), ``import collectives`` has set
 torch's LOCAL_RANK and LOCAL_WORLD_SIZE to MPI's node split, and never overwrites what
-is set; alone, it sets nothing. (tests/unit/test_launcher.py: a process started alone.)"""
+is set; alone, it sets nothing. (tests/unit/test_local_rank_alone.py: a process started alone.)"""
 
 import os
 
@@ -27,7 +27,7 @@ def test_what_is_set_stays_on_the_ranks_that_set_it():
     """Set on rank 0 only: every rank still takes part in the split (nothing hangs),
     rank 0 keeps its value, the others get the split's."""
     if MPI.COMM_WORLD.Get_size() == 1:
-        pytest.skip("a world of one sets nothing (tests/unit/test_launcher.py)")
+        pytest.skip("a world of one sets nothing (tests/unit/test_local_rank_alone.py)")
     environ = {"LOCAL_RANK": "7"} if MPI.COMM_WORLD.Get_rank() == 0 else {}
     launcher.export_local_ranks(environ=environ)
     rank, size = node_split()

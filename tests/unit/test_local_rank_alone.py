@@ -1,6 +1,6 @@
 """``collectives.launcher`` in a process started alone: it sets nothing, so a driver
 that imports collectives and launches jobs hands its ranks no LOCAL_RANK. (Under
-mpiexec, against the node split: tests/mpi/test_launcher.py.)"""
+mpiexec, against the node split: tests/mpi/test_local_rank.py.)"""
 
 import os
 import subprocess
