@@ -9,15 +9,12 @@ installed.
 It builds the ``mpiexec`` line for the MPI family of the ``mpiexec`` it finds (the one
 beside this Python, or ``--mpiexec``; ``--family`` names one instead, for a dry run),
 prints it with ``--dry-run``, and otherwise runs it and exits with its status. What
-each family is given (all measured with the families' wheels from PyPI):
+each family is given (each form tried here with the family's wheel from PyPI, on one
+host):
 
-===========  ========================  ============================  ===================
-family       hosts                     a variable                    more ranks than cores
-===========  ========================  ============================  ===================
-MPICH        ``-hosts a:2,b:2``        ``-genv K V``                 (allowed)
-Intel MPI    ``-host a -n 2 cmd : ...``  ``-genv K V``               (allowed)
-Open MPI     ``-H a:2,b:2``            ``-x K=V``                    ``--oversubscribe``
-===========  ========================  ============================  ===================
+- MPICH: ``-hosts a:2,b:2``, and ``-genv K V`` for a variable;
+- Intel MPI: a section per host, ``-host a -n 2 CMD : -host b -n 2 CMD``, and ``-genv K V``;
+- Open MPI: ``-H a:2,b:2``, and ``-x K=V``.
 
 Intel MPI's ``-hosts`` takes no counts, so each host gets a section of its own. Open MPI
 gets ``--oversubscribe`` where no host is named and the ranks outnumber this machine's
