@@ -23,9 +23,8 @@ prterun too), which is what test_dead_rank.py relies on not happening.
 import functools
 import os
 import subprocess
-import sys
 
-from collectives.tools.run import family_of
+from collectives.tools.run import default_mpiexec, family_of
 
 # An outer job's launcher variables must not reach a job started from inside it.
 _JOB_VARIABLES = ("PMI_", "PMIX_", "MPIR_", "HYDRA_", "HYDI_", "PRTE_", "OMPI_COMM_WORLD", "OMPI_UNIVERSE",
@@ -35,17 +34,16 @@ _JOB_VARIABLES = ("PMI_", "PMIX_", "MPIR_", "HYDRA_", "HYDI_", "PRTE_", "OMPI_CO
 
 
 def path():
-    """The launcher: ``$MPIEXEC``, else the ``mpiexec`` beside this Python."""
-    return os.environ.get("MPIEXEC") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    """The launcher: ``$MPIEXEC``, else ``collectives-run``'s (the ``mpiexec`` beside this Python)."""
+    return os.environ.get("MPIEXEC") or default_mpiexec()
 
 
 @functools.lru_cache(maxsize=None)
 def kind(mpiexec=None):
-    """``"hydra"`` (MPICH), ``"intel"`` (Intel MPI's hydra) or ``"openmpi"``, from what
-    ``mpiexec --version`` prints (``collectives-run``'s test); ValueError for another
+    """The launcher's MPI family, ``"mpich"``, ``"impi"`` or ``"openmpi"``, as
+    ``collectives-run`` tells it from ``mpiexec --version``; ValueError for another
     launcher."""
-    family = family_of(mpiexec or path(), env=environment())
-    return {"mpich": "hydra", "impi": "intel", "openmpi": "openmpi"}[family]
+    return family_of(mpiexec or path(), env=environment())
 
 
 def environment(extra=None):

@@ -55,7 +55,7 @@ def run_job(outdir, algorithm, how, keep_survivors=True):
     middle of the call. (Open MPI's launcher keeps the survivors with its flag, and
     with such a shell would not end the job once they abort.)"""
     argv = [sys.executable, "-m", "mpi4py", JOB, outdir, TIMEOUT, COUNT, algorithm, how]
-    if keep_survivors and launch.kind() in ("hydra", "intel"):
+    if keep_survivors and launch.kind() in ("mpich", "impi"):
         parts = [(RANKS - 1, None, argv), (1, None, ["sh", "-c", '"$@"; exit $?', "sh", *argv])]
     else:
         parts = [(RANKS, None, argv)]
